@@ -1,0 +1,264 @@
+"""Layer builders and the model presets of ``shared/MODELS.md``.
+
+Builders turn published hyper-parameters into :class:`RecurrentLayerSpec` objects so that presets,
+spec files and HuggingFace configs share one derivation (e.g. the Mamba2 conv width
+``d_inner + 2 * n_groups * d_state``). ``state_dtype`` replaces the dtype of a layer's main state
+(lightning ``kv``, ``ssm``, ``wkv``); conv windows and token shifts keep the activation dtype, as
+engines store them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from hybridkv.blockmgr.errors import SpecError
+from hybridkv.blockmgr.spec import (
+    AttentionLayerSpec,
+    DType,
+    LayerSpec,
+    ModelSpec,
+    NoCacheLayerSpec,
+    RecurrentLayerSpec,
+    StateComponent,
+)
+
+BF16 = DType.BFLOAT16
+FP32 = DType.FLOAT32
+
+
+def lightning_layer(num_heads: int, head_dim: int, dtype: DType | str = FP32) -> RecurrentLayerSpec:
+    """MiniMax lightning attention: state ``kv [num_heads, head_dim, head_dim]``."""
+    return RecurrentLayerSpec("lightning", (StateComponent("kv", (num_heads, head_dim, head_dim), dtype),))
+
+
+def mamba2_layer(
+    num_heads: int,
+    head_dim: int,
+    d_state: int,
+    n_groups: int,
+    conv_kernel: int,
+    ssm_dtype: DType | str = BF16,
+    conv_dtype: DType | str = BF16,
+) -> RecurrentLayerSpec:
+    """Mamba2: ``ssm [num_heads, head_dim, d_state]`` + ``conv [d_inner + 2*n_groups*d_state, conv_kernel-1]``."""
+    conv_dim = num_heads * head_dim + 2 * n_groups * d_state
+    return RecurrentLayerSpec(
+        "mamba2",
+        (
+            StateComponent("ssm", (num_heads, head_dim, d_state), ssm_dtype),
+            StateComponent("conv", (conv_dim, conv_kernel - 1), conv_dtype),
+        ),
+    )
+
+
+def mamba1_layer(
+    d_inner: int,
+    d_state: int,
+    conv_kernel: int,
+    ssm_dtype: DType | str = BF16,
+    conv_dtype: DType | str = BF16,
+) -> RecurrentLayerSpec:
+    """Mamba (v1, Jamba): ``ssm [d_inner, d_state]`` + ``conv [d_inner, conv_kernel-1]``."""
+    return RecurrentLayerSpec(
+        "mamba",
+        (
+            StateComponent("ssm", (d_inner, d_state), ssm_dtype),
+            StateComponent("conv", (d_inner, conv_kernel - 1), conv_dtype),
+        ),
+    )
+
+
+def gdn_layer(
+    num_k_heads: int,
+    num_v_heads: int,
+    k_head_dim: int,
+    v_head_dim: int,
+    conv_kernel: int,
+    ssm_dtype: DType | str = BF16,
+    conv_dtype: DType | str = BF16,
+) -> RecurrentLayerSpec:
+    """Gated DeltaNet (Qwen3-Next): ``ssm [num_v_heads, k_head_dim, v_head_dim]`` + conv over q, k, v."""
+    conv_dim = 2 * num_k_heads * k_head_dim + num_v_heads * v_head_dim
+    return RecurrentLayerSpec(
+        "gdn",
+        (
+            StateComponent("ssm", (num_v_heads, k_head_dim, v_head_dim), ssm_dtype),
+            StateComponent("conv", (conv_dim, conv_kernel - 1), conv_dtype),
+        ),
+    )
+
+
+def rwkv_layer(
+    num_heads: int, head_size: int, hidden_size: int, wkv_dtype: DType | str = FP32, shift_dtype: DType | str = BF16
+) -> RecurrentLayerSpec:
+    """RWKV-6/7: ``wkv [num_heads, head_size, head_size]`` + token shifts of time-mix and channel-mix."""
+    return RecurrentLayerSpec(
+        "rwkv",
+        (
+            StateComponent("wkv", (num_heads, head_size, head_size), wkv_dtype),
+            StateComponent("shift_attn", (hidden_size,), shift_dtype),
+            StateComponent("shift_ffn", (hidden_size,), shift_dtype),
+        ),
+    )
+
+
+def gla_layer(num_heads: int, k_head_dim: int, v_head_dim: int, dtype: DType | str = BF16) -> RecurrentLayerSpec:
+    """Gated linear attention: ``kv [num_heads, k_head_dim, v_head_dim]``."""
+    return RecurrentLayerSpec("gla", (StateComponent("kv", (num_heads, k_head_dim, v_head_dim), dtype),))
+
+
+def retention_layer(
+    num_heads: int, k_head_dim: int, v_head_dim: int, dtype: DType | str = DType.FLOAT16
+) -> RecurrentLayerSpec:
+    """RetNet retention: ``kv [num_heads, k_head_dim, v_head_dim]`` + a per-head fp32 ``scale``."""
+    return RecurrentLayerSpec(
+        "retention",
+        (
+            StateComponent("kv", (num_heads, k_head_dim, v_head_dim), dtype),
+            StateComponent("scale", (num_heads,), FP32),
+        ),
+    )
+
+
+def layers_from_pattern(
+    pattern: str, attention: AttentionLayerSpec | None, recurrent: RecurrentLayerSpec | None
+) -> tuple[LayerSpec, ...]:
+    """Expand a pattern string: ``A``/``*`` attention, ``R``/``M`` recurrent, ``-``/``E`` no cache."""
+    layers: list[LayerSpec] = []
+    for i, ch in enumerate(pattern):
+        if ch in "A*":
+            if attention is None:
+                raise SpecError(f"pattern position {i} is attention but no attention layer was given")
+            layers.append(attention)
+        elif ch in "RM":
+            if recurrent is None:
+                raise SpecError(f"pattern position {i} is recurrent but no recurrent layer was given")
+            layers.append(recurrent)
+        elif ch in "-E":
+            layers.append(NoCacheLayerSpec())
+        else:
+            raise SpecError(f"pattern character {ch!r} at {i}: use A or * (attention), R or M (recurrent), - (none)")
+    return tuple(layers)
+
+
+def _minimax_m1(state_dtype: DType) -> ModelSpec:
+    pattern = "".join("A" if i % 8 == 7 else "R" for i in range(80))
+    return ModelSpec(
+        "minimax-m1",
+        layers_from_pattern(pattern, AttentionLayerSpec(8, 128, BF16, 64), lightning_layer(64, 128, state_dtype)),
+        hidden_size=6144,
+        params_active=45.9e9,
+    )
+
+
+def _qwen3_next(state_dtype: DType) -> ModelSpec:
+    pattern = "".join("A" if i % 4 == 3 else "R" for i in range(48))
+    return ModelSpec(
+        "qwen3-next-80b-a3b",
+        layers_from_pattern(pattern, AttentionLayerSpec(2, 256, BF16, 16), gdn_layer(16, 32, 128, 128, 4, state_dtype)),
+        hidden_size=2048,
+        params_active=3e9,
+    )
+
+
+NEMOTRON_H_8B_PATTERN = "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-"
+
+
+def _nemotron_h_8b(state_dtype: DType) -> ModelSpec:
+    return ModelSpec(
+        "nemotron-h-8b",
+        layers_from_pattern(
+            NEMOTRON_H_8B_PATTERN, AttentionLayerSpec(8, 128, BF16, 32), mamba2_layer(128, 64, 128, 8, 4, state_dtype)
+        ),
+        hidden_size=4096,
+        params_active=8e9,
+    )
+
+
+def _jamba_15_mini(state_dtype: DType) -> ModelSpec:
+    pattern = "".join("A" if i % 8 == 4 else "R" for i in range(32))
+    return ModelSpec(
+        "jamba-1.5-mini",
+        layers_from_pattern(pattern, AttentionLayerSpec(8, 128, BF16, 32), mamba1_layer(8192, 16, 4, state_dtype)),
+        hidden_size=4096,
+        params_active=12e9,
+    )
+
+
+def _mamba2_27b(state_dtype: DType) -> ModelSpec:
+    return ModelSpec(
+        "mamba2-2.7b",
+        layers_from_pattern("R" * 64, None, mamba2_layer(80, 64, 128, 1, 4, state_dtype)),
+        hidden_size=2560,
+        params_active=2.7e9,
+    )
+
+
+def _rwkv7_15b(state_dtype: DType) -> ModelSpec:
+    return ModelSpec(
+        "rwkv7-1.5b",
+        layers_from_pattern("R" * 24, None, rwkv_layer(32, 64, 2048, state_dtype)),
+        hidden_size=2048,
+        params_active=1.5e9,
+    )
+
+
+def _gla_13b(state_dtype: DType) -> ModelSpec:
+    return ModelSpec(
+        "gla-1.3b",
+        layers_from_pattern("R" * 24, None, gla_layer(4, 256, 512, state_dtype)),
+        hidden_size=2048,
+        params_active=1.3e9,
+    )
+
+
+def _retnet_7b(state_dtype: DType) -> ModelSpec:
+    return ModelSpec(
+        "retnet-7b",
+        layers_from_pattern("R" * 32, None, retention_layer(16, 256, 432, state_dtype)),
+        hidden_size=4096,
+        params_active=6.7e9,
+    )
+
+
+# name -> (builder, default dtype of the main state)
+_PRESETS: dict[str, tuple[Callable[[DType], ModelSpec], DType]] = {
+    "minimax-m1": (_minimax_m1, FP32),
+    "qwen3-next-80b-a3b": (_qwen3_next, BF16),
+    "nemotron-h-8b": (_nemotron_h_8b, BF16),
+    "jamba-1.5-mini": (_jamba_15_mini, BF16),
+    "mamba2-2.7b": (_mamba2_27b, BF16),
+    "rwkv7-1.5b": (_rwkv7_15b, FP32),
+    "gla-1.3b": (_gla_13b, BF16),
+    "retnet-7b": (_retnet_7b, DType.FLOAT16),
+}
+_ALIASES = {"minimax-text-01": "minimax-m1", "qwen3-next": "qwen3-next-80b-a3b", "nemotron-h": "nemotron-h-8b"}
+
+PRESET_NAMES: tuple[str, ...] = tuple(_PRESETS)
+
+
+def default_state_dtype(name: str) -> DType:
+    """The main-state dtype a preset uses when none is asked for."""
+    return _PRESETS[_canonical(name)][1]
+
+
+def _canonical(name: str) -> str:
+    key = name.strip().lower()
+    key = _ALIASES.get(key, key)
+    if key not in _PRESETS:
+        raise SpecError(
+            f"unknown model {name!r}: use one of {', '.join(PRESET_NAMES)}, or a spec file (.json/.toml/config.json)"
+        )
+    return key
+
+
+def preset(name: str, state_dtype: DType | str | None = None, tp_size: int = 1) -> ModelSpec:
+    """The preset ``name`` with its main state in ``state_dtype`` (default per model), sharded to ``tp_size``.
+
+    Raises :class:`SpecError` for an unknown name and :class:`TensorParallelError` when ``tp_size``
+    does not divide the model's heads or channels.
+    """
+    key = _canonical(name)
+    builder, default = _PRESETS[key]
+    dtype = default if state_dtype is None else DType.parse(state_dtype)
+    return builder(dtype).shard(tp_size)

@@ -1,0 +1,154 @@
+"""Presets reproduce shared/MODELS.md; tensor parallelism divides or fails clearly."""
+
+import pytest
+
+from hybridkv.blockmgr.errors import SpecError, TensorParallelError
+from hybridkv.blockmgr.presets import PRESET_NAMES, default_state_dtype, preset
+from hybridkv.blockmgr.spec import DType, StateComponent
+
+KiB, MiB = 1024, 1024**2
+
+# (preset, state dtype) -> exact state bytes per request, derived from MODELS.md's shapes
+STATE_BYTES = {
+    ("minimax-m1", "float32"): 70 * 64 * 128 * 128 * 4,
+    ("minimax-m1", "bfloat16"): 70 * 64 * 128 * 128 * 2,
+    ("qwen3-next-80b-a3b", "bfloat16"): 36 * (32 * 128 * 128 * 2 + 8192 * 3 * 2),
+    ("qwen3-next-80b-a3b", "float32"): 36 * (32 * 128 * 128 * 4 + 8192 * 3 * 2),
+    ("nemotron-h-8b", "bfloat16"): 24 * (128 * 64 * 128 * 2 + 10240 * 3 * 2),
+    ("nemotron-h-8b", "float32"): 24 * (128 * 64 * 128 * 4 + 10240 * 3 * 2),
+    ("jamba-1.5-mini", "bfloat16"): 28 * (8192 * 16 * 2 + 8192 * 3 * 2),
+    ("mamba2-2.7b", "bfloat16"): 64 * (80 * 64 * 128 * 2 + 5376 * 3 * 2),
+    ("mamba2-2.7b", "float32"): 64 * (80 * 64 * 128 * 4 + 5376 * 3 * 2),
+    ("rwkv7-1.5b", "float32"): 24 * (32 * 64 * 64 * 4 + 2 * 2048 * 2),
+    ("gla-1.3b", "bfloat16"): 24 * 4 * 256 * 512 * 2,
+    ("gla-1.3b", "float32"): 24 * 4 * 256 * 512 * 4,
+    ("retnet-7b", "float16"): 32 * (16 * 256 * 432 * 2 + 16 * 4),
+    ("retnet-7b", "float32"): 32 * (16 * 256 * 432 * 4 + 16 * 4),
+}
+# The rounded figures of MODELS.md's "state per request" column, in MiB
+TABLE_MIB = {
+    ("minimax-m1", "float32"): 280,
+    ("minimax-m1", "bfloat16"): 140,
+    ("qwen3-next-80b-a3b", "bfloat16"): 37.7,
+    ("qwen3-next-80b-a3b", "float32"): 73.7,
+    ("nemotron-h-8b", "bfloat16"): 49.4,
+    ("nemotron-h-8b", "float32"): 97.4,
+    ("jamba-1.5-mini", "bfloat16"): 8.3,
+    ("mamba2-2.7b", "bfloat16"): 82,
+    ("mamba2-2.7b", "float32"): 162,
+    ("rwkv7-1.5b", "float32"): 12.2,
+    ("gla-1.3b", "bfloat16"): 24,
+    ("gla-1.3b", "float32"): 48,
+    ("retnet-7b", "float16"): 108,
+    ("retnet-7b", "float32"): 216,
+}
+KV_PER_TOKEN = {
+    "minimax-m1": 40 * KiB,
+    "qwen3-next-80b-a3b": 24 * KiB,
+    "nemotron-h-8b": 16 * KiB,
+    "jamba-1.5-mini": 16 * KiB,
+    "mamba2-2.7b": 0,
+    "rwkv7-1.5b": 0,
+    "gla-1.3b": 0,
+    "retnet-7b": 0,
+}
+LAYER_COUNTS = {  # (all layers, attention, recurrent)
+    "minimax-m1": (80, 10, 70),
+    "qwen3-next-80b-a3b": (48, 12, 36),
+    "nemotron-h-8b": (52, 4, 24),
+    "jamba-1.5-mini": (32, 4, 28),
+    "mamba2-2.7b": (64, 0, 64),
+    "rwkv7-1.5b": (24, 0, 24),
+    "gla-1.3b": (24, 0, 24),
+    "retnet-7b": (32, 0, 32),
+}
+
+
+@pytest.mark.parametrize(("name", "dtype"), sorted(STATE_BYTES))
+def test_state_bytes_match_models_md(name, dtype):
+    spec = preset(name, dtype)
+    assert spec.state_bytes == STATE_BYTES[(name, dtype)]
+    assert round(spec.state_bytes / MiB, 1) == pytest.approx(TABLE_MIB[(name, dtype)], abs=0.05)
+
+
+def test_retnet_keeps_its_fp32_scale_beside_the_kv():
+    fp16 = preset("retnet-7b", "float16")
+    assert fp16.state_bytes - 108 * MiB == 2 * KiB
+
+
+@pytest.mark.parametrize("name", PRESET_NAMES)
+def test_kv_bytes_per_token_and_layer_counts(name):
+    spec = preset(name)
+    assert spec.kv_bytes_per_token == KV_PER_TOKEN[name]
+    total, attn, rec = LAYER_COUNTS[name]
+    assert (len(spec.layers), len(spec.attention_layer_ids), len(spec.recurrent_layer_ids)) == (total, attn, rec)
+
+
+def test_layer_positions_follow_the_published_patterns():
+    assert preset("minimax-m1").attention_layer_ids == tuple(range(7, 80, 8))
+    assert preset("qwen3-next-80b-a3b").attention_layer_ids == tuple(range(3, 48, 4))
+    assert preset("jamba-1.5-mini").attention_layer_ids == (4, 12, 20, 28)
+    assert preset("nemotron-h-8b").attention_layer_ids == (7, 18, 29, 40)
+
+
+def test_minimax_lightning_state_is_7200_tokens_of_kv():
+    spec = preset("minimax-m1", "float32")
+    assert spec.state_bytes // spec.kv_bytes_per_token == 7168  # "about 7,200 tokens"
+
+
+def test_conv_widths_follow_the_derivations():
+    def conv(name):
+        return preset(name).layers[preset(name).recurrent_layer_ids[0]].component("conv").shape
+
+    assert conv("nemotron-h-8b") == (10240, 3)
+    assert conv("mamba2-2.7b") == (5376, 3)
+    assert conv("qwen3-next-80b-a3b") == (8192, 3)
+
+
+def test_state_dtype_only_changes_the_main_state():
+    bf16, fp32 = preset("qwen3-next-80b-a3b", "bfloat16"), preset("qwen3-next-80b-a3b", "float32")
+    l16, l32 = bf16.layers[0], fp32.layers[0]
+    assert l16.component("ssm").dtype is DType.BFLOAT16 and l32.component("ssm").dtype is DType.FLOAT32
+    assert l16.component("conv").dtype is l32.component("conv").dtype is DType.BFLOAT16
+    assert default_state_dtype("minimax-m1") is DType.FLOAT32
+
+
+def test_tp8_divides_minimax_heads():
+    spec = preset("minimax-m1", "float32", tp_size=8)
+    layer = spec.layers[0]
+    assert layer.component("kv").shape == (8, 128, 128)
+    assert layer.state_bytes == 512 * KiB
+    attn = spec.layers[7]
+    assert (attn.num_kv_heads, attn.head_dim, attn.num_q_heads) == (1, 128, 8)
+    assert spec.tp_size == 8
+
+
+def test_tp_replicates_kv_heads_when_fewer_than_ranks():
+    spec = preset("qwen3-next-80b-a3b", tp_size=8)  # 2 KV heads over 8 ranks: one replicated head each
+    assert spec.layers[3].num_kv_heads == 1
+    assert spec.layers[0].component("conv").shape == (1024, 3)
+
+
+@pytest.mark.parametrize(("name", "tp"), [("minimax-m1", 3), ("mamba2-2.7b", 3), ("rwkv7-1.5b", 64)])
+def test_tp_that_does_not_divide_is_a_clear_error(name, tp):
+    with pytest.raises(TensorParallelError, match=f"tp_size={tp} does not divide"):
+        preset(name, tp_size=tp)
+
+
+def test_sharding_twice_is_refused():
+    with pytest.raises(TensorParallelError, match="already sharded"):
+        preset("minimax-m1", tp_size=2).shard(2)
+
+
+def test_unknown_preset_and_dtype_name_the_choices():
+    with pytest.raises(SpecError, match="use one of minimax-m1"):
+        preset("llama-3")
+    with pytest.raises(SpecError, match="float32, bfloat16 or float16"):
+        preset("minimax-m1", "int8")
+
+
+def test_bad_component_shapes_are_rejected():
+    with pytest.raises(SpecError):
+        StateComponent("kv", (0, 4), DType.FLOAT32)
+    with pytest.raises(SpecError):
+        StateComponent("kv", (2, 4), DType.FLOAT32, tp_axis=2)
