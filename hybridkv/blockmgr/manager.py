@@ -1,0 +1,436 @@
+"""The hybrid block manager: KV blocks and recurrent state sets of every request in one pool.
+
+Contract (DESIGN.md "Manager contract"): check-then-act pairs; every mutation is atomic (all
+checks happen before the first change, so on any error nothing changed); every count is in blocks
+and admission uses exactly the count allocation takes (:meth:`HybridBlockManager.blocks_to_admit`).
+
+Ownership: the manager owns every block id it hands out. Callers get numpy views (block tables,
+state tables, copy lists, swap plans) that stay valid until the next mutating call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from hybridkv.blockmgr.errors import (
+    DuplicateRequestError,
+    HostPoolExhaustedError,
+    NoFreeBlocksError,
+    RequestStateError,
+    RequestTooLargeError,
+    UnknownRequestError,
+)
+from hybridkv.blockmgr.integrity import check_integrity
+from hybridkv.blockmgr.layout import NULL_BLOCK, Layout
+from hybridkv.blockmgr.pool import BlockPool
+from hybridkv.blockmgr.records import (
+    Allocation,
+    BlockCopies,
+    BlockUse,
+    RequestId,
+    RequestRecord,
+    RequestStatus,
+    SwapDirection,
+    SwapPlan,
+    Usage,
+)
+from hybridkv.blockmgr.units import cdiv
+
+_EMPTY = np.empty(0, dtype=np.int32)
+
+
+class HybridBlockManager:
+    """Per-request lifecycle over one :class:`BlockPool` laid out by a :class:`Layout`.
+
+    ``num_host_blocks``: size of the host (CPU) swap pool, 0 = no swap. ``watermark``: fraction of
+    usable blocks admission keeps free for running requests to grow into.
+    """
+
+    def __init__(self, layout: Layout, num_host_blocks: int = 0, watermark: float = 0.0) -> None:
+        if not 0.0 <= watermark < 1.0:
+            raise ValueError(f"watermark must be a fraction in [0, 1), got {watermark}")
+        self.layout = layout
+        self.block_size = layout.block_size
+        self.num_state_groups = layout.num_state_groups
+        self.blocks_per_state = max(layout.blocks_per_state, default=0)
+        self._has_kv = layout.kv_group is not None
+        # state set shape [G, bps]; groups with fewer blocks pad their row with the null block
+        bps = np.array(layout.blocks_per_state, dtype=np.int64)
+        self._state_mask = np.arange(self.blocks_per_state)[None, :] < bps[:, None]
+        self.num_state_blocks = int(bps.sum())
+        self.pool = BlockPool(layout.num_blocks)
+        self.host_pool = BlockPool(num_host_blocks + 1) if num_host_blocks > 0 else None
+        self.watermark_blocks = int(watermark * self.pool.num_usable)
+        self.use = np.zeros(layout.num_blocks, dtype=np.int8)
+        self.use[NULL_BLOCK] = BlockUse.NULL
+        self.requests: dict[RequestId, RequestRecord] = {}
+
+    # ---- counting: the one formula --------------------------------------------------------------
+    def blocks_to_admit(self, num_tokens: int, num_speculative: int = 0) -> int:
+        """Blocks ``allocate`` takes for a prompt: KV blocks + live state sets + speculative sets."""
+        kv = cdiv(num_tokens, self.block_size) if self._has_kv else 0
+        return kv + (1 + num_speculative) * self.num_state_blocks
+
+    @property
+    def num_available_blocks(self) -> int:
+        """Blocks an allocation can take now (free; evictable ones once a prefix cache exists)."""
+        return self.pool.num_free
+
+    def check_fits(self, max_tokens: int, num_speculative: int = 0) -> None:
+        """Raise :class:`RequestTooLargeError` if a request of ``max_tokens`` can never fit."""
+        needed = self.blocks_to_admit(max_tokens, num_speculative)
+        if needed > self.pool.num_usable - self.watermark_blocks:
+            raise RequestTooLargeError(needed, self.pool.num_usable - self.watermark_blocks)
+
+    def can_allocate(self, num_tokens: int, num_speculative: int = 0) -> bool:
+        need = self.blocks_to_admit(num_tokens, num_speculative)
+        return need + self.watermark_blocks <= self.num_available_blocks
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+    def allocate(self, request_id: RequestId, num_tokens: int, num_speculative: int = 0) -> Allocation:
+        """Admit a request: KV blocks for ``num_tokens`` plus its state sets, in one pool operation.
+
+        Raises :class:`DuplicateRequestError`, :class:`RequestTooLargeError` (never fits) or
+        :class:`NoFreeBlocksError` (not now); nothing changes on error.
+        """
+        if request_id in self.requests:
+            raise DuplicateRequestError(f"request {request_id!r} is already allocated: free it first")
+        if num_tokens < 0 or num_speculative < 0:
+            raise ValueError(f"num_tokens and num_speculative must be >= 0, got {num_tokens}, {num_speculative}")
+        self.check_fits(num_tokens, num_speculative)
+        need = self.blocks_to_admit(num_tokens, num_speculative)
+        if need + self.watermark_blocks > self.num_available_blocks:
+            raise NoFreeBlocksError(
+                f"request {request_id!r} ({num_tokens} tokens)",
+                need + self.watermark_blocks,
+                self.num_available_blocks,
+                "wait for running requests to finish or preempt one",
+            )
+        # state sets first: they are the contiguous part that ops gather and swap
+        ids = self.pool.allocate(need)
+        n_state = (1 + num_speculative) * self.num_state_blocks
+        sets = self._split_state_sets(ids[:n_state], 1 + num_speculative)
+        kv_ids = ids[n_state:]
+        rec = RequestRecord(request_id, num_tokens, _grow(_EMPTY, kv_ids.size), kv_ids.size, sets[0], sets[1:])
+        rec.kv[: kv_ids.size] = kv_ids
+        self._mark(kv_ids, BlockUse.KV)
+        self._mark_sets(rec.state, BlockUse.STATE)
+        self._mark_sets(rec.spec, BlockUse.SPECULATIVE)
+        self.requests[request_id] = rec
+        return Allocation(0, BlockCopies.empty())
+
+    def num_new_kv_blocks(self, request_id: RequestId, num_new_tokens: int) -> int:
+        """Blocks ``append`` takes for ``num_new_tokens`` more tokens (copy-on-write included)."""
+        rec = self._running(request_id)
+        if not self._has_kv:
+            return 0
+        grow = cdiv(rec.num_tokens + num_new_tokens, self.block_size) - rec.num_kv_blocks
+        return max(grow, 0) + int(self._needs_cow(rec) and num_new_tokens > 0)
+
+    def can_append(self, request_id: RequestId, num_new_tokens: int) -> bool:
+        return self.num_new_kv_blocks(request_id, num_new_tokens) <= self.num_available_blocks
+
+    def append(self, request_id: RequestId, num_new_tokens: int) -> BlockCopies:
+        """Grow a request's KV by ``num_new_tokens``; state sets never grow.
+
+        Returns the copy-on-write copies to run first (a shared, partly filled last block gets a
+        private copy before it is written). Raises :class:`NoFreeBlocksError`; nothing changes then.
+        """
+        if num_new_tokens < 0:
+            raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
+        rec = self._running(request_id)
+        need = self.num_new_kv_blocks(request_id, num_new_tokens)
+        if need > self.num_available_blocks:
+            raise NoFreeBlocksError(
+                f"append of {num_new_tokens} tokens to {request_id!r}", need, self.num_available_blocks
+            )
+        copies = BlockCopies.empty()
+        if need:
+            ids = self.pool.allocate(need)
+            self._mark(ids, BlockUse.KV)
+            if self._needs_cow(rec) and num_new_tokens > 0:
+                old, new = rec.kv[rec.num_kv_blocks - 1 : rec.num_kv_blocks].copy(), ids[:1]
+                self._drop_kv(old)
+                rec.kv[rec.num_kv_blocks - 1] = new[0]
+                copies = BlockCopies(old, new.copy())
+                ids = ids[1:]
+            rec.kv = _grow(rec.kv, rec.num_kv_blocks + ids.size)
+            rec.kv[rec.num_kv_blocks : rec.num_kv_blocks + ids.size] = ids
+            rec.num_kv_blocks += ids.size
+        rec.num_tokens += num_new_tokens
+        return copies
+
+    def free(self, request_id: RequestId) -> None:
+        """Release everything the request holds; shared KV blocks drop one reference."""
+        rec = self._get(request_id)
+        if rec.pending is not None:
+            raise RequestStateError(f"request {request_id!r} has a pending swap plan: commit or abort it first")
+        if rec.status is RequestStatus.SWAPPED:
+            assert self.host_pool is not None
+            self.host_pool.release(rec.host_blocks)
+        else:
+            self._drop_kv(rec.kv_blocks)
+            self._drop_state(rec.state)
+            self._drop_state(rec.spec)
+        del self.requests[request_id]
+
+    def fork(self, parent_id: RequestId, child_id: RequestId) -> BlockCopies:
+        """A child sharing the parent's KV (reference counts) with a private copy of its state.
+
+        Returns the state copies ``parent set -> child set`` to run before the child's forward.
+        """
+        parent = self._running(parent_id)
+        if child_id in self.requests:
+            raise DuplicateRequestError(f"request {child_id!r} is already allocated: fork into a new id")
+        if self.num_state_blocks > self.num_available_blocks:
+            raise NoFreeBlocksError(f"fork of {parent_id!r}", self.num_state_blocks, self.num_available_blocks)
+        ids = self.pool.allocate(self.num_state_blocks)
+        state = self._split_state_sets(ids, 1)[0]
+        kv = parent.kv_blocks.copy()
+        self.pool.incref(kv)
+        child = RequestRecord(child_id, parent.num_tokens, _grow(kv, kv.size), kv.size, state, self._no_spec())
+        self._mark_sets(state, BlockUse.STATE)
+        self.requests[child_id] = child
+        mask = self._state_mask
+        return BlockCopies(parent.state[mask].copy(), state[mask].copy())
+
+    # ---- speculative decoding -------------------------------------------------------------------
+    def begin_speculation(self, request_id: RequestId, num_speculative: int) -> None:
+        """Guarantee ``num_speculative`` speculative state sets (allocating the missing ones).
+
+        Convention of a verify step over ``1 + k`` tokens (the last sampled token and ``k`` drafts):
+        the kernel reads the live set, writes the state after the sampled token back into the live
+        set, and the state after draft ``j`` (1-based) into speculative set ``j - 1``.
+        """
+        rec = self._running(request_id)
+        missing = num_speculative - rec.spec.shape[0]
+        if missing > 0:
+            need = missing * self.num_state_blocks
+            if need > self.num_available_blocks:
+                raise NoFreeBlocksError(
+                    f"{num_speculative} speculative sets for {request_id!r}", need, self.num_available_blocks
+                )
+            new = self._split_state_sets(self.pool.allocate(need), missing)
+            self._mark_sets(new, BlockUse.SPECULATIVE)
+            rec.spec = np.concatenate((rec.spec, new))
+        rec.num_drafted = num_speculative
+
+    def commit_speculation(self, request_id: RequestId, num_accepted: int, num_drafted: int | None = None) -> None:
+        """Keep the state after the last accepted token and drop the rejected tokens' KV.
+
+        ``num_drafted`` defaults to the ``k`` of :meth:`begin_speculation`; the caller appended
+        ``1 + num_drafted`` tokens for the verify step. The live set and speculative set
+        ``num_accepted - 1`` exchange their block-id lists (no copy).
+        """
+        rec = self._running(request_id)
+        k = rec.num_drafted if num_drafted is None else num_drafted
+        if not 0 <= num_accepted <= k or k > rec.spec.shape[0]:
+            raise ValueError(
+                f"num_accepted={num_accepted} must be in [0, {k}] with {rec.spec.shape[0]} speculative sets"
+            )
+        rejected = k - num_accepted
+        if rejected > rec.num_tokens:
+            raise ValueError(f"cannot reject {rejected} tokens of a request holding {rec.num_tokens}")
+        if num_accepted:
+            j = num_accepted - 1
+            rec.state, rec.spec[j] = rec.spec[j].copy(), rec.state.copy()
+            self._mark_sets(rec.state, BlockUse.STATE)
+            self._mark_sets(rec.spec[j], BlockUse.SPECULATIVE)
+        if rejected:
+            rec.num_tokens -= rejected
+            keep = cdiv(rec.num_tokens, self.block_size) if self._has_kv else 0
+            self._drop_kv(rec.kv[keep : rec.num_kv_blocks].copy())
+            rec.num_kv_blocks = keep
+
+    def end_speculation(self, request_id: RequestId) -> None:
+        """Give the speculative sets back (speculation turned off for this request)."""
+        rec = self._running(request_id)
+        self._drop_state(rec.spec)
+        rec.spec = self._no_spec()
+        rec.num_drafted = 0
+
+    # ---- swap ----------------------------------------------------------------------------------
+    def can_swap_out(self, request_id: RequestId) -> bool:
+        rec = self._running(request_id)
+        n = rec.num_kv_blocks + self.num_state_blocks
+        return self.host_pool is not None and n <= self.host_pool.num_free
+
+    def swap_out(self, request_id: RequestId) -> SwapPlan:
+        """Reserve host blocks for the request's KV and live state; the plan lists the copies.
+
+        Commit frees the device blocks (speculative sets included); abort frees the host blocks.
+        """
+        rec = self._running(request_id)
+        device = np.concatenate((rec.kv_blocks, rec.state[self._state_mask]))
+        if self.host_pool is None or device.size > self.host_pool.num_free:
+            raise HostPoolExhaustedError(device.size, self.host_pool.num_free if self.host_pool else 0)
+        host = self.host_pool.allocate(device.size)
+        rec.pending = SwapPlan(request_id, SwapDirection.OUT, device, host, self._commit_out, self._abort_out)
+        return rec.pending
+
+    def can_swap_in(self, request_id: RequestId) -> bool:
+        rec = self._swapped(request_id)
+        return rec.host_blocks.size + self.watermark_blocks <= self.num_available_blocks
+
+    def swap_in(self, request_id: RequestId) -> SwapPlan:
+        """Reserve device blocks for a swapped request; commit frees its host blocks."""
+        rec = self._swapped(request_id)
+        n = rec.host_blocks.size
+        if n > self.num_available_blocks:
+            raise NoFreeBlocksError(f"swap-in of {request_id!r}", n, self.num_available_blocks)
+        device = self.pool.allocate(n)
+        self._mark(device[: n - self.num_state_blocks], BlockUse.KV)
+        self._mark(device[n - self.num_state_blocks :], BlockUse.STATE)
+        rec.pending = SwapPlan(
+            request_id, SwapDirection.IN, device, rec.host_blocks.copy(), self._commit_in, self._abort_in
+        )
+        return rec.pending
+
+    def _settle(self, plan: SwapPlan, direction: SwapDirection) -> RequestRecord:
+        rec = self.requests.get(plan.request_id)
+        if plan.settled or rec is None or rec.pending is not plan or plan.direction is not direction:
+            raise RequestStateError(f"swap plan of {plan.request_id!r} is already settled or stale")
+        plan.settled, rec.pending = True, None
+        return rec
+
+    def _commit_out(self, plan: SwapPlan) -> None:
+        rec = self._settle(plan, SwapDirection.OUT)
+        self._drop_kv(rec.kv_blocks)
+        self._drop_state(rec.state)
+        self._drop_state(rec.spec)
+        rec.kv, rec.num_kv_blocks = _EMPTY, 0
+        rec.state, rec.spec = self._empty_set(), self._no_spec()
+        rec.host_blocks, rec.status, rec.num_drafted = plan.host_blocks, RequestStatus.SWAPPED, 0
+
+    def _abort_out(self, plan: SwapPlan) -> None:
+        self._settle(plan, SwapDirection.OUT)
+        assert self.host_pool is not None
+        self.host_pool.release(plan.host_blocks)
+
+    def _commit_in(self, plan: SwapPlan) -> None:
+        rec = self._settle(plan, SwapDirection.IN)
+        assert self.host_pool is not None
+        self.host_pool.release(rec.host_blocks)
+        n_kv = plan.device_blocks.size - self.num_state_blocks
+        kv = plan.device_blocks[:n_kv]
+        rec.kv, rec.num_kv_blocks = _grow(kv, kv.size), kv.size
+        rec.state = self._split_state_sets(plan.device_blocks[n_kv:], 1)[0]
+        rec.host_blocks, rec.status = _EMPTY, RequestStatus.RUNNING
+
+    def _abort_in(self, plan: SwapPlan) -> None:
+        self._settle(plan, SwapDirection.IN)
+        self._mark(plan.device_blocks, BlockUse.FREE)
+        self.pool.release(plan.device_blocks)
+
+    # ---- batch views ---------------------------------------------------------------------------
+    def block_table(
+        self, request_ids: Sequence[RequestId], num_rows: int | None = None, width: int | None = None
+    ) -> np.ndarray:
+        """KV block table ``[num_rows, width]`` int32 (default ``[B, max blocks]``), padding = null block."""
+        recs = [self._running(r) for r in request_ids]
+        rows = len(recs) if num_rows is None else num_rows
+        width = max((r.num_kv_blocks for r in recs), default=0) if width is None else width
+        table = np.zeros((rows, width), dtype=np.int32)
+        for i, rec in enumerate(recs):
+            table[i, : rec.num_kv_blocks] = rec.kv[: rec.num_kv_blocks]
+        return table
+
+    def state_table(self, request_ids: Sequence[RequestId], num_rows: int | None = None) -> np.ndarray:
+        """Live state sets ``[num_state_groups, num_rows, blocks_per_state]`` int32; padding rows are null."""
+        recs = [self._running(r) for r in request_ids]
+        rows = len(recs) if num_rows is None else num_rows
+        table = np.zeros((self.num_state_groups, rows, self.blocks_per_state), dtype=np.int32)
+        if recs:
+            table[:, : len(recs)] = np.stack([r.state for r in recs], axis=1)
+        return table
+
+    def speculative_table(self, request_id: RequestId) -> np.ndarray:
+        """Speculative sets of one request, ``[K, num_state_groups, blocks_per_state]`` int32."""
+        return self._running(request_id).spec
+
+    # ---- accounting ----------------------------------------------------------------------------
+    def usage(self) -> Usage:
+        counts = np.bincount(self.use, minlength=len(BlockUse))
+        host_total = self.host_pool.num_usable if self.host_pool else 0
+        host_used = host_total - self.host_pool.num_free if self.host_pool else 0
+        return Usage(
+            self.layout.num_blocks,
+            int(counts[BlockUse.FREE]),
+            int(counts[BlockUse.KV]),
+            int(counts[BlockUse.STATE]),
+            int(counts[BlockUse.SPECULATIVE]),
+            int(counts[BlockUse.CACHED_KV]),
+            int(counts[BlockUse.CHECKPOINT]),
+            int(counts[BlockUse.NULL]),
+            host_total,
+            host_used,
+            self.layout.bytes_per_block,
+        )
+
+    def check_integrity(self) -> None:
+        """Raise :class:`IntegrityError` listing every way the books do not balance."""
+        check_integrity(self)
+
+    # ---- internals -----------------------------------------------------------------------------
+    def _get(self, request_id: RequestId) -> RequestRecord:
+        rec = self.requests.get(request_id)
+        if rec is None:
+            raise UnknownRequestError(f"unknown request {request_id!r}: allocate it first")
+        return rec
+
+    def _running(self, request_id: RequestId) -> RequestRecord:
+        rec = self._get(request_id)
+        if rec.status is not RequestStatus.RUNNING or rec.pending is not None:
+            what = "has a pending swap plan" if rec.pending is not None else "is swapped out"
+            raise RequestStateError(f"request {request_id!r} {what}: swap it in (or settle the plan) first")
+        return rec
+
+    def _swapped(self, request_id: RequestId) -> RequestRecord:
+        rec = self._get(request_id)
+        if rec.status is not RequestStatus.SWAPPED or rec.pending is not None:
+            raise RequestStateError(f"request {request_id!r} is not swapped out (or has a pending plan)")
+        return rec
+
+    def _needs_cow(self, rec: RequestRecord) -> bool:
+        if not rec.num_kv_blocks or rec.num_tokens % self.block_size == 0:
+            return False
+        return bool(self.pool.ref_counts[rec.kv[rec.num_kv_blocks - 1]] > 1)
+
+    def _split_state_sets(self, ids: np.ndarray, num_sets: int) -> np.ndarray:
+        sets = np.zeros((num_sets, self.num_state_groups, self.blocks_per_state), dtype=np.int32)
+        sets[:, self._state_mask] = ids.reshape(num_sets, self.num_state_blocks)
+        return sets
+
+    def _empty_set(self) -> np.ndarray:
+        return np.zeros((self.num_state_groups, self.blocks_per_state), dtype=np.int32)
+
+    def _no_spec(self) -> np.ndarray:
+        return np.zeros((0, self.num_state_groups, self.blocks_per_state), dtype=np.int32)
+
+    def _mark(self, ids: np.ndarray, use: BlockUse) -> None:
+        self.use[ids] = use
+
+    def _mark_sets(self, sets: np.ndarray, use: BlockUse) -> None:
+        self.use[sets[..., self._state_mask]] = use
+
+    def _drop_kv(self, ids: np.ndarray) -> None:
+        zero = self.pool.decref(ids)
+        self.use[zero] = BlockUse.FREE
+        self.pool.free(zero)
+
+    def _drop_state(self, sets: np.ndarray) -> None:
+        ids = sets[..., self._state_mask].ravel()
+        self.pool.ref_counts[ids] = 0
+        self.use[ids] = BlockUse.FREE
+        self.pool.free(ids)
+
+
+def _grow(arr: np.ndarray, size: int) -> np.ndarray:
+    """``arr`` with room for at least ``size`` entries (capacity doubles), contents kept."""
+    if arr.size >= size and arr.base is None:
+        return arr
+    out = np.zeros(max(size, 2 * arr.size, 16), dtype=np.int32)
+    out[: arr.size] = arr
+    return out

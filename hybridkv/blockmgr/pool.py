@@ -1,0 +1,170 @@
+"""A block pool over one id space: free extents, reference counts, runs preferred.
+
+Allocation works per request, not per block: :meth:`BlockPool.allocate` hands out ``n`` ids in one
+call, from the smallest free extent that holds all ``n`` (best fit, so a state set comes out as one
+contiguous id run and the big extents stay whole), or, when no extent is large enough, from the
+largest extents first. Free ids are kept as extents ``[start, end)`` in two sorted containers
+(by start, for merging on free; by length, for best fit), reference counts in a numpy array, so
+admitting and freeing a request costs a handful of container operations, not one per block.
+
+Block 0 of a device pool is the null block: zero-filled, never allocated, never freed.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from sortedcontainers import SortedDict, SortedList
+
+from hybridkv.blockmgr.layout import NULL_BLOCK
+
+_EMPTY = np.empty(0, dtype=np.int32)
+
+
+def runs(ids: np.ndarray) -> list[tuple[int, int]]:
+    """Maximal runs of consecutive ids, as ``(start, end)`` pairs, of a sorted id array."""
+    if ids.size == 0:
+        return []
+    breaks = np.flatnonzero(np.diff(ids) != 1) + 1
+    starts = ids[np.concatenate(([0], breaks))]
+    ends = ids[np.concatenate((breaks - 1, [ids.size - 1]))] + 1
+    return list(zip(starts.tolist(), ends.tolist(), strict=True))
+
+
+class BlockPool:
+    """Ids ``[first_id, num_blocks)`` with reference counts; ids below ``first_id`` are reserved.
+
+    Ownership: the pool only counts. Whoever allocates holds one reference per id and must give
+    it back with :meth:`decref`; ids whose count reaches zero are returned to the caller, which
+    either :meth:`free`s them or keeps them as cached (evictable) blocks.
+    """
+
+    def __init__(self, num_blocks: int, reserve_null: bool = True) -> None:
+        first = NULL_BLOCK + 1 if reserve_null else 0
+        if num_blocks <= first:
+            raise ValueError(f"a pool needs more than {first} block(s), got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.first_id = first
+        self.ref_counts = np.zeros(num_blocks, dtype=np.int32)
+        self._by_start: SortedDict = SortedDict()  # start -> end
+        self._by_length: SortedList = SortedList()  # (length, start)
+        self._num_free = 0
+        self._insert(first, num_blocks)
+
+    # ---- counts ------------------------------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        return self._num_free
+
+    @property
+    def num_usable(self) -> int:
+        return self.num_blocks - self.first_id
+
+    def free_extents(self) -> list[tuple[int, int]]:
+        """The free extents ``[(start, end), ...]`` in id order (for tests and integrity checks)."""
+        return list(self._by_start.items())
+
+    def largest_free_extent(self) -> int:
+        return self._by_length[-1][0] if self._by_length else 0
+
+    # ---- extents -----------------------------------------------------------------------------
+    def _insert(self, start: int, end: int) -> None:
+        self._by_start[start] = end
+        self._by_length.add((end - start, start))
+        self._num_free += end - start
+
+    def _remove(self, start: int, end: int) -> None:
+        del self._by_start[start]
+        self._by_length.remove((end - start, start))
+        self._num_free -= end - start
+
+    def allocate(self, n: int) -> np.ndarray:
+        """Take ``n`` free ids (reference count 1 each); int32 array in allocation order.
+
+        Raises ``ValueError`` when fewer than ``n`` are free: callers check first (check-then-act),
+        so reaching this is a bug in the caller, and nothing has changed.
+        """
+        if n <= 0:
+            return _EMPTY
+        if n > self._num_free:
+            raise ValueError(f"asked for {n} blocks, {self._num_free} free")
+        i = self._by_length.bisect_left((n, -1))
+        if i < len(self._by_length):  # best fit: one run
+            length, start = self._by_length[i]
+            self._remove(start, start + length)
+            if length > n:
+                self._insert(start + n, start + length)
+            out = np.arange(start, start + n, dtype=np.int32)
+        else:  # fragmented: largest extents first, so few runs
+            parts, left = [], n
+            while left:
+                length, start = self._by_length[-1]
+                take = min(length, left)
+                self._remove(start, start + length)
+                if length > take:
+                    self._insert(start + take, start + length)
+                parts.append(np.arange(start, start + take, dtype=np.int32))
+                left -= take
+            out = np.concatenate(parts)
+        self.ref_counts[out] = 1
+        return out
+
+    def free(self, ids: np.ndarray) -> None:
+        """Return ids whose reference count is zero to the free extents, merging neighbours."""
+        if ids.size == 0:
+            return
+        ids = np.sort(np.asarray(ids, dtype=np.int32))
+        for start, end in runs(ids):
+            j = self._by_start.bisect_right(start)
+            if j:  # merge with the extent before
+                prev_start = self._by_start.keys()[j - 1]
+                prev_end = self._by_start[prev_start]
+                if prev_end == start:
+                    self._remove(prev_start, prev_end)
+                    start = prev_start
+            next_end = self._by_start.get(end)
+            if next_end is not None:  # merge with the extent after
+                self._remove(end, next_end)
+                end = next_end
+            self._insert(start, end)
+
+    # ---- reference counts --------------------------------------------------------------------
+    def incref(self, ids: np.ndarray) -> None:
+        """One more reference on each (distinct) id."""
+        self.ref_counts[ids] += 1
+
+    def decref(self, ids: np.ndarray) -> np.ndarray:
+        """One reference less on each (distinct) id; returns the ids that reached zero."""
+        if ids.size == 0:
+            return _EMPTY
+        self.ref_counts[ids] -= 1
+        return ids[self.ref_counts[ids] == 0]
+
+    def release(self, ids: np.ndarray) -> None:
+        """Drop one reference and free the ids that reached zero (no caching)."""
+        self.free(self.decref(ids))
+
+    # ---- integrity ---------------------------------------------------------------------------
+    def check_free_extents(self) -> list[str]:
+        """Problems with the extents themselves (overlap, reserved ids, counts, referenced ids)."""
+        problems, prev_end, total = [], self.first_id, 0
+        for start, end in self._by_start.items():
+            if start < prev_end or end <= start or end > self.num_blocks:
+                problems.append(f"bad free extent [{start}, {end}) after {prev_end}")
+            if start == prev_end and start != self.first_id:
+                problems.append(f"free extents not merged at {start}")
+            if self.ref_counts[start:end].any():
+                problems.append(f"free extent [{start}, {end}) holds referenced blocks")
+            prev_end, total = end, total + end - start
+        if total != self._num_free or len(self._by_length) != len(self._by_start):
+            problems.append(f"free count {self._num_free} != extents total {total}")
+        if (self.ref_counts < 0).any():
+            problems.append(f"negative reference counts at {np.flatnonzero(self.ref_counts < 0)[:8].tolist()}")
+        if self.first_id and self.ref_counts[: self.first_id].any():
+            problems.append("the null block is referenced")
+        return problems
+
+    def free_mask(self) -> np.ndarray:
+        mask = np.zeros(self.num_blocks, dtype=bool)
+        for start, end in self._by_start.items():
+            mask[start:end] = True
+        return mask

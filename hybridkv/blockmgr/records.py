@@ -1,0 +1,148 @@
+"""Records and results of the hybrid block manager: per-request records, swap plans, usage."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import numpy as np
+
+RequestId = Hashable
+_EMPTY = np.empty(0, dtype=np.int32)
+
+
+class BlockUse(enum.IntEnum):
+    """What a device block holds; one byte per block in the manager."""
+
+    FREE = 0
+    KV = 1  # referenced KV (live requests, possibly shared)
+    STATE = 2  # a live state set
+    SPECULATIVE = 3  # a speculative state set
+    CACHED_KV = 4  # unreferenced KV kept by the prefix cache (evictable)
+    CHECKPOINT = 5  # a state set owned by the prefix cache (evictable)
+    NULL = 6
+
+
+class RequestStatus(enum.Enum):
+    RUNNING = "running"  # blocks on the device
+    SWAPPED = "swapped"  # blocks on the host
+
+
+class BlockCopies(NamedTuple):
+    """Device block copies for ``ops.copy_blocks`` to run before the next forward: ``src[i] -> dst[i]``."""
+
+    src: np.ndarray
+    dst: np.ndarray
+
+    @staticmethod
+    def empty() -> BlockCopies:
+        return BlockCopies(_EMPTY, _EMPTY)
+
+    def __len__(self) -> int:  # type: ignore[override]
+        return int(self.src.size)
+
+    def concat(self, other: BlockCopies) -> BlockCopies:
+        if not len(other):
+            return self
+        if not len(self):
+            return other
+        return BlockCopies(np.concatenate((self.src, other.src)), np.concatenate((self.dst, other.dst)))
+
+
+class Allocation(NamedTuple):
+    """Result of ``allocate``: tokens served from the prefix cache and state copies to run."""
+
+    num_cached_tokens: int
+    copies: BlockCopies
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    """Everything the manager holds for one request.
+
+    ``kv`` is a growable int32 array; its first ``num_kv_blocks`` entries are the KV block table.
+    ``state`` is ``[num_state_groups, blocks_per_state]`` (the live sets), ``spec`` is
+    ``[K, num_state_groups, blocks_per_state]`` (speculative sets). While swapped, device arrays are
+    empty and ``host_blocks`` holds the host copies (KV first, then the live state sets).
+    """
+
+    request_id: RequestId
+    num_tokens: int
+    kv: np.ndarray
+    num_kv_blocks: int
+    state: np.ndarray
+    spec: np.ndarray
+    status: RequestStatus = RequestStatus.RUNNING
+    host_blocks: np.ndarray = field(default_factory=lambda: _EMPTY)
+    num_drafted: int = 0
+    pending: SwapPlan | None = None
+
+    @property
+    def kv_blocks(self) -> np.ndarray:
+        return self.kv[: self.num_kv_blocks]
+
+
+class SwapDirection(enum.Enum):
+    OUT = "out"  # device -> host
+    IN = "in"  # host -> device
+
+
+@dataclass(slots=True, eq=False)
+class SwapPlan:
+    """Block copies for one swap of one request: ``device_blocks[i] <-> host_blocks[i]``.
+
+    The executor copies (``ops.swap_blocks``), then calls :meth:`commit`; or :meth:`abort`, which
+    leaves the request exactly as before the plan was made. Blocks reserved for the target side are
+    held by the plan until then. A plan is settled once.
+    """
+
+    request_id: RequestId
+    direction: SwapDirection
+    device_blocks: np.ndarray
+    host_blocks: np.ndarray
+    _commit: Callable[[SwapPlan], None]
+    _abort: Callable[[SwapPlan], None]
+    settled: bool = False
+
+    def __len__(self) -> int:
+        return int(self.device_blocks.size)
+
+    def commit(self) -> None:
+        self._commit(self)
+
+    def abort(self) -> None:
+        self._abort(self)
+
+
+class Usage(NamedTuple):
+    """Device blocks by category (they add up to ``total``), host blocks, and bytes per block."""
+
+    total: int
+    free: int
+    kv_live: int
+    state_live: int
+    state_speculative: int
+    kv_cached: int
+    checkpoints: int
+    null: int
+    host_total: int
+    host_used: int
+    bytes_per_block: int
+
+    @property
+    def used(self) -> int:
+        return self.kv_live + self.state_live + self.state_speculative
+
+    @property
+    def evictable(self) -> int:
+        return self.kv_cached + self.checkpoints
+
+    @property
+    def available(self) -> int:
+        """Blocks an allocation can get: free plus evictable."""
+        return self.free + self.evictable
+
+    def bytes(self, category: str) -> int:
+        return int(getattr(self, category)) * self.bytes_per_block
