@@ -36,6 +36,7 @@ from hybridkv.blockmgr.records import (
     SwapPlan,
     Usage,
 )
+from hybridkv.blockmgr.tables import RowTables
 from hybridkv.blockmgr.units import cdiv
 
 _EMPTY = np.empty(0, dtype=np.int32)
@@ -60,12 +61,14 @@ class HybridBlockManager:
         bps = np.array(layout.blocks_per_state, dtype=np.int64)
         self._state_mask = np.arange(self.blocks_per_state)[None, :] < bps[:, None]
         self.num_state_blocks = int(bps.sum())
+        self._uniform_sets = bool(self._state_mask.all())
         self.pool = BlockPool(layout.num_blocks)
         self.host_pool = BlockPool(num_host_blocks + 1) if num_host_blocks > 0 else None
         self.watermark_blocks = int(watermark * self.pool.num_usable)
         self.use = np.zeros(layout.num_blocks, dtype=np.int8)
         self.use[NULL_BLOCK] = BlockUse.NULL
         self.requests: dict[RequestId, RequestRecord] = {}
+        self.tables = RowTables(self.num_state_groups, self.blocks_per_state)
 
     # ---- counting: the one formula --------------------------------------------------------------
     def blocks_to_admit(self, num_tokens: int, num_speculative: int = 0) -> int:
@@ -110,14 +113,22 @@ class HybridBlockManager:
             )
         # state sets first: they are the contiguous part that ops gather and swap
         ids = self.pool.allocate(need)
-        n_state = (1 + num_speculative) * self.num_state_blocks
-        sets = self._split_state_sets(ids[:n_state], 1 + num_speculative)
-        kv_ids = ids[n_state:]
-        rec = RequestRecord(request_id, num_tokens, _grow(_EMPTY, kv_ids.size), kv_ids.size, sets[0], sets[1:])
-        rec.kv[: kv_ids.size] = kv_ids
-        self._mark(kv_ids, BlockUse.KV)
-        self._mark_sets(rec.state, BlockUse.STATE)
-        self._mark_sets(rec.spec, BlockUse.SPECULATIVE)
+        n_live, n_state = self.num_state_blocks, (1 + num_speculative) * self.num_state_blocks
+        rec = RequestRecord(request_id, num_tokens, _EMPTY, need - n_state, _EMPTY, self._no_spec())
+        self.tables.take(rec, rec.num_kv_blocks)
+        rec.kv[: rec.num_kv_blocks] = ids[n_state:]
+        self._set_ids(rec.state)[:] = ids[:n_live]
+        if num_speculative:
+            rec.spec = self._split_state_sets(ids[n_live:n_state], num_speculative)
+        if self.pool.last_allocation_was_run:
+            first = int(ids[0])  # one run (the common case): slices instead of fancy indexing
+            self.use[first : first + n_live] = BlockUse.STATE
+            self.use[first + n_live : first + n_state] = BlockUse.SPECULATIVE
+            self.use[first + n_state : first + need] = BlockUse.KV
+        else:
+            self.use[ids[:n_live]] = BlockUse.STATE
+            self.use[ids[n_live:n_state]] = BlockUse.SPECULATIVE
+            self.use[ids[n_state:]] = BlockUse.KV
         self.requests[request_id] = rec
         return Allocation(0, BlockCopies.empty())
 
@@ -156,7 +167,7 @@ class HybridBlockManager:
                 rec.kv[rec.num_kv_blocks - 1] = new[0]
                 copies = BlockCopies(old, new.copy())
                 ids = ids[1:]
-            rec.kv = _grow(rec.kv, rec.num_kv_blocks + ids.size)
+            self.tables.ensure_width(rec.num_kv_blocks + ids.size)
             rec.kv[rec.num_kv_blocks : rec.num_kv_blocks + ids.size] = ids
             rec.num_kv_blocks += ids.size
         rec.num_tokens += num_new_tokens
@@ -171,9 +182,7 @@ class HybridBlockManager:
             assert self.host_pool is not None
             self.host_pool.release(rec.host_blocks)
         else:
-            self._drop_kv(rec.kv_blocks)
-            self._drop_state(rec.state)
-            self._drop_state(rec.spec)
+            self._release_all(rec)
         del self.requests[request_id]
 
     def fork(self, parent_id: RequestId, child_id: RequestId) -> BlockCopies:
@@ -187,14 +196,15 @@ class HybridBlockManager:
         if self.num_state_blocks > self.num_available_blocks:
             raise NoFreeBlocksError(f"fork of {parent_id!r}", self.num_state_blocks, self.num_available_blocks)
         ids = self.pool.allocate(self.num_state_blocks)
-        state = self._split_state_sets(ids, 1)[0]
-        kv = parent.kv_blocks.copy()
+        kv = parent.kv_blocks
         self.pool.incref(kv)
-        child = RequestRecord(child_id, parent.num_tokens, _grow(kv, kv.size), kv.size, state, self._no_spec())
-        self._mark_sets(state, BlockUse.STATE)
+        child = RequestRecord(child_id, parent.num_tokens, _EMPTY, kv.size, _EMPTY, self._no_spec())
+        self.tables.take(child, kv.size)
+        child.kv[: kv.size] = kv
+        child.state[self._state_mask] = ids
+        self.use[ids] = BlockUse.STATE
         self.requests[child_id] = child
-        mask = self._state_mask
-        return BlockCopies(parent.state[mask].copy(), state[mask].copy())
+        return BlockCopies(parent.state[self._state_mask], ids.copy())
 
     # ---- speculative decoding -------------------------------------------------------------------
     def begin_speculation(self, request_id: RequestId, num_speculative: int) -> None:
@@ -235,13 +245,16 @@ class HybridBlockManager:
             raise ValueError(f"cannot reject {rejected} tokens of a request holding {rec.num_tokens}")
         if num_accepted:
             j = num_accepted - 1
-            rec.state, rec.spec[j] = rec.spec[j].copy(), rec.state.copy()
+            live = rec.state.copy()
+            rec.state[...] = rec.spec[j]
+            rec.spec[j] = live
             self._mark_sets(rec.state, BlockUse.STATE)
             self._mark_sets(rec.spec[j], BlockUse.SPECULATIVE)
         if rejected:
             rec.num_tokens -= rejected
             keep = cdiv(rec.num_tokens, self.block_size) if self._has_kv else 0
             self._drop_kv(rec.kv[keep : rec.num_kv_blocks].copy())
+            rec.kv[keep : rec.num_kv_blocks] = NULL_BLOCK
             rec.num_kv_blocks = keep
 
     def end_speculation(self, request_id: RequestId) -> None:
@@ -297,11 +310,8 @@ class HybridBlockManager:
 
     def _commit_out(self, plan: SwapPlan) -> None:
         rec = self._settle(plan, SwapDirection.OUT)
-        self._drop_kv(rec.kv_blocks)
-        self._drop_state(rec.state)
-        self._drop_state(rec.spec)
-        rec.kv, rec.num_kv_blocks = _EMPTY, 0
-        rec.state, rec.spec = self._empty_set(), self._no_spec()
+        self._release_all(rec)
+        rec.num_kv_blocks, rec.spec = 0, self._no_spec()
         rec.host_blocks, rec.status, rec.num_drafted = plan.host_blocks, RequestStatus.SWAPPED, 0
 
     def _abort_out(self, plan: SwapPlan) -> None:
@@ -314,9 +324,9 @@ class HybridBlockManager:
         assert self.host_pool is not None
         self.host_pool.release(rec.host_blocks)
         n_kv = plan.device_blocks.size - self.num_state_blocks
-        kv = plan.device_blocks[:n_kv]
-        rec.kv, rec.num_kv_blocks = _grow(kv, kv.size), kv.size
-        rec.state = self._split_state_sets(plan.device_blocks[n_kv:], 1)[0]
+        self.tables.take(rec, n_kv)
+        rec.kv[:n_kv], rec.num_kv_blocks = plan.device_blocks[:n_kv], n_kv
+        rec.state[self._state_mask] = plan.device_blocks[n_kv:]
         rec.host_blocks, rec.status = _EMPTY, RequestStatus.RUNNING
 
     def _abort_in(self, plan: SwapPlan) -> None:
@@ -328,23 +338,29 @@ class HybridBlockManager:
     def block_table(
         self, request_ids: Sequence[RequestId], num_rows: int | None = None, width: int | None = None
     ) -> np.ndarray:
-        """KV block table ``[num_rows, width]`` int32 (default ``[B, max blocks]``), padding = null block."""
-        recs = [self._running(r) for r in request_ids]
-        rows = len(recs) if num_rows is None else num_rows
+        """KV block table ``[num_rows, width]`` int32 (default ``[B, max blocks]``), padding = null block.
+
+        Request ids must be running with no pending swap plan (else :class:`RequestStateError`).
+        """
+        recs = self._batch(request_ids)
         width = max((r.num_kv_blocks for r in recs), default=0) if width is None else width
-        table = np.zeros((rows, width), dtype=np.int32)
-        for i, rec in enumerate(recs):
-            table[i, : rec.num_kv_blocks] = rec.kv[: rec.num_kv_blocks]
-        return table
+        return self.tables.gather_kv([r.row for r in recs], len(recs) if num_rows is None else num_rows, width)
 
     def state_table(self, request_ids: Sequence[RequestId], num_rows: int | None = None) -> np.ndarray:
         """Live state sets ``[num_state_groups, num_rows, blocks_per_state]`` int32; padding rows are null."""
-        recs = [self._running(r) for r in request_ids]
-        rows = len(recs) if num_rows is None else num_rows
-        table = np.zeros((self.num_state_groups, rows, self.blocks_per_state), dtype=np.int32)
-        if recs:
-            table[:, : len(recs)] = np.stack([r.state for r in recs], axis=1)
-        return table
+        recs = self._batch(request_ids)
+        return self.tables.gather_state([r.row for r in recs], len(recs) if num_rows is None else num_rows)
+
+    def _batch(self, request_ids: Sequence[RequestId]) -> list[RequestRecord]:
+        requests = self.requests
+        try:
+            recs = [requests[r] for r in request_ids]
+        except KeyError as e:
+            raise UnknownRequestError(f"unknown request {e.args[0]!r}: allocate it first") from None
+        for rec in recs:
+            if rec.row < 0 or rec.pending is not None:
+                self._running(rec.request_id)  # raises with the reason
+        return recs
 
     def speculative_table(self, request_id: RequestId) -> np.ndarray:
         """Speculative sets of one request, ``[K, num_state_groups, blocks_per_state]`` int32."""
@@ -403,11 +419,14 @@ class HybridBlockManager:
         sets[:, self._state_mask] = ids.reshape(num_sets, self.num_state_blocks)
         return sets
 
-    def _empty_set(self) -> np.ndarray:
-        return np.zeros((self.num_state_groups, self.blocks_per_state), dtype=np.int32)
-
     def _no_spec(self) -> np.ndarray:
         return np.zeros((0, self.num_state_groups, self.blocks_per_state), dtype=np.int32)
+
+    def _set_ids(self, sets: np.ndarray) -> np.ndarray:
+        """The block ids of state sets ``[..., G, bps]`` as a flat array (a view when groups are equal)."""
+        if self._uniform_sets:
+            return sets.reshape(-1)
+        return sets[..., self._state_mask].ravel()
 
     def _mark(self, ids: np.ndarray, use: BlockUse) -> None:
         self.use[ids] = use
@@ -426,11 +445,12 @@ class HybridBlockManager:
         self.use[ids] = BlockUse.FREE
         self.pool.free(ids)
 
+    def _release_all(self, rec: RequestRecord) -> None:
+        """Give back a running request's blocks in one pool operation and its table row."""
+        owned = np.concatenate((self._set_ids(rec.state), self._set_ids(rec.spec)))
+        self.pool.ref_counts[owned] = 0
+        release = np.concatenate((owned, self.pool.decref(rec.kv_blocks)))
+        self.use[release] = BlockUse.FREE
+        self.pool.free(release)
+        self.tables.give_back(rec)
 
-def _grow(arr: np.ndarray, size: int) -> np.ndarray:
-    """``arr`` with room for at least ``size`` entries (capacity doubles), contents kept."""
-    if arr.size >= size and arr.base is None:
-        return arr
-    out = np.zeros(max(size, 2 * arr.size, 16), dtype=np.int32)
-    out[: arr.size] = arr
-    return out

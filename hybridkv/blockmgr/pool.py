@@ -24,6 +24,8 @@ def runs(ids: np.ndarray) -> list[tuple[int, int]]:
     """Maximal runs of consecutive ids, as ``(start, end)`` pairs, of a sorted id array."""
     if ids.size == 0:
         return []
+    if int(ids[-1]) - int(ids[0]) + 1 == ids.size:  # the common case: one run
+        return [(int(ids[0]), int(ids[-1]) + 1)]
     breaks = np.flatnonzero(np.diff(ids) != 1) + 1
     starts = ids[np.concatenate(([0], breaks))]
     ends = ids[np.concatenate((breaks - 1, [ids.size - 1]))] + 1
@@ -48,6 +50,7 @@ class BlockPool:
         self._by_start: SortedDict = SortedDict()  # start -> end
         self._by_length: SortedList = SortedList()  # (length, start)
         self._num_free = 0
+        self.last_allocation_was_run = False  # whether the last allocate() returned one id run
         self._insert(first, num_blocks)
 
     # ---- counts ------------------------------------------------------------------------------
@@ -84,6 +87,7 @@ class BlockPool:
         so reaching this is a bug in the caller, and nothing has changed.
         """
         if n <= 0:
+            self.last_allocation_was_run = False
             return _EMPTY
         if n > self._num_free:
             raise ValueError(f"asked for {n} blocks, {self._num_free} free")
@@ -93,7 +97,9 @@ class BlockPool:
             self._remove(start, start + length)
             if length > n:
                 self._insert(start + n, start + length)
-            out = np.arange(start, start + n, dtype=np.int32)
+            self.ref_counts[start : start + n] = 1
+            self.last_allocation_was_run = True
+            return np.arange(start, start + n, dtype=np.int32)
         else:  # fragmented: largest extents first, so few runs
             parts, left = [], n
             while left:
@@ -106,14 +112,19 @@ class BlockPool:
                 left -= take
             out = np.concatenate(parts)
         self.ref_counts[out] = 1
+        self.last_allocation_was_run = len(parts) == 1
         return out
 
     def free(self, ids: np.ndarray) -> None:
-        """Return ids whose reference count is zero to the free extents, merging neighbours."""
+        """Return distinct ids whose reference count is zero to the free extents, merging neighbours."""
         if ids.size == 0:
             return
-        ids = np.sort(np.asarray(ids, dtype=np.int32))
-        for start, end in runs(ids):
+        lo, hi = int(ids.min()), int(ids.max()) + 1
+        if hi - lo == ids.size:  # distinct ids spanning one run: no sort needed
+            extents = [(lo, hi)]
+        else:
+            extents = runs(np.sort(np.asarray(ids, dtype=np.int32)))
+        for start, end in extents:
             j = self._by_start.bisect_right(start)
             if j:  # merge with the extent before
                 prev_start = self._by_start.keys()[j - 1]
@@ -136,6 +147,11 @@ class BlockPool:
         """One reference less on each (distinct) id; returns the ids that reached zero."""
         if ids.size == 0:
             return _EMPTY
+        lo, hi = int(ids.min()), int(ids.max()) + 1
+        if hi - lo == ids.size:  # distinct ids spanning one run: slices instead of fancy indexing
+            counts = self.ref_counts[lo:hi]
+            counts -= 1
+            return ids if not counts.any() else ids[self.ref_counts[ids] == 0]
         self.ref_counts[ids] -= 1
         return ids[self.ref_counts[ids] == 0]
 

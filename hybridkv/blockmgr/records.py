@@ -62,8 +62,9 @@ class Allocation(NamedTuple):
 class RequestRecord:
     """Everything the manager holds for one request.
 
-    ``kv`` is a growable int32 array; its first ``num_kv_blocks`` entries are the KV block table.
-    ``state`` is ``[num_state_groups, blocks_per_state]`` (the live sets), ``spec`` is
+    ``kv`` views the request's row of the manager's KV matrix; its first ``num_kv_blocks`` entries
+    are the KV block table, the rest null. ``state`` views its live sets
+    ``[num_state_groups, blocks_per_state]`` the same way; ``spec`` (owned by the record) is
     ``[K, num_state_groups, blocks_per_state]`` (speculative sets). While swapped, device arrays are
     empty and ``host_blocks`` holds the host copies (KV first, then the live state sets).
     """
@@ -78,6 +79,7 @@ class RequestRecord:
     host_blocks: np.ndarray = field(default_factory=lambda: _EMPTY)
     num_drafted: int = 0
     pending: SwapPlan | None = None
+    row: int = -1  # row in the manager's RowTables while running
 
     @property
     def kv_blocks(self) -> np.ndarray:
