@@ -40,6 +40,7 @@ from hybridkv.blockmgr.tables import RowTables
 from hybridkv.blockmgr.units import cdiv
 
 _EMPTY = np.empty(0, dtype=np.int32)
+_NO_COPIES = BlockCopies.empty()
 
 
 class HybridBlockManager:
@@ -69,6 +70,7 @@ class HybridBlockManager:
         self.use[NULL_BLOCK] = BlockUse.NULL
         self.requests: dict[RequestId, RequestRecord] = {}
         self.tables = RowTables(self.num_state_groups, self.blocks_per_state)
+        self._no_spec_sets = np.zeros((0, self.num_state_groups, self.blocks_per_state), dtype=np.int32)
 
     # ---- counting: the one formula --------------------------------------------------------------
     def blocks_to_admit(self, num_tokens: int, num_speculative: int = 0) -> int:
@@ -151,13 +153,20 @@ class HybridBlockManager:
         """
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
-        rec = self._running(request_id)
+        rec = self.requests.get(request_id)
+        if rec is None or rec.row < 0 or rec.pending is not None:
+            rec = self._running(request_id)  # raises with the reason
+        total = rec.num_tokens + num_new_tokens
+        # decode fast path: the tokens fit the last, private block (no Python beyond a few compares)
+        if num_new_tokens and total <= rec.num_kv_blocks * self.block_size and not self._needs_cow(rec):
+            rec.num_tokens = total
+            return _NO_COPIES
         need = self.num_new_kv_blocks(request_id, num_new_tokens)
         if need > self.num_available_blocks:
             raise NoFreeBlocksError(
                 f"append of {num_new_tokens} tokens to {request_id!r}", need, self.num_available_blocks
             )
-        copies = BlockCopies.empty()
+        copies = _NO_COPIES
         if need:
             ids = self.pool.allocate(need)
             self._mark(ids, BlockUse.KV)
@@ -420,7 +429,7 @@ class HybridBlockManager:
         return sets
 
     def _no_spec(self) -> np.ndarray:
-        return np.zeros((0, self.num_state_groups, self.blocks_per_state), dtype=np.int32)
+        return self._no_spec_sets  # shared and never written: spec arrays are replaced, not resized
 
     def _set_ids(self, sets: np.ndarray) -> np.ndarray:
         """The block ids of state sets ``[..., G, bps]`` as a flat array (a view when groups are equal)."""

@@ -1,0 +1,54 @@
+"""Shared helpers of the benchmarks: machine facts, timing statistics, saving results as JSON."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def machine_info() -> dict[str, Any]:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+    }
+
+
+def time_us(fn: Callable[[], object], repeats: int = 7, number: int = 200) -> dict[str, float]:
+    """Run ``fn`` ``number`` times per repeat; per-call microseconds: best, median, worst repeat."""
+    samples = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(number):
+            fn()
+        samples.append((time.perf_counter() - t0) / number * 1e6)
+    return {"best_us": min(samples), "median_us": statistics.median(samples), "worst_us": max(samples)}
+
+
+def save(name: str, payload: dict[str, Any]) -> Path:
+    """Write ``benchmarks/results/<name>_<date>.json`` with the date and machine added."""
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    now = _dt.datetime.now(_dt.UTC)
+    payload = {"benchmark": name, "date": now.isoformat(timespec="seconds"), "machine": machine_info(), **payload}
+    path = RESULTS_DIR / f"{name}_{now.date().isoformat()}.json"
+    path.write_text(json.dumps(payload, indent=2) + "\n")
+    return path
