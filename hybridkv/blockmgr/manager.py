@@ -25,6 +25,7 @@ from hybridkv.blockmgr.errors import (
 from hybridkv.blockmgr.integrity import check_integrity
 from hybridkv.blockmgr.layout import NULL_BLOCK, Layout
 from hybridkv.blockmgr.pool import BlockPool
+from hybridkv.blockmgr.prefix import PrefixCache, PrefixCacheConfig, PrefixHit
 from hybridkv.blockmgr.records import (
     Allocation,
     BlockCopies,
@@ -50,7 +51,13 @@ class HybridBlockManager:
     usable blocks admission keeps free for running requests to grow into.
     """
 
-    def __init__(self, layout: Layout, num_host_blocks: int = 0, watermark: float = 0.0) -> None:
+    def __init__(
+        self,
+        layout: Layout,
+        num_host_blocks: int = 0,
+        watermark: float = 0.0,
+        prefix_cache: PrefixCacheConfig | None = None,
+    ) -> None:
         if not 0.0 <= watermark < 1.0:
             raise ValueError(f"watermark must be a fraction in [0, 1), got {watermark}")
         self.layout = layout
@@ -71,17 +78,41 @@ class HybridBlockManager:
         self.requests: dict[RequestId, RequestRecord] = {}
         self.tables = RowTables(self.num_state_groups, self.blocks_per_state)
         self._no_spec_sets = np.zeros((0, self.num_state_groups, self.blocks_per_state), dtype=np.int32)
+        self.prefix_cache = PrefixCache(self, prefix_cache) if prefix_cache is not None else None
 
     # ---- counting: the one formula --------------------------------------------------------------
-    def blocks_to_admit(self, num_tokens: int, num_speculative: int = 0) -> int:
-        """Blocks ``allocate`` takes for a prompt: KV blocks + live state sets + speculative sets."""
+    def blocks_to_admit(
+        self, num_tokens: int, num_speculative: int = 0, token_ids: Sequence[int] | None = None
+    ) -> int:
+        """Blocks ``allocate`` takes out of :attr:`num_available_blocks` for a request holding
+        ``num_tokens`` tokens: KV blocks + live state sets + speculative sets, less the KV blocks a
+        prefix hit shares (plus the cached ones it revives, which stop being evictable)."""
+        return self._admission(num_tokens, num_speculative, token_ids)[0]
+
+    def _admission(
+        self, num_tokens: int, num_speculative: int, token_ids: Sequence[int] | None
+    ) -> tuple[int, int, PrefixHit | None]:
+        """(blocks taken from the available count, new blocks to allocate, the prefix hit)."""
         kv = cdiv(num_tokens, self.block_size) if self._has_kv else 0
-        return kv + (1 + num_speculative) * self.num_state_blocks
+        new = kv + (1 + num_speculative) * self.num_state_blocks
+        if self.prefix_cache is None or token_ids is None:
+            return new, new, None
+        hit = self.prefix_cache.match(token_ids, num_tokens)
+        shared = len(hit.nodes) if self._has_kv else 0
+        return new - shared + self.prefix_cache.num_revived(hit), new - shared, hit
+
+    def match_prefix(self, token_ids: Sequence[int], max_tokens: int | None = None) -> int:
+        """Tokens of ``token_ids`` a request admitted now would get from the prefix cache."""
+        if self.prefix_cache is None:
+            return 0
+        return self.prefix_cache.match(token_ids, len(token_ids) if max_tokens is None else max_tokens).num_tokens
 
     @property
     def num_available_blocks(self) -> int:
-        """Blocks an allocation can take now (free; evictable ones once a prefix cache exists)."""
-        return self.pool.num_free
+        """Blocks an allocation can take now: free plus evictable (cached KV, checkpoints)."""
+        if self.prefix_cache is None:
+            return self.pool.num_free
+        return self.pool.num_free + self.prefix_cache.num_evictable
 
     def check_fits(self, max_tokens: int, num_speculative: int = 0) -> None:
         """Raise :class:`RequestTooLargeError` if a request of ``max_tokens`` can never fit."""
@@ -89,15 +120,27 @@ class HybridBlockManager:
         if needed > self.pool.num_usable - self.watermark_blocks:
             raise RequestTooLargeError(needed, self.pool.num_usable - self.watermark_blocks)
 
-    def can_allocate(self, num_tokens: int, num_speculative: int = 0) -> bool:
-        need = self.blocks_to_admit(num_tokens, num_speculative)
+    def can_allocate(
+        self, num_tokens: int, num_speculative: int = 0, token_ids: Sequence[int] | None = None
+    ) -> bool:
+        need = self.blocks_to_admit(num_tokens, num_speculative, token_ids)
         return need + self.watermark_blocks <= self.num_available_blocks
 
     # ---- lifecycle -----------------------------------------------------------------------------
-    def allocate(self, request_id: RequestId, num_tokens: int, num_speculative: int = 0) -> Allocation:
+    def allocate(
+        self,
+        request_id: RequestId,
+        num_tokens: int,
+        num_speculative: int = 0,
+        token_ids: Sequence[int] | None = None,
+    ) -> Allocation:
         """Admit a request: KV blocks for ``num_tokens`` plus its state sets, in one pool operation.
 
-        Raises :class:`DuplicateRequestError`, :class:`RequestTooLargeError` (never fits) or
+        With a prefix cache and ``token_ids`` (the whole input, possibly longer than
+        ``num_tokens``), the longest hit within ``num_tokens`` shares its KV blocks and the live sets
+        are filled from its checkpoint: ``Allocation.copies`` (checkpoint -> live) must run before
+        the request's first forward, which starts at ``num_cached_tokens``. Raises
+        :class:`DuplicateRequestError`, :class:`RequestTooLargeError` (never fits) or
         :class:`NoFreeBlocksError` (not now); nothing changes on error.
         """
         if request_id in self.requests:
@@ -105,20 +148,26 @@ class HybridBlockManager:
         if num_tokens < 0 or num_speculative < 0:
             raise ValueError(f"num_tokens and num_speculative must be >= 0, got {num_tokens}, {num_speculative}")
         self.check_fits(num_tokens, num_speculative)
-        need = self.blocks_to_admit(num_tokens, num_speculative)
-        if need + self.watermark_blocks > self.num_available_blocks:
+        taken, need, hit = self._admission(num_tokens, num_speculative, token_ids)
+        if taken + self.watermark_blocks > self.num_available_blocks:
             raise NoFreeBlocksError(
                 f"request {request_id!r} ({num_tokens} tokens)",
-                need + self.watermark_blocks,
+                taken + self.watermark_blocks,
                 self.num_available_blocks,
                 "wait for running requests to finish or preempt one",
             )
+        shared = _EMPTY
+        if hit is not None:
+            # evict first, sparing the hit; then take the hit's blocks out of the evictable set
+            self._make_room(need, protect={n.key for n in hit.nodes})
+            shared = self.prefix_cache.take_hit(hit)  # type: ignore[union-attr]
         # state sets first: they are the contiguous part that ops gather and swap
-        ids = self.pool.allocate(need)
+        ids = self._take(need)
         n_live, n_state = self.num_state_blocks, (1 + num_speculative) * self.num_state_blocks
-        rec = RequestRecord(request_id, num_tokens, _EMPTY, need - n_state, _EMPTY, self._no_spec())
+        rec = RequestRecord(request_id, num_tokens, _EMPTY, shared.size + need - n_state, _EMPTY, self._no_spec())
         self.tables.take(rec, rec.num_kv_blocks)
-        rec.kv[: rec.num_kv_blocks] = ids[n_state:]
+        rec.kv[: shared.size] = shared
+        rec.kv[shared.size : rec.num_kv_blocks] = ids[n_state:]
         self._set_ids(rec.state)[:] = ids[:n_live]
         if num_speculative:
             rec.spec = self._split_state_sets(ids[n_live:n_state], num_speculative)
@@ -132,7 +181,17 @@ class HybridBlockManager:
             self.use[ids[n_live:n_state]] = BlockUse.SPECULATIVE
             self.use[ids[n_state:]] = BlockUse.KV
         self.requests[request_id] = rec
-        return Allocation(0, BlockCopies.empty())
+        if hit is None:
+            return Allocation(0, _NO_COPIES)
+        assert token_ids is not None and self.prefix_cache is not None
+        rec.token_ids = list(token_ids)
+        rec.block_keys = [n.key for n in hit.nodes]
+        rec.branch_tokens = hit.num_matched_tokens
+        self.prefix_cache.register(rec.token_ids, rec.block_keys, rec.kv_blocks, num_tokens)
+        copies = _NO_COPIES
+        if hit.checkpoint is not None:
+            copies = BlockCopies(hit.checkpoint.checkpoint.copy(), ids[:n_live].copy())  # type: ignore[union-attr]
+        return Allocation(hit.num_tokens, copies)
 
     def num_new_kv_blocks(self, request_id: RequestId, num_new_tokens: int) -> int:
         """Blocks ``append`` takes for ``num_new_tokens`` more tokens (copy-on-write included)."""
@@ -145,11 +204,15 @@ class HybridBlockManager:
     def can_append(self, request_id: RequestId, num_new_tokens: int) -> bool:
         return self.num_new_kv_blocks(request_id, num_new_tokens) <= self.num_available_blocks
 
-    def append(self, request_id: RequestId, num_new_tokens: int) -> BlockCopies:
+    def append(
+        self, request_id: RequestId, num_new_tokens: int, token_ids: Sequence[int] | None = None
+    ) -> BlockCopies:
         """Grow a request's KV by ``num_new_tokens``; state sets never grow.
 
         Returns the copy-on-write copies to run first (a shared, partly filled last block gets a
-        private copy before it is written). Raises :class:`NoFreeBlocksError`; nothing changes then.
+        private copy before it is written). ``token_ids``: tokens beyond the input given at
+        admission (sampled ones), so their full blocks can be cached too. Raises
+        :class:`NoFreeBlocksError`; nothing changes then.
         """
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
@@ -160,6 +223,8 @@ class HybridBlockManager:
         # decode fast path: the tokens fit the last, private block (no Python beyond a few compares)
         if num_new_tokens and total <= rec.num_kv_blocks * self.block_size and not self._needs_cow(rec):
             rec.num_tokens = total
+            if rec.token_ids is not None:
+                self._cache_tokens(rec, token_ids)
             return _NO_COPIES
         need = self.num_new_kv_blocks(request_id, num_new_tokens)
         if need > self.num_available_blocks:
@@ -168,7 +233,7 @@ class HybridBlockManager:
             )
         copies = _NO_COPIES
         if need:
-            ids = self.pool.allocate(need)
+            ids = self._take(need)
             self._mark(ids, BlockUse.KV)
             if self._needs_cow(rec) and num_new_tokens > 0:
                 old, new = rec.kv[rec.num_kv_blocks - 1 : rec.num_kv_blocks].copy(), ids[:1]
@@ -180,7 +245,53 @@ class HybridBlockManager:
             rec.kv[rec.num_kv_blocks : rec.num_kv_blocks + ids.size] = ids
             rec.num_kv_blocks += ids.size
         rec.num_tokens += num_new_tokens
+        if rec.token_ids is not None:
+            self._cache_tokens(rec, token_ids)
         return copies
+
+    def _cache_tokens(self, rec: RequestRecord, token_ids: Sequence[int] | None) -> None:
+        assert rec.token_ids is not None and self.prefix_cache is not None
+        if token_ids is not None:
+            rec.token_ids.extend(token_ids)
+        if rec.num_tokens // self.block_size > len(rec.block_keys):
+            self.prefix_cache.register(rec.token_ids, rec.block_keys, rec.kv_blocks, rec.num_tokens)
+
+    # ---- prefix-cache checkpoints --------------------------------------------------------------
+    def next_checkpoint_position(self, request_id: RequestId) -> int | None:
+        """The next input position past the request's tokens where the checkpoint policy wants
+        the state saved (a scheduler ends a prefill chunk there), or None."""
+        rec = self._running(request_id)
+        cache = self.prefix_cache
+        if cache is None or rec.token_ids is None:
+            return None
+        bs = self.block_size
+        for pos in range((rec.num_tokens // bs + 1) * bs, len(rec.token_ids) + 1, bs):
+            if cache.wants_checkpoint(pos, len(rec.token_ids), rec.branch_tokens):
+                return pos
+        return None
+
+    def checkpoint(self, request_id: RequestId) -> BlockCopies:
+        """Save the live state at the request's current position if the policy wants it there.
+
+        Call right after the forward that brought the request to ``num_tokens`` (its live sets
+        hold the state at exactly that position). Returns the copies live -> checkpoint, to run
+        before the next forward; empty when no checkpoint is due, one exists already, or no
+        blocks are available (checkpoints are best effort).
+        """
+        rec = self._running(request_id)
+        cache = self.prefix_cache
+        pos, bs = rec.num_tokens, self.block_size
+        if cache is None or rec.token_ids is None or pos % bs or pos // bs > len(rec.block_keys):
+            return _NO_COPIES
+        if not cache.wants_checkpoint(pos, len(rec.token_ids), rec.branch_tokens):
+            return _NO_COPIES
+        key = rec.block_keys[pos // bs - 1]
+        if cache.has_checkpoint(key) or self.num_state_blocks > self.num_available_blocks:
+            return _NO_COPIES
+        self._make_room(self.num_state_blocks, protect={key})
+        ids = self.pool.allocate(self.num_state_blocks)
+        cache.add_checkpoint(key, ids)
+        return BlockCopies(self._set_ids(rec.state).copy(), ids.copy())
 
     def free(self, request_id: RequestId) -> None:
         """Release everything the request holds; shared KV blocks drop one reference."""
@@ -204,10 +315,12 @@ class HybridBlockManager:
             raise DuplicateRequestError(f"request {child_id!r} is already allocated: fork into a new id")
         if self.num_state_blocks > self.num_available_blocks:
             raise NoFreeBlocksError(f"fork of {parent_id!r}", self.num_state_blocks, self.num_available_blocks)
-        ids = self.pool.allocate(self.num_state_blocks)
+        ids = self._take(self.num_state_blocks)
         kv = parent.kv_blocks
         self.pool.incref(kv)
         child = RequestRecord(child_id, parent.num_tokens, _EMPTY, kv.size, _EMPTY, self._no_spec())
+        if parent.token_ids is not None:
+            child.token_ids, child.block_keys = list(parent.token_ids), list(parent.block_keys)
         self.tables.take(child, kv.size)
         child.kv[: kv.size] = kv
         child.state[self._state_mask] = ids
@@ -231,7 +344,7 @@ class HybridBlockManager:
                 raise NoFreeBlocksError(
                     f"{num_speculative} speculative sets for {request_id!r}", need, self.num_available_blocks
                 )
-            new = self._split_state_sets(self.pool.allocate(need), missing)
+            new = self._split_state_sets(self._take(need), missing)
             self._mark_sets(new, BlockUse.SPECULATIVE)
             rec.spec = np.concatenate((rec.spec, new))
         rec.num_drafted = num_speculative
@@ -302,7 +415,7 @@ class HybridBlockManager:
         n = rec.host_blocks.size
         if n > self.num_available_blocks:
             raise NoFreeBlocksError(f"swap-in of {request_id!r}", n, self.num_available_blocks)
-        device = self.pool.allocate(n)
+        device = self._take(n)
         self._mark(device[: n - self.num_state_blocks], BlockUse.KV)
         self._mark(device[n - self.num_state_blocks :], BlockUse.STATE)
         rec.pending = SwapPlan(
@@ -443,8 +556,23 @@ class HybridBlockManager:
     def _mark_sets(self, sets: np.ndarray, use: BlockUse) -> None:
         self.use[sets[..., self._state_mask]] = use
 
-    def _drop_kv(self, ids: np.ndarray) -> None:
+    def _make_room(self, num_blocks: int, protect: set[int] = frozenset()) -> None:  # type: ignore[assignment]
+        """Evict cached blocks until ``num_blocks`` are free (the caller checked availability)."""
+        short = num_blocks - self.pool.num_free
+        if short > 0 and self.prefix_cache is not None:
+            self.pool.free(self.prefix_cache.evict(short, protect))
+
+    def _take(self, num_blocks: int) -> np.ndarray:
+        self._make_room(num_blocks)
+        return self.pool.allocate(num_blocks)
+
+    def _release_kv(self, ids: np.ndarray) -> np.ndarray:
+        """Drop one reference; cached blocks that reach zero become evictable; returns the rest."""
         zero = self.pool.decref(ids)
+        return zero if self.prefix_cache is None else self.prefix_cache.release(zero)
+
+    def _drop_kv(self, ids: np.ndarray) -> None:
+        zero = self._release_kv(ids)
         self.use[zero] = BlockUse.FREE
         self.pool.free(zero)
 
@@ -458,7 +586,7 @@ class HybridBlockManager:
         """Give back a running request's blocks in one pool operation and its table row."""
         owned = np.concatenate((self._set_ids(rec.state), self._set_ids(rec.spec)))
         self.pool.ref_counts[owned] = 0
-        release = np.concatenate((owned, self.pool.decref(rec.kv_blocks)))
+        release = np.concatenate((owned, self._release_kv(rec.kv_blocks)))
         self.use[release] = BlockUse.FREE
         self.pool.free(release)
         self.tables.give_back(rec)

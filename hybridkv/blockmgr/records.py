@@ -80,6 +80,11 @@ class RequestRecord:
     num_drafted: int = 0
     pending: SwapPlan | None = None
     row: int = -1  # row in the manager's RowTables while running
+    # prefix caching: the input's token ids (then any appended), hash-chain keys of its full blocks,
+    # and where it left the cached prefixes at admission
+    token_ids: list[int] | None = None
+    block_keys: list[int] = field(default_factory=list)
+    branch_tokens: int = 0
 
     @property
     def kv_blocks(self) -> np.ndarray:

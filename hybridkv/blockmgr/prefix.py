@@ -1,0 +1,327 @@
+"""Prefix caching for hybrid models: a KV hash chain plus recurrent-state checkpoints.
+
+- KV: every full block of a request's tokens is a :class:`Node` of a hash chain (key = hash of
+  the parent key and the block's token ids; token ids are compared on a hit). Blocks are shared by
+  reference count; a block whose count drops to zero stays cached (evictable) until evicted.
+- State: a **checkpoint** is a state set per state group frozen at a block-aligned position and
+  owned by the cache. A hit is the longest prefix ``p`` whose KV blocks are all cached **and** that
+  has a checkpoint at exactly ``p``; the request's live sets are then filled by a copy.
+- Checkpoint policies (:class:`CheckpointPolicy`) choose the positions; eviction policies
+  (:class:`EvictionPolicy`) choose what to drop when the pool runs short.
+
+The cache holds no tensors; the manager runs it (``HybridBlockManager(..., prefix_cache=...)``).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, NamedTuple
+
+import numpy as np
+
+from hybridkv.blockmgr.flops import prefill_flops
+from hybridkv.blockmgr.records import BlockUse
+
+if TYPE_CHECKING:
+    from hybridkv.blockmgr.manager import HybridBlockManager
+
+ROOT_KEY = 0
+
+
+class CheckpointPolicy(enum.Enum):
+    NONE = "none"  # KV only: hits need a checkpoint, so hybrid models never hit
+    EVERY_N_BLOCKS = "every_n_blocks"  # at every n-th block boundary of the input
+    BRANCH_AND_LAST = "branch_and_last"  # where a request leaves the cached prefixes, and at its input's end
+
+
+class EvictionPolicy(enum.Enum):
+    LRU = "lru"
+    FLOP_AWARE = "flop_aware"  # alpha * normalized FLOPs saved per byte + normalized recency
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixCacheConfig:
+    """``every_n``: block interval of ``every_n_blocks``. ``alpha``: weight of FLOP efficiency.
+    ``evict_batch_fraction``: flop_aware ranks all candidates once per eviction and frees at least
+    this fraction of the pool, so the ranking cost is paid rarely."""
+
+    checkpoint: CheckpointPolicy = CheckpointPolicy.BRANCH_AND_LAST
+    eviction: EvictionPolicy = EvictionPolicy.FLOP_AWARE
+    every_n: int = 8
+    alpha: float = 1.0
+    evict_batch_fraction: float = 0.01
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "checkpoint", CheckpointPolicy(self.checkpoint))
+        object.__setattr__(self, "eviction", EvictionPolicy(self.eviction))
+        if self.every_n <= 0:
+            raise ValueError(f"every_n must be a positive number of blocks, got {self.every_n}")
+
+
+@dataclass(slots=True, eq=False)
+class Node:
+    """One full block of a cached token sequence: ends at token ``position``."""
+
+    key: int
+    tokens: tuple[int, ...]
+    position: int
+    kv_block: int = 0  # 0: no KV block cached for it
+    checkpoint: np.ndarray | None = None  # flat block ids of the state sets at ``position``
+    kv_tick: int = 0
+    ckpt_tick: int = 0
+    ckpt_flops_per_byte: float = 0.0
+    kv_flops_per_byte: float = 0.0
+
+
+class PrefixHit(NamedTuple):
+    num_tokens: int  # tokens served from the cache (0 = miss)
+    nodes: list[Node]  # the chain of the hit, one node per block below num_tokens
+    checkpoint: Node | None  # node holding the checkpoint at num_tokens
+    num_matched_tokens: int  # tokens whose KV blocks are cached (>= num_tokens): the branch point
+
+
+def chain_keys(token_ids: Sequence[int], block_size: int, start_key: int = ROOT_KEY, start: int = 0) -> list[int]:
+    """Hash-chain keys of the full blocks of ``token_ids`` from block ``start`` on."""
+    keys, key = [], start_key
+    for j in range(start, len(token_ids) // block_size):
+        key = hash((key, tuple(token_ids[j * block_size : (j + 1) * block_size])))
+        keys.append(key)
+    return keys
+
+
+@dataclass(slots=True)
+class _Counters:
+    queries: int = 0
+    query_tokens: int = 0
+    hit_tokens: int = 0
+    checkpoints_made: int = 0
+    checkpoints_evicted: int = 0
+    kv_evicted: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+class PrefixCache:
+    """The cache's books; all block movements go through the manager's pool and ``use`` bytes."""
+
+    def __init__(self, manager: HybridBlockManager, config: PrefixCacheConfig | None = None) -> None:
+        self.m = manager
+        self.config = config or PrefixCacheConfig()
+        self.block_size = manager.block_size
+        self.nodes: dict[int, Node] = {}
+        self.block_node: dict[int, Node] = {}  # cached KV block id -> node
+        self._evictable_kv: OrderedDict[int, Node] = OrderedDict()  # block id -> node, LRU order
+        self._checkpoints: OrderedDict[int, Node] = OrderedDict()  # node key -> node, LRU order
+        self._tick = 0
+        self.stats = _Counters()
+        model, layout = manager.layout.model, manager.layout
+        self._ckpt_bytes = manager.num_state_blocks * layout.bytes_per_block
+        self._model = model
+
+    # ---- counts ------------------------------------------------------------------------------
+    @property
+    def num_evictable(self) -> int:
+        return len(self._evictable_kv) + len(self._checkpoints) * self.m.num_state_blocks
+
+    def cached_kv_blocks(self) -> np.ndarray:
+        return np.fromiter(self._evictable_kv, dtype=np.int32, count=len(self._evictable_kv))
+
+    def checkpoint_blocks(self) -> np.ndarray:
+        if not self._checkpoints:
+            return np.empty(0, dtype=np.int32)
+        return np.concatenate([n.checkpoint for n in self._checkpoints.values()])  # type: ignore[misc]
+
+    def _now(self) -> int:
+        self._tick += 1
+        return self._tick
+
+    # ---- lookup ------------------------------------------------------------------------------
+    def match(self, token_ids: Sequence[int], max_tokens: int) -> PrefixHit:
+        """The longest hit within ``min(max_tokens, len(token_ids) - 1)`` tokens (one token is
+        always left to compute, so the forward has logits to sample)."""
+        limit = (len(token_ids) - 1) // self.block_size  # the chain over the whole input: branch point
+        max_blocks = min(max_tokens, len(token_ids) - 1) // self.block_size
+        has_kv = self.m._has_kv
+        nodes: list[Node] = []
+        key = ROOT_KEY
+        for j in range(limit):
+            tokens = tuple(token_ids[j * self.block_size : (j + 1) * self.block_size])
+            key = hash((key, tokens))
+            node = self.nodes.get(key)
+            if node is None or node.tokens != tokens or (has_kv and not node.kv_block):
+                break
+            nodes.append(node)
+        best = 0
+        if self.m.num_state_groups == 0:
+            best = min(len(nodes), max_blocks)
+        else:
+            for i in range(min(len(nodes), max_blocks), 0, -1):
+                if nodes[i - 1].checkpoint is not None:
+                    best = i
+                    break
+        ckpt = nodes[best - 1] if best and self.m.num_state_groups else None
+        return PrefixHit(best * self.block_size, nodes[:best], ckpt, len(nodes) * self.block_size)
+
+    def num_revived(self, hit: PrefixHit) -> int:
+        """Blocks of the hit now counted as evictable that the hit takes back (it shares them)."""
+        return sum(1 for n in hit.nodes if n.kv_block in self._evictable_kv)
+
+    def take_hit(self, hit: PrefixHit) -> np.ndarray:
+        """Reference the hit's KV blocks (reviving evictable ones); returns them in chain order."""
+        now = self._now()
+        ids = np.fromiter((n.kv_block for n in hit.nodes), dtype=np.int32, count=len(hit.nodes))
+        if not self.m._has_kv:
+            ids = ids[:0]
+        for n in hit.nodes:
+            n.kv_tick = now
+            self._evictable_kv.pop(n.kv_block, None)
+        if ids.size:
+            self.m.pool.incref(ids)
+            self.m.use[ids] = BlockUse.KV
+        if hit.checkpoint is not None:
+            hit.checkpoint.ckpt_tick = now
+            self._checkpoints.move_to_end(hit.checkpoint.key)
+        self.stats.hit_tokens += hit.num_tokens
+        return ids
+
+    # ---- registration ------------------------------------------------------------------------
+    def register(self, token_ids: Sequence[int], keys: list[int], kv_blocks: np.ndarray, num_tokens: int) -> None:
+        """Add the full blocks of ``token_ids[:num_tokens]`` beyond ``len(keys)`` to the chain.
+
+        ``keys`` (the request's chain so far) is extended in place; ``kv_blocks`` are the request's
+        KV blocks (empty for state-only models). A block whose node already has a KV block stays
+        private to the request (two requests computed the same content).
+        """
+        start = len(keys)
+        end = min(num_tokens, len(token_ids)) // self.block_size
+        key = keys[-1] if keys else ROOT_KEY
+        has_kv = self.m._has_kv
+        for j in range(start, end):
+            tokens = tuple(token_ids[j * self.block_size : (j + 1) * self.block_size])
+            key = hash((key, tokens))
+            keys.append(key)
+            node = self.nodes.get(key)
+            if node is None:
+                node = Node(key, tokens, (j + 1) * self.block_size)
+                node.kv_flops_per_byte = self._kv_flops_per_byte(node.position)
+                self.nodes[key] = node
+            if has_kv and not node.kv_block:
+                node.kv_block = int(kv_blocks[j])
+                self.block_node[node.kv_block] = node
+
+    def release(self, ids: np.ndarray) -> np.ndarray:
+        """KV blocks whose count reached zero: cached ones become evictable; returns the rest."""
+        if not self.block_node or ids.size == 0:
+            return ids
+        now = self._now()
+        keep = np.fromiter((i in self.block_node for i in ids.tolist()), dtype=bool, count=ids.size)
+        for i in ids[keep].tolist():
+            self._evictable_kv[i] = self.block_node[i]
+            self.block_node[i].kv_tick = now
+        self.m.use[ids[keep]] = BlockUse.CACHED_KV
+        return ids[~keep]
+
+    def wants_checkpoint(self, position: int, input_len: int, branch: int) -> bool:
+        """Whether the policy checkpoints at ``position`` of an input of ``input_len`` tokens that
+        left the cached prefixes at ``branch`` (block-aligned positions only)."""
+        cfg, bs = self.config, self.block_size
+        if position <= 0 or position % bs or not self.m.num_state_groups:
+            return False
+        if cfg.checkpoint is CheckpointPolicy.EVERY_N_BLOCKS:
+            return (position // bs) % cfg.every_n == 0
+        if cfg.checkpoint is CheckpointPolicy.BRANCH_AND_LAST:
+            return position == branch or position == (input_len // bs) * bs
+        return False
+
+    def has_checkpoint(self, key: int) -> bool:
+        node = self.nodes.get(key)
+        return node is not None and node.checkpoint is not None
+
+    def add_checkpoint(self, key: int, blocks: np.ndarray) -> None:
+        node = self.nodes[key]
+        assert node.checkpoint is None
+        node.checkpoint = blocks
+        node.ckpt_tick = self._now()
+        node.ckpt_flops_per_byte = prefill_flops(self._model, node.position) / self._ckpt_bytes
+        self._checkpoints[key] = node
+        self.m.use[blocks] = BlockUse.CHECKPOINT
+        self.stats.checkpoints_made += 1
+
+    def _kv_flops_per_byte(self, position: int) -> float:
+        bs = self.block_size
+        return prefill_flops(self._model, position, position - bs) / self.m.layout.bytes_per_block
+
+    # ---- eviction ----------------------------------------------------------------------------
+    def evict(self, num_blocks: int, protect: set[int] = frozenset()) -> np.ndarray:  # type: ignore[assignment]
+        """Evict units until at least ``num_blocks`` blocks are freed; returns the freed ids.
+
+        ``protect``: node keys not to touch (the hit being taken). The caller has checked that
+        enough is evictable.
+        """
+        if num_blocks <= 0:
+            return np.empty(0, dtype=np.int32)
+        if self.config.eviction is EvictionPolicy.LRU:
+            victims = self._lru_victims(num_blocks, protect)
+        else:
+            target = max(num_blocks, int(self.config.evict_batch_fraction * self.m.pool.num_usable))
+            victims = self._flop_aware_victims(min(target, self.num_evictable), num_blocks, protect)
+        freed = []
+        for kind, node in victims:
+            if kind == "kv":
+                del self._evictable_kv[node.kv_block]
+                del self.block_node[node.kv_block]
+                freed.append(np.array([node.kv_block], dtype=np.int32))
+                node.kv_block = 0
+                self.stats.kv_evicted += 1
+            else:
+                del self._checkpoints[node.key]
+                freed.append(node.checkpoint)
+                node.checkpoint = None
+                self.stats.checkpoints_evicted += 1
+            if not node.kv_block and node.checkpoint is None:
+                self.nodes.pop(node.key, None)
+        ids = np.concatenate(freed) if freed else np.empty(0, dtype=np.int32)
+        self.m.pool.ref_counts[ids] = 0
+        self.m.use[ids] = BlockUse.FREE
+        return ids
+
+    def _lru_victims(self, num_blocks: int, protect: set[int]) -> list[tuple[str, Node]]:
+        kv_iter = iter(list(self._evictable_kv.values()))
+        ck_iter = iter(list(self._checkpoints.values()))
+        kv_next, ck_next = next(kv_iter, None), next(ck_iter, None)
+        victims: list[tuple[str, Node]] = []
+        got = 0
+        while got < num_blocks and (kv_next is not None or ck_next is not None):
+            take_kv = ck_next is None or (kv_next is not None and kv_next.kv_tick <= ck_next.ckpt_tick)
+            if take_kv:
+                node, kv_next = kv_next, next(kv_iter, None)
+                if node.key not in protect:
+                    victims.append(("kv", node))
+                    got += 1
+            else:
+                node, ck_next = ck_next, next(ck_iter, None)
+                if node.key not in protect:
+                    victims.append(("ckpt", node))
+                    got += self.m.num_state_blocks
+        return victims
+
+    def _flop_aware_victims(self, target: int, need: int, protect: set[int]) -> list[tuple[str, Node]]:
+        units = [("kv", n) for n in self._evictable_kv.values() if n.key not in protect]
+        units += [("ckpt", n) for n in self._checkpoints.values() if n.key not in protect]
+        if not units:
+            return []
+        fpb = np.array([n.kv_flops_per_byte if k == "kv" else n.ckpt_flops_per_byte for k, n in units])
+        tick = np.array([n.kv_tick if k == "kv" else n.ckpt_tick for k, n in units], dtype=np.float64)
+        size = np.array([1 if k == "kv" else self.m.num_state_blocks for k, _ in units])
+
+        def norm(x: np.ndarray) -> np.ndarray:
+            span = x.max() - x.min()
+            return (x - x.min()) / span if span > 0 else np.zeros_like(x)
+
+        utility = self.config.alpha * norm(np.log1p(fpb)) + norm(tick)
+        order = np.argsort(utility, kind="stable")
+        cum = np.cumsum(size[order])
+        count = int(np.searchsorted(cum, max(target, need))) + 1
+        return [units[i] for i in order[:count]]

@@ -1,0 +1,178 @@
+"""Prefix caching: KV hash chain + state checkpoints, scenarios and a property test."""
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from hybridkv.blockmgr.layout import plan
+from hybridkv.blockmgr.manager import HybridBlockManager
+from hybridkv.blockmgr.prefix import CheckpointPolicy, EvictionPolicy, PrefixCacheConfig, chain_keys
+
+from .manager_fixtures import tiny_model
+
+
+def cached_manager(num_blocks=80, checkpoint="every_n_blocks", every_n=1, eviction="lru"):
+    layout = plan(tiny_model(), num_blocks * 256, block_size=4)
+    config = PrefixCacheConfig(CheckpointPolicy(checkpoint), EvictionPolicy(eviction), every_n=every_n)
+    return HybridBlockManager(layout, num_host_blocks=20, prefix_cache=config)
+
+
+def prefill(m, rid, tokens, num_tokens=None):
+    """Admit and 'compute' a request block by block, checkpointing where the policy wants."""
+    alloc = m.allocate(rid, num_tokens or alloc_tokens(m, tokens), token_ids=tokens)
+    m.checkpoint(rid)
+    while m.requests[rid].num_tokens < len(tokens):
+        step = min(4, len(tokens) - m.requests[rid].num_tokens)
+        m.append(rid, step)
+        m.checkpoint(rid)
+    return alloc
+
+
+def alloc_tokens(m, tokens):
+    hit = m.match_prefix(tokens)
+    return hit + min(4, len(tokens) - hit)
+
+
+PREFIX = list(range(100, 112))  # 3 blocks of 4 tokens
+
+
+def test_shared_three_blocks_hit_at_three_blocks_with_a_checkpoint():
+    m = cached_manager()  # checkpoint at every block
+    prefill(m, "a", PREFIX + [1, 2, 3, 4, 5])
+    m.free("a")
+    m.check_integrity()
+    tokens_b = PREFIX + [7, 8, 9]
+    assert m.match_prefix(tokens_b) == 12
+    alloc = m.allocate("b", 14, token_ids=tokens_b)
+    assert alloc.num_cached_tokens == 12
+    assert len(alloc.copies) == m.num_state_blocks  # checkpoint -> live set
+    assert set(alloc.copies.dst.tolist()) == set(m.state_table(["b"]).ravel().tolist())
+    kv_b = m.block_table(["b"])[0]
+    assert m.usage().kv_cached > 0
+    m.check_integrity()
+    m.free("b")
+    # the three shared KV blocks are the ones a cached
+    m.allocate("c", 13, token_ids=PREFIX + [0, 0])
+    assert m.block_table(["c"])[0][:3].tolist() == kv_b[:3].tolist()
+
+
+def test_hit_falls_back_to_the_nearest_lower_checkpoint():
+    m = cached_manager(every_n=2)  # checkpoints at 8 and 16 tokens only
+    prefill(m, "a", PREFIX + [1, 2, 3, 4, 5])
+    m.free("a")
+    alloc = m.allocate("b", 14, token_ids=PREFIX + [7, 8, 9])
+    assert alloc.num_cached_tokens == 8  # 3 blocks of KV cached, the checkpoint sits at 2 blocks
+    assert m.requests["b"].num_kv_blocks == 4  # 2 shared + 2 new
+    m.check_integrity()
+
+
+def test_no_checkpoint_policy_never_hits_a_hybrid_model():
+    m = cached_manager(checkpoint="none")
+    prefill(m, "a", PREFIX + [1])
+    m.free("a")
+    assert m.match_prefix(PREFIX + [2]) == 0
+    assert m.usage().checkpoints == 0 and m.usage().kv_cached == 3
+
+
+def test_a_prompt_shorter_than_one_block_never_hits():
+    m = cached_manager()
+    prefill(m, "a", [5, 6, 7])
+    m.free("a")
+    assert m.match_prefix([5, 6, 7]) == 0
+    prefill(m, "b", [5, 6, 7, 8])  # exactly one block: one token must stay to compute
+    m.free("b")
+    assert m.match_prefix([5, 6, 7, 8]) == 0
+    assert m.match_prefix([5, 6, 7, 8, 9]) == 4
+
+
+def test_two_hits_on_one_checkpoint_get_private_live_sets():
+    m = cached_manager()
+    prefill(m, "a", PREFIX + [1])
+    m.free("a")
+    a1 = m.allocate("b", 13, token_ids=PREFIX + [2])
+    a2 = m.allocate("c", 13, token_ids=PREFIX + [3])
+    assert a1.copies.src.tolist() == a2.copies.src.tolist()  # one checkpoint read twice
+    live_b, live_c = set(m.state_table(["b"]).ravel()), set(m.state_table(["c"]).ravel())
+    assert not live_b & live_c and not live_b & set(a1.copies.src.tolist())
+    kv_b, kv_c = m.block_table(["b"])[0], m.block_table(["c"])[0]
+    assert kv_b[:3].tolist() == kv_c[:3].tolist() and kv_b[3] != kv_c[3]  # writes go to private blocks
+    fork_copies = m.fork("b", "d")
+    assert not set(fork_copies.dst.tolist()) & live_b
+    m.check_integrity()
+
+
+def test_eviction_frees_cached_blocks_for_new_requests():
+    m = cached_manager(num_blocks=40)
+    prefill(m, "a", PREFIX + [1, 2, 3, 4, 5])
+    m.free("a")
+    u = m.usage()
+    assert u.kv_cached == 4 and u.checkpoints == 4 * 6 and u.free == 39 - 28
+    assert m.can_allocate(40)  # 10 KV + 6 state = 16 > 11 free, but 28 are evictable
+    m.allocate("big", 40, token_ids=list(range(40)))
+    m.check_integrity()
+    assert m.prefix_cache.stats.checkpoints_evicted >= 1
+
+
+@pytest.mark.parametrize("eviction", ["lru", "flop_aware"])
+@pytest.mark.parametrize("checkpoint", ["every_n_blocks", "branch_and_last"])
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
+)
+@given(data=st.data())
+def test_random_shared_prefixes_keep_integrity_and_exact_checkpoints(eviction, checkpoint, data):
+    """Fake compute: each live-set block holds hash(tokens so far); checkpoints must match exactly."""
+    m = cached_manager(num_blocks=data.draw(st.integers(30, 90)), checkpoint=checkpoint, every_n=2, eviction=eviction)
+    content = np.zeros(m.layout.num_blocks, dtype=object)  # fake block contents
+
+    def write_state(rid):
+        rec = m.requests[rid]
+        content[m.state_table([rid]).ravel()] = hash(tuple(rec.token_ids[: rec.num_tokens]))
+
+    def run(copies):
+        content[copies.dst] = content[copies.src]
+
+    prefixes = {}  # chain key -> the token prefix it names
+    stems = [[s * 10 + i for i in range(data.draw(st.integers(2, 14)))] for s in range(3)]
+    running = []
+    for step in range(data.draw(st.integers(3, 14))):
+        if running and data.draw(st.booleans()):
+            m.free(running.pop(data.draw(st.integers(0, len(running) - 1))))
+            m.check_integrity()
+            continue
+        stem = stems[data.draw(st.integers(0, 2))]
+        tokens = stem + data.draw(st.lists(st.integers(0, 3), max_size=10))
+        if len(tokens) < 1:
+            continue
+        first = alloc_tokens(m, tokens)
+        if not m.can_allocate(first, token_ids=tokens):
+            continue
+        rid = f"r{step}"
+        for j, key in enumerate(chain_keys(tokens, 4)):
+            prefixes[key] = tuple(tokens[: (j + 1) * 4])
+        alloc = m.allocate(rid, first, token_ids=tokens)
+        running.append(rid)
+        if alloc.num_cached_tokens:
+            run(alloc.copies)
+            expected = hash(tuple(tokens[: alloc.num_cached_tokens]))
+            assert set(content[m.state_table([rid]).ravel()]) == {expected}
+        write_state(rid)
+        run(m.checkpoint(rid))
+        m.check_integrity()
+        while m.requests[rid].num_tokens < len(tokens):
+            n = min(4 - m.requests[rid].num_tokens % 4, len(tokens) - m.requests[rid].num_tokens)
+            if not m.can_append(rid, n):
+                break
+            run(m.append(rid, n))
+            write_state(rid)
+            run(m.checkpoint(rid))
+            m.check_integrity()
+        # every checkpoint holds the state of exactly its prefix
+        for node in m.prefix_cache.nodes.values():
+            if node.checkpoint is not None:
+                assert set(content[node.checkpoint]) == {hash(prefixes[node.key])}
+    for rid in running:
+        m.free(rid)
+    m.check_integrity()
+    u = m.usage()
+    assert u.kv_live == u.state_live == 0 and u.free + u.evictable + 1 == u.total
