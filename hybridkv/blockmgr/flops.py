@@ -14,20 +14,26 @@ import math
 from hybridkv.blockmgr.spec import AttentionLayerSpec, ModelSpec, RecurrentLayerSpec
 
 
-def prefill_flops(model: ModelSpec, end: int, start: int = 0) -> float:
+def flop_coefficients(model: ModelSpec) -> tuple[float, float]:
+    """``(linear, quadratic)`` such that computing tokens ``[start, end)`` costs
+    ``linear * (end - start) + quadratic * (end**2 - start**2)`` FLOPs. A spec without
+    ``params_active`` counts only attention and recurrent FLOPs."""
+    linear = 2.0 * (model.params_active or 0.0) / model.tp_size
+    quadratic = 0.0
+    for layer in model.layers:
+        if isinstance(layer, AttentionLayerSpec):
+            quadratic += 2.0 * (layer.num_q_heads or layer.num_kv_heads) * layer.head_dim
+        elif isinstance(layer, RecurrentLayerSpec):
+            linear += 4.0 * sum(math.prod(c.shape) for c in layer.components)
+    return linear, quadratic
+
+
+def prefill_flops(model: ModelSpec | tuple[float, float], end: int, start: int = 0) -> float:
     """FLOPs to compute tokens ``[start, end)`` of one sequence, with ``start`` tokens already cached.
 
-    A spec without ``params_active`` counts only attention and recurrent FLOPs.
+    ``model`` may be a spec or its :func:`flop_coefficients` (faster in loops).
     """
     if not 0 <= start <= end:
         raise ValueError(f"need 0 <= start <= end, got start={start}, end={end}")
-    n = float(end - start)
-    flops = 2.0 * (model.params_active or 0.0) / model.tp_size * n
-    quad = float(end) ** 2 - float(start) ** 2
-    for layer in model.layers:
-        if isinstance(layer, AttentionLayerSpec):
-            q_heads = layer.num_q_heads or layer.num_kv_heads
-            flops += 2.0 * quad * q_heads * layer.head_dim
-        elif isinstance(layer, RecurrentLayerSpec):
-            flops += 4.0 * n * sum(math.prod(c.shape) for c in layer.components)
-    return flops
+    linear, quadratic = model if isinstance(model, tuple) else flop_coefficients(model)
+    return linear * (end - start) + quadratic * (float(end) ** 2 - float(start) ** 2)

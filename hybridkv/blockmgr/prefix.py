@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
-from hybridkv.blockmgr.flops import prefill_flops
+from hybridkv.blockmgr.flops import flop_coefficients, prefill_flops
 from hybridkv.blockmgr.records import BlockUse
 
 if TYPE_CHECKING:
@@ -118,7 +118,11 @@ class PrefixCache:
         self.stats = _Counters()
         model, layout = manager.layout.model, manager.layout
         self._ckpt_bytes = manager.num_state_blocks * layout.bytes_per_block
-        self._model = model
+        self._flops = flop_coefficients(model)
+        # per-block mirrors of the evictable KV set, so flop_aware ranks candidates in numpy
+        self._kv_evictable = np.zeros(layout.num_blocks, dtype=bool)
+        self._kv_tick = np.zeros(layout.num_blocks, dtype=np.int64)
+        self._kv_fpb = np.zeros(layout.num_blocks, dtype=np.float64)
 
     # ---- counts ------------------------------------------------------------------------------
     @property
@@ -177,6 +181,7 @@ class PrefixCache:
         for n in hit.nodes:
             n.kv_tick = now
             self._evictable_kv.pop(n.kv_block, None)
+        self._kv_evictable[ids] = False
         if ids.size:
             self.m.pool.incref(ids)
             self.m.use[ids] = BlockUse.KV
@@ -210,6 +215,7 @@ class PrefixCache:
             if has_kv and not node.kv_block:
                 node.kv_block = int(kv_blocks[j])
                 self.block_node[node.kv_block] = node
+                self._kv_fpb[node.kv_block] = node.kv_flops_per_byte
 
     def release(self, ids: np.ndarray) -> np.ndarray:
         """KV blocks whose count reached zero: cached ones become evictable; returns the rest."""
@@ -217,10 +223,13 @@ class PrefixCache:
             return ids
         now = self._now()
         keep = np.fromiter((i in self.block_node for i in ids.tolist()), dtype=bool, count=ids.size)
-        for i in ids[keep].tolist():
+        kept = ids[keep]
+        for i in kept.tolist():
             self._evictable_kv[i] = self.block_node[i]
             self.block_node[i].kv_tick = now
-        self.m.use[ids[keep]] = BlockUse.CACHED_KV
+        self.m.use[kept] = BlockUse.CACHED_KV
+        self._kv_evictable[kept] = True
+        self._kv_tick[kept] = now
         return ids[~keep]
 
     def wants_checkpoint(self, position: int, input_len: int, branch: int) -> bool:
@@ -244,14 +253,14 @@ class PrefixCache:
         assert node.checkpoint is None
         node.checkpoint = blocks
         node.ckpt_tick = self._now()
-        node.ckpt_flops_per_byte = prefill_flops(self._model, node.position) / self._ckpt_bytes
+        node.ckpt_flops_per_byte = prefill_flops(self._flops, node.position) / self._ckpt_bytes
         self._checkpoints[key] = node
         self.m.use[blocks] = BlockUse.CHECKPOINT
         self.stats.checkpoints_made += 1
 
     def _kv_flops_per_byte(self, position: int) -> float:
         bs = self.block_size
-        return prefill_flops(self._model, position, position - bs) / self.m.layout.bytes_per_block
+        return prefill_flops(self._flops, position, position - bs) / self.m.layout.bytes_per_block
 
     # ---- eviction ----------------------------------------------------------------------------
     def evict(self, num_blocks: int, protect: set[int] = frozenset()) -> np.ndarray:  # type: ignore[assignment]
@@ -262,15 +271,17 @@ class PrefixCache:
         """
         if num_blocks <= 0:
             return np.empty(0, dtype=np.int32)
+        target = max(num_blocks, int(self.config.evict_batch_fraction * self.m.pool.num_usable))
+        target = max(num_blocks, min(target, self.num_evictable - self._num_protected(protect)))
         if self.config.eviction is EvictionPolicy.LRU:
-            victims = self._lru_victims(num_blocks, protect)
+            victims = self._lru_victims(target, protect)
         else:
-            target = max(num_blocks, int(self.config.evict_batch_fraction * self.m.pool.num_usable))
-            victims = self._flop_aware_victims(min(target, self.num_evictable), num_blocks, protect)
+            victims = self._flop_aware_victims(target, protect)
         freed = []
         for kind, node in victims:
             if kind == "kv":
                 del self._evictable_kv[node.kv_block]
+                self._kv_evictable[node.kv_block] = False
                 del self.block_node[node.kv_block]
                 freed.append(np.array([node.kv_block], dtype=np.int32))
                 node.kv_block = 0
@@ -288,8 +299,8 @@ class PrefixCache:
         return ids
 
     def _lru_victims(self, num_blocks: int, protect: set[int]) -> list[tuple[str, Node]]:
-        kv_iter = iter(list(self._evictable_kv.values()))
-        ck_iter = iter(list(self._checkpoints.values()))
+        kv_iter = iter(self._evictable_kv.values())  # oldest first; nothing changes while we look
+        ck_iter = iter(self._checkpoints.values())
         kv_next, ck_next = next(kv_iter, None), next(ck_iter, None)
         victims: list[tuple[str, Node]] = []
         got = 0
@@ -307,21 +318,43 @@ class PrefixCache:
                     got += self.m.num_state_blocks
         return victims
 
-    def _flop_aware_victims(self, target: int, need: int, protect: set[int]) -> list[tuple[str, Node]]:
-        units = [("kv", n) for n in self._evictable_kv.values() if n.key not in protect]
-        units += [("ckpt", n) for n in self._checkpoints.values() if n.key not in protect]
-        if not units:
+    def _num_protected(self, protect: set[int]) -> int:
+        n = 0
+        for key in protect:
+            node = self.nodes.get(key)
+            if node is not None:
+                n += node.kv_block in self._evictable_kv
+                n += self.m.num_state_blocks if node.checkpoint is not None else 0
+        return n
+
+    def _flop_aware_victims(self, target: int, protect: set[int]) -> list[tuple[str, Node]]:
+        """Lowest utility first: ``alpha * norm(log1p(FLOPs saved per byte)) + norm(recency)``."""
+        mask = self._kv_evictable.copy()
+        for key in protect:
+            node = self.nodes.get(key)
+            if node is not None and node.kv_block:
+                mask[node.kv_block] = False
+        kv_ids = np.flatnonzero(mask)
+        ckpts = [n for n in self._checkpoints.values() if n.key not in protect]
+        fpb = np.concatenate((self._kv_fpb[kv_ids], [n.ckpt_flops_per_byte for n in ckpts]))
+        tick = np.concatenate((self._kv_tick[kv_ids], [n.ckpt_tick for n in ckpts])).astype(np.float64)
+        if not fpb.size:
             return []
-        fpb = np.array([n.kv_flops_per_byte if k == "kv" else n.ckpt_flops_per_byte for k, n in units])
-        tick = np.array([n.kv_tick if k == "kv" else n.ckpt_tick for k, n in units], dtype=np.float64)
-        size = np.array([1 if k == "kv" else self.m.num_state_blocks for k, _ in units])
+        size = np.concatenate((np.ones(kv_ids.size, dtype=np.int64), np.full(len(ckpts), self.m.num_state_blocks)))
 
         def norm(x: np.ndarray) -> np.ndarray:
             span = x.max() - x.min()
             return (x - x.min()) / span if span > 0 else np.zeros_like(x)
 
+        # FLOPs per byte spans orders of magnitude (a checkpoint deep in a long prompt vs a KV
+        # block near the start), so it is compared on a log scale
         utility = self.config.alpha * norm(np.log1p(fpb)) + norm(tick)
         order = np.argsort(utility, kind="stable")
-        cum = np.cumsum(size[order])
-        count = int(np.searchsorted(cum, max(target, need))) + 1
-        return [units[i] for i in order[:count]]
+        count = int(np.searchsorted(np.cumsum(size[order]), target)) + 1
+        victims: list[tuple[str, Node]] = []
+        for i in order[:count].tolist():
+            if i < kv_ids.size:
+                victims.append(("kv", self.block_node[int(kv_ids[i])]))
+            else:
+                victims.append(("ckpt", ckpts[i - kv_ids.size]))
+        return victims
