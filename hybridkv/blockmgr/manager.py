@@ -14,9 +14,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from hybridkv.blockmgr.checkpointing import CheckpointMixin
 from hybridkv.blockmgr.errors import (
     DuplicateRequestError,
-    HostPoolExhaustedError,
     NoFreeBlocksError,
     RequestStateError,
     RequestTooLargeError,
@@ -33,10 +33,10 @@ from hybridkv.blockmgr.records import (
     RequestId,
     RequestRecord,
     RequestStatus,
-    SwapDirection,
-    SwapPlan,
     Usage,
 )
+from hybridkv.blockmgr.speculation import SpeculationMixin
+from hybridkv.blockmgr.swap import SwapMixin
 from hybridkv.blockmgr.tables import RowTables
 from hybridkv.blockmgr.units import cdiv
 
@@ -44,7 +44,7 @@ _EMPTY = np.empty(0, dtype=np.int32)
 _NO_COPIES = BlockCopies.empty()
 
 
-class HybridBlockManager:
+class HybridBlockManager(CheckpointMixin, SpeculationMixin, SwapMixin):
     """Per-request lifecycle over one :class:`BlockPool` laid out by a :class:`Layout`.
 
     ``num_host_blocks``: size of the host (CPU) swap pool, 0 = no swap. ``watermark``: fraction of
@@ -81,12 +81,11 @@ class HybridBlockManager:
         self.prefix_cache = PrefixCache(self, prefix_cache) if prefix_cache is not None else None
 
     # ---- counting: the one formula --------------------------------------------------------------
-    def blocks_to_admit(
-        self, num_tokens: int, num_speculative: int = 0, token_ids: Sequence[int] | None = None
-    ) -> int:
+    def blocks_to_admit(self, num_tokens: int, num_speculative: int = 0, token_ids: Sequence[int] | None = None) -> int:
         """Blocks ``allocate`` takes out of :attr:`num_available_blocks` for a request holding
         ``num_tokens`` tokens: KV blocks + live state sets + speculative sets, less the KV blocks a
-        prefix hit shares (plus the cached ones it revives, which stop being evictable)."""
+        prefix hit shares, plus the evictable blocks the hit pins (the cached KV blocks it revives
+        and its checkpoint, read by the copy into the live sets)."""
         return self._admission(num_tokens, num_speculative, token_ids)[0]
 
     def _admission(
@@ -99,7 +98,7 @@ class HybridBlockManager:
             return new, new, None
         hit = self.prefix_cache.match(token_ids, num_tokens)
         shared = len(hit.nodes) if self._has_kv else 0
-        return new - shared + self.prefix_cache.num_revived(hit), new - shared, hit
+        return new - shared + self.prefix_cache.num_pinned(hit), new - shared, hit
 
     def match_prefix(self, token_ids: Sequence[int], max_tokens: int | None = None) -> int:
         """Tokens of ``token_ids`` a request admitted now would get from the prefix cache."""
@@ -120,9 +119,7 @@ class HybridBlockManager:
         if needed > self.pool.num_usable - self.watermark_blocks:
             raise RequestTooLargeError(needed, self.pool.num_usable - self.watermark_blocks)
 
-    def can_allocate(
-        self, num_tokens: int, num_speculative: int = 0, token_ids: Sequence[int] | None = None
-    ) -> bool:
+    def can_allocate(self, num_tokens: int, num_speculative: int = 0, token_ids: Sequence[int] | None = None) -> bool:
         need = self.blocks_to_admit(num_tokens, num_speculative, token_ids)
         return need + self.watermark_blocks <= self.num_available_blocks
 
@@ -204,9 +201,7 @@ class HybridBlockManager:
     def can_append(self, request_id: RequestId, num_new_tokens: int) -> bool:
         return self.num_new_kv_blocks(request_id, num_new_tokens) <= self.num_available_blocks
 
-    def append(
-        self, request_id: RequestId, num_new_tokens: int, token_ids: Sequence[int] | None = None
-    ) -> BlockCopies:
+    def append(self, request_id: RequestId, num_new_tokens: int, token_ids: Sequence[int] | None = None) -> BlockCopies:
         """Grow a request's KV by ``num_new_tokens``; state sets never grow.
 
         Returns the copy-on-write copies to run first (a shared, partly filled last block gets a
@@ -256,43 +251,6 @@ class HybridBlockManager:
         if rec.num_tokens // self.block_size > len(rec.block_keys):
             self.prefix_cache.register(rec.token_ids, rec.block_keys, rec.kv_blocks, rec.num_tokens)
 
-    # ---- prefix-cache checkpoints --------------------------------------------------------------
-    def next_checkpoint_position(self, request_id: RequestId) -> int | None:
-        """The next input position past the request's tokens where the checkpoint policy wants
-        the state saved (a scheduler ends a prefill chunk there), or None."""
-        rec = self._running(request_id)
-        cache = self.prefix_cache
-        if cache is None or rec.token_ids is None:
-            return None
-        bs = self.block_size
-        for pos in range((rec.num_tokens // bs + 1) * bs, len(rec.token_ids) + 1, bs):
-            if cache.wants_checkpoint(pos, len(rec.token_ids), rec.branch_tokens):
-                return pos
-        return None
-
-    def checkpoint(self, request_id: RequestId) -> BlockCopies:
-        """Save the live state at the request's current position if the policy wants it there.
-
-        Call right after the forward that brought the request to ``num_tokens`` (its live sets
-        hold the state at exactly that position). Returns the copies live -> checkpoint, to run
-        before the next forward; empty when no checkpoint is due, one exists already, or no
-        blocks are available (checkpoints are best effort).
-        """
-        rec = self._running(request_id)
-        cache = self.prefix_cache
-        pos, bs = rec.num_tokens, self.block_size
-        if cache is None or rec.token_ids is None or pos % bs or pos // bs > len(rec.block_keys):
-            return _NO_COPIES
-        if not cache.wants_checkpoint(pos, len(rec.token_ids), rec.branch_tokens):
-            return _NO_COPIES
-        key = rec.block_keys[pos // bs - 1]
-        if cache.has_checkpoint(key) or self.num_state_blocks > self.num_available_blocks:
-            return _NO_COPIES
-        self._make_room(self.num_state_blocks, protect={key})
-        ids = self.pool.allocate(self.num_state_blocks)
-        cache.add_checkpoint(key, ids)
-        return BlockCopies(self._set_ids(rec.state).copy(), ids.copy())
-
     def free(self, request_id: RequestId) -> None:
         """Release everything the request holds; shared KV blocks drop one reference."""
         rec = self._get(request_id)
@@ -327,134 +285,6 @@ class HybridBlockManager:
         self.use[ids] = BlockUse.STATE
         self.requests[child_id] = child
         return BlockCopies(parent.state[self._state_mask], ids.copy())
-
-    # ---- speculative decoding -------------------------------------------------------------------
-    def begin_speculation(self, request_id: RequestId, num_speculative: int) -> None:
-        """Guarantee ``num_speculative`` speculative state sets (allocating the missing ones).
-
-        Convention of a verify step over ``1 + k`` tokens (the last sampled token and ``k`` drafts):
-        the kernel reads the live set, writes the state after the sampled token back into the live
-        set, and the state after draft ``j`` (1-based) into speculative set ``j - 1``.
-        """
-        rec = self._running(request_id)
-        missing = num_speculative - rec.spec.shape[0]
-        if missing > 0:
-            need = missing * self.num_state_blocks
-            if need > self.num_available_blocks:
-                raise NoFreeBlocksError(
-                    f"{num_speculative} speculative sets for {request_id!r}", need, self.num_available_blocks
-                )
-            new = self._split_state_sets(self._take(need), missing)
-            self._mark_sets(new, BlockUse.SPECULATIVE)
-            rec.spec = np.concatenate((rec.spec, new))
-        rec.num_drafted = num_speculative
-
-    def commit_speculation(self, request_id: RequestId, num_accepted: int, num_drafted: int | None = None) -> None:
-        """Keep the state after the last accepted token and drop the rejected tokens' KV.
-
-        ``num_drafted`` defaults to the ``k`` of :meth:`begin_speculation`; the caller appended
-        ``1 + num_drafted`` tokens for the verify step. The live set and speculative set
-        ``num_accepted - 1`` exchange their block-id lists (no copy).
-        """
-        rec = self._running(request_id)
-        k = rec.num_drafted if num_drafted is None else num_drafted
-        if not 0 <= num_accepted <= k or k > rec.spec.shape[0]:
-            raise ValueError(
-                f"num_accepted={num_accepted} must be in [0, {k}] with {rec.spec.shape[0]} speculative sets"
-            )
-        rejected = k - num_accepted
-        if rejected > rec.num_tokens:
-            raise ValueError(f"cannot reject {rejected} tokens of a request holding {rec.num_tokens}")
-        if num_accepted:
-            j = num_accepted - 1
-            live = rec.state.copy()
-            rec.state[...] = rec.spec[j]
-            rec.spec[j] = live
-            self._mark_sets(rec.state, BlockUse.STATE)
-            self._mark_sets(rec.spec[j], BlockUse.SPECULATIVE)
-        if rejected:
-            rec.num_tokens -= rejected
-            keep = cdiv(rec.num_tokens, self.block_size) if self._has_kv else 0
-            self._drop_kv(rec.kv[keep : rec.num_kv_blocks].copy())
-            rec.kv[keep : rec.num_kv_blocks] = NULL_BLOCK
-            rec.num_kv_blocks = keep
-
-    def end_speculation(self, request_id: RequestId) -> None:
-        """Give the speculative sets back (speculation turned off for this request)."""
-        rec = self._running(request_id)
-        self._drop_state(rec.spec)
-        rec.spec = self._no_spec()
-        rec.num_drafted = 0
-
-    # ---- swap ----------------------------------------------------------------------------------
-    def can_swap_out(self, request_id: RequestId) -> bool:
-        rec = self._running(request_id)
-        n = rec.num_kv_blocks + self.num_state_blocks
-        return self.host_pool is not None and n <= self.host_pool.num_free
-
-    def swap_out(self, request_id: RequestId) -> SwapPlan:
-        """Reserve host blocks for the request's KV and live state; the plan lists the copies.
-
-        Commit frees the device blocks (speculative sets included); abort frees the host blocks.
-        """
-        rec = self._running(request_id)
-        device = np.concatenate((rec.kv_blocks, rec.state[self._state_mask]))
-        if self.host_pool is None or device.size > self.host_pool.num_free:
-            raise HostPoolExhaustedError(device.size, self.host_pool.num_free if self.host_pool else 0)
-        host = self.host_pool.allocate(device.size)
-        rec.pending = SwapPlan(request_id, SwapDirection.OUT, device, host, self._commit_out, self._abort_out)
-        return rec.pending
-
-    def can_swap_in(self, request_id: RequestId) -> bool:
-        rec = self._swapped(request_id)
-        return rec.host_blocks.size + self.watermark_blocks <= self.num_available_blocks
-
-    def swap_in(self, request_id: RequestId) -> SwapPlan:
-        """Reserve device blocks for a swapped request; commit frees its host blocks."""
-        rec = self._swapped(request_id)
-        n = rec.host_blocks.size
-        if n > self.num_available_blocks:
-            raise NoFreeBlocksError(f"swap-in of {request_id!r}", n, self.num_available_blocks)
-        device = self._take(n)
-        self._mark(device[: n - self.num_state_blocks], BlockUse.KV)
-        self._mark(device[n - self.num_state_blocks :], BlockUse.STATE)
-        rec.pending = SwapPlan(
-            request_id, SwapDirection.IN, device, rec.host_blocks.copy(), self._commit_in, self._abort_in
-        )
-        return rec.pending
-
-    def _settle(self, plan: SwapPlan, direction: SwapDirection) -> RequestRecord:
-        rec = self.requests.get(plan.request_id)
-        if plan.settled or rec is None or rec.pending is not plan or plan.direction is not direction:
-            raise RequestStateError(f"swap plan of {plan.request_id!r} is already settled or stale")
-        plan.settled, rec.pending = True, None
-        return rec
-
-    def _commit_out(self, plan: SwapPlan) -> None:
-        rec = self._settle(plan, SwapDirection.OUT)
-        self._release_all(rec)
-        rec.num_kv_blocks, rec.spec = 0, self._no_spec()
-        rec.host_blocks, rec.status, rec.num_drafted = plan.host_blocks, RequestStatus.SWAPPED, 0
-
-    def _abort_out(self, plan: SwapPlan) -> None:
-        self._settle(plan, SwapDirection.OUT)
-        assert self.host_pool is not None
-        self.host_pool.release(plan.host_blocks)
-
-    def _commit_in(self, plan: SwapPlan) -> None:
-        rec = self._settle(plan, SwapDirection.IN)
-        assert self.host_pool is not None
-        self.host_pool.release(rec.host_blocks)
-        n_kv = plan.device_blocks.size - self.num_state_blocks
-        self.tables.take(rec, n_kv)
-        rec.kv[:n_kv], rec.num_kv_blocks = plan.device_blocks[:n_kv], n_kv
-        rec.state[self._state_mask] = plan.device_blocks[n_kv:]
-        rec.host_blocks, rec.status = _EMPTY, RequestStatus.RUNNING
-
-    def _abort_in(self, plan: SwapPlan) -> None:
-        self._settle(plan, SwapDirection.IN)
-        self._mark(plan.device_blocks, BlockUse.FREE)
-        self.pool.release(plan.device_blocks)
 
     # ---- batch views ---------------------------------------------------------------------------
     def block_table(
@@ -590,4 +420,3 @@ class HybridBlockManager:
         self.use[release] = BlockUse.FREE
         self.pool.free(release)
         self.tables.give_back(rec)
-

@@ -168,9 +168,10 @@ class PrefixCache:
         ckpt = nodes[best - 1] if best and self.m.num_state_groups else None
         return PrefixHit(best * self.block_size, nodes[:best], ckpt, len(nodes) * self.block_size)
 
-    def num_revived(self, hit: PrefixHit) -> int:
-        """Blocks of the hit now counted as evictable that the hit takes back (it shares them)."""
-        return sum(1 for n in hit.nodes if n.kv_block in self._evictable_kv)
+    def num_pinned(self, hit: PrefixHit) -> int:
+        """Evictable blocks a hit holds on to: the cached KV blocks it takes back (it shares them)
+        and, while its copy is made, its checkpoint. Admission counts them as taken."""
+        return self.num_protected({n.key for n in hit.nodes})
 
     def take_hit(self, hit: PrefixHit) -> np.ndarray:
         """Reference the hit's KV blocks (reviving evictable ones); returns them in chain order."""
@@ -272,7 +273,7 @@ class PrefixCache:
         if num_blocks <= 0:
             return np.empty(0, dtype=np.int32)
         target = max(num_blocks, int(self.config.evict_batch_fraction * self.m.pool.num_usable))
-        target = max(num_blocks, min(target, self.num_evictable - self._num_protected(protect)))
+        target = max(num_blocks, min(target, self.num_evictable - self.num_protected(protect)))
         if self.config.eviction is EvictionPolicy.LRU:
             victims = self._lru_victims(target, protect)
         else:
@@ -318,7 +319,7 @@ class PrefixCache:
                     got += self.m.num_state_blocks
         return victims
 
-    def _num_protected(self, protect: set[int]) -> int:
+    def num_protected(self, protect: set[int]) -> int:
         n = 0
         for key in protect:
             node = self.nodes.get(key)

@@ -1,0 +1,54 @@
+"""Prefix-cache checkpoints of running requests: where the policy wants one, and taking it."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from hybridkv.blockmgr.records import BlockCopies, RequestId
+
+if TYPE_CHECKING:
+    from hybridkv.blockmgr.manager import HybridBlockManager
+
+_NO_COPIES = BlockCopies.empty()
+
+
+class CheckpointMixin:
+    """Methods of :class:`~hybridkv.blockmgr.manager.HybridBlockManager` (a mixin: it has no state)."""
+
+    # ---- prefix-cache checkpoints --------------------------------------------------------------
+    def next_checkpoint_position(self: HybridBlockManager, request_id: RequestId) -> int | None:
+        """The next input position past the request's tokens where the checkpoint policy wants
+        the state saved (a scheduler ends a prefill chunk there), or None."""
+        rec = self._running(request_id)
+        cache = self.prefix_cache
+        if cache is None or rec.token_ids is None:
+            return None
+        bs = self.block_size
+        for pos in range((rec.num_tokens // bs + 1) * bs, len(rec.token_ids) + 1, bs):
+            if cache.wants_checkpoint(pos, len(rec.token_ids), rec.branch_tokens):
+                return pos
+        return None
+
+    def checkpoint(self: HybridBlockManager, request_id: RequestId) -> BlockCopies:
+        """Save the live state at the request's current position if the policy wants it there.
+
+        Call right after the forward that brought the request to ``num_tokens`` (its live sets
+        hold the state at exactly that position). Returns the copies live -> checkpoint, to run
+        before the next forward; empty when no checkpoint is due, one exists already, or no
+        blocks are available (checkpoints are best effort).
+        """
+        rec = self._running(request_id)
+        cache = self.prefix_cache
+        pos, bs = rec.num_tokens, self.block_size
+        if cache is None or rec.token_ids is None or pos % bs or pos // bs > len(rec.block_keys):
+            return _NO_COPIES
+        if not cache.wants_checkpoint(pos, len(rec.token_ids), rec.branch_tokens):
+            return _NO_COPIES
+        key = rec.block_keys[pos // bs - 1]
+        # the node must survive the eviction that makes room, so what it pins is not available
+        if cache.has_checkpoint(key) or self.num_state_blocks > self.num_available_blocks - cache.num_protected({key}):
+            return _NO_COPIES
+        self._make_room(self.num_state_blocks, protect={key})
+        ids = self.pool.allocate(self.num_state_blocks)
+        cache.add_checkpoint(key, ids)
+        return BlockCopies(self._set_ids(rec.state).copy(), ids.copy())

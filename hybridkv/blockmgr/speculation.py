@@ -1,0 +1,81 @@
+"""Speculative decoding over state sets: speculative sets, commit by exchanging block-id lists."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from hybridkv.blockmgr.errors import NoFreeBlocksError
+from hybridkv.blockmgr.layout import NULL_BLOCK
+from hybridkv.blockmgr.records import BlockCopies, BlockUse, RequestId
+from hybridkv.blockmgr.units import cdiv
+
+if TYPE_CHECKING:
+    from hybridkv.blockmgr.manager import HybridBlockManager
+
+_NO_COPIES = BlockCopies.empty()
+
+
+class SpeculationMixin:
+    """Methods of :class:`~hybridkv.blockmgr.manager.HybridBlockManager` (a mixin: it has no state)."""
+
+    # ---- speculative decoding -------------------------------------------------------------------
+    def begin_speculation(self: HybridBlockManager, request_id: RequestId, num_speculative: int) -> None:
+        """Guarantee ``num_speculative`` speculative state sets (allocating the missing ones).
+
+        Convention of a verify step over ``1 + k`` tokens (the last sampled token and ``k`` drafts):
+        the kernel reads the live set, writes the state after the sampled token back into the live
+        set, and the state after draft ``j`` (1-based) into speculative set ``j - 1``.
+        """
+        rec = self._running(request_id)
+        missing = num_speculative - rec.spec.shape[0]
+        if missing > 0:
+            need = missing * self.num_state_blocks
+            if need > self.num_available_blocks:
+                raise NoFreeBlocksError(
+                    f"{num_speculative} speculative sets for {request_id!r}", need, self.num_available_blocks
+                )
+            new = self._split_state_sets(self._take(need), missing)
+            self._mark_sets(new, BlockUse.SPECULATIVE)
+            rec.spec = np.concatenate((rec.spec, new))
+        rec.num_drafted = num_speculative
+
+    def commit_speculation(
+        self: HybridBlockManager, request_id: RequestId, num_accepted: int, num_drafted: int | None = None
+    ) -> None:
+        """Keep the state after the last accepted token and drop the rejected tokens' KV.
+
+        ``num_drafted`` defaults to the ``k`` of :meth:`begin_speculation`; the caller appended
+        ``1 + num_drafted`` tokens for the verify step. The live set and speculative set
+        ``num_accepted - 1`` exchange their block-id lists (no copy).
+        """
+        rec = self._running(request_id)
+        k = rec.num_drafted if num_drafted is None else num_drafted
+        if not 0 <= num_accepted <= k or k > rec.spec.shape[0]:
+            raise ValueError(
+                f"num_accepted={num_accepted} must be in [0, {k}] with {rec.spec.shape[0]} speculative sets"
+            )
+        rejected = k - num_accepted
+        if rejected > rec.num_tokens:
+            raise ValueError(f"cannot reject {rejected} tokens of a request holding {rec.num_tokens}")
+        if num_accepted:
+            j = num_accepted - 1
+            live = rec.state.copy()
+            rec.state[...] = rec.spec[j]
+            rec.spec[j] = live
+            self._mark_sets(rec.state, BlockUse.STATE)
+            self._mark_sets(rec.spec[j], BlockUse.SPECULATIVE)
+        if rejected:
+            rec.num_tokens -= rejected
+            keep = cdiv(rec.num_tokens, self.block_size) if self._has_kv else 0
+            self._drop_kv(rec.kv[keep : rec.num_kv_blocks].copy())
+            rec.kv[keep : rec.num_kv_blocks] = NULL_BLOCK
+            rec.num_kv_blocks = keep
+
+    def end_speculation(self: HybridBlockManager, request_id: RequestId) -> None:
+        """Give the speculative sets back (speculation turned off for this request)."""
+        rec = self._running(request_id)
+        self._drop_state(rec.spec)
+        rec.spec = self._no_spec()
+        rec.num_drafted = 0
