@@ -103,9 +103,10 @@ class BlockPool:
         else:  # fragmented: largest extents first, so few runs
             parts, left = [], n
             while left:
-                length, start = self._by_length[-1]
+                length, start = self._by_length.pop()  # the largest extent
+                del self._by_start[start]
+                self._num_free -= length
                 take = min(length, left)
-                self._remove(start, start + length)
                 if length > take:
                     self._insert(start + take, start + length)
                 parts.append(np.arange(start, start + take, dtype=np.int32))

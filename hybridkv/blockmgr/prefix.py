@@ -202,6 +202,7 @@ class PrefixCache:
         """
         start = len(keys)
         end = min(num_tokens, len(token_ids)) // self.block_size
+        (lin, quad), bs, bpb = self._flops, self.block_size, self.m.layout.bytes_per_block
         key = keys[-1] if keys else ROOT_KEY
         has_kv = self.m._has_kv
         for j in range(start, end):
@@ -211,7 +212,8 @@ class PrefixCache:
             node = self.nodes.get(key)
             if node is None:
                 node = Node(key, tokens, (j + 1) * self.block_size)
-                node.kv_flops_per_byte = self._kv_flops_per_byte(node.position)
+                pos = node.position  # FLOPs of this block's tokens, per byte of one block
+                node.kv_flops_per_byte = (lin * bs + quad * (2 * pos - bs) * bs) / bpb
                 self.nodes[key] = node
             if has_kv and not node.kv_block:
                 node.kv_block = int(kv_blocks[j])
@@ -258,10 +260,6 @@ class PrefixCache:
         self._checkpoints[key] = node
         self.m.use[blocks] = BlockUse.CHECKPOINT
         self.stats.checkpoints_made += 1
-
-    def _kv_flops_per_byte(self, position: int) -> float:
-        bs = self.block_size
-        return prefill_flops(self._flops, position, position - bs) / self.m.layout.bytes_per_block
 
     # ---- eviction ----------------------------------------------------------------------------
     def evict(self, num_blocks: int, protect: set[int] = frozenset()) -> np.ndarray:  # type: ignore[assignment]
