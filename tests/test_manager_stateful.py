@@ -87,27 +87,25 @@ class ManagerMachine(RuleBasedStateMachine):
         except AllocationError:
             pass
 
+    def _swap(self, make_plan, commit):
+        try:
+            plan = make_plan()
+        except AllocationError:
+            return
+        self.m.check_integrity()  # the reservation is on the books while the plan is pending
+        plan.commit() if commit else plan.abort()
+
     @precondition(lambda self: self._running())
     @rule(data=st.data(), commit=st.booleans())
     def swap_out(self, data, commit):
         r = data.draw(st.sampled_from(self._running()))
-        try:
-            plan = self.m.swap_out(r)
-        except AllocationError:
-            return
-        self.m.check_integrity()
-        plan.commit() if commit else plan.abort()
+        self._swap(lambda: self.m.swap_out(r), commit)
 
     @precondition(lambda self: self._swapped())
     @rule(data=st.data(), commit=st.booleans())
     def swap_in(self, data, commit):
         r = data.draw(st.sampled_from(self._swapped()))
-        try:
-            plan = self.m.swap_in(r)
-        except AllocationError:
-            return
-        self.m.check_integrity()
-        plan.commit() if commit else plan.abort()
+        self._swap(lambda: self.m.swap_in(r), commit)
 
     @precondition(lambda self: self._running())
     @rule(data=st.data(), k=st.integers(1, 3))

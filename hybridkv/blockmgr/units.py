@@ -34,38 +34,32 @@ def round_up(a: int, b: int) -> int:
     return cdiv(a, b) * b
 
 
+def _parse(text: str | int, units: dict[str, int], what: str, examples: str) -> int:
+    if isinstance(text, int):
+        value, unit = float(text), ""
+    else:
+        m = _NUMBER.match(text)
+        if not m or m.group(2).lower() not in units:
+            raise ValueError(f"cannot read {text!r} as a {what}: write e.g. {examples}")
+        value, unit = float(m.group(1)), m.group(2).lower()
+    result = int(value * units[unit])
+    if result <= 0:
+        raise ValueError(f"{what} {text!r} must be positive")
+    return result
+
+
 def parse_bytes(text: str | int) -> int:
     """Parse ``"80GiB"``, ``"141GB"``, ``"512MiB"`` or a plain integer into bytes.
 
     Decimal units (KB, MB, GB) are powers of 1000, binary units (KiB, MiB, GiB) powers of 1024.
     Raises ``ValueError`` with the accepted forms on anything else.
     """
-    if isinstance(text, int):
-        value, unit = float(text), ""
-    else:
-        m = _NUMBER.match(text)
-        if not m or m.group(2).lower() not in _BYTE_UNITS:
-            raise ValueError(f"cannot read {text!r} as a size: write e.g. 80GiB, 141GB, 512MiB or a byte count")
-        value, unit = float(m.group(1)), m.group(2).lower()
-    result = int(value * _BYTE_UNITS[unit])
-    if result <= 0:
-        raise ValueError(f"size {text!r} must be positive")
-    return result
+    return _parse(text, _BYTE_UNITS, "size", "80GiB, 141GB, 512MiB or a byte count")
 
 
 def parse_tokens(text: str | int) -> int:
     """Parse a token count: ``"32k"`` = 32768, ``"1m"`` = 1048576, ``"4096"`` = 4096."""
-    if isinstance(text, int):
-        value, unit = float(text), ""
-    else:
-        m = _NUMBER.match(text)
-        if not m or m.group(2).lower() not in _COUNT_UNITS:
-            raise ValueError(f"cannot read {text!r} as a token count: write e.g. 32k, 4096 or 1m")
-        value, unit = float(m.group(1)), m.group(2).lower()
-    result = int(value * _COUNT_UNITS[unit])
-    if result <= 0:
-        raise ValueError(f"token count {text!r} must be positive")
-    return result
+    return _parse(text, _COUNT_UNITS, "token count", "32k, 4096 or 1m")
 
 
 def format_bytes(num_bytes: float) -> str:
