@@ -48,13 +48,13 @@ def test_lifecycle_pins_block_ids():
 
     plan = m.swap_out("a")  # KV first, then the live state sets
     assert ids(plan.device_blocks) == [7, 8, 9, 17, 1, 2, 3, 4, 5, 6]
-    assert ids(plan.host_blocks) == list(range(1, 11))
+    assert ids(plan.host_blocks) == list(range(0, 10))  # the host pool has no null block
     plan.commit()
     assert m.requests["a"].status is RequestStatus.SWAPPED
     assert m.pool.ref_counts[[7, 8, 9]].tolist() == [1, 1, 1]  # d still holds them
     assert m.pool.free_extents() == [(1, 7), (17, 18), (25, 40)]
     plan = m.swap_in("a")
-    assert ids(plan.device_blocks) == list(range(25, 35)) and ids(plan.host_blocks) == list(range(1, 11))
+    assert ids(plan.device_blocks) == list(range(25, 35)) and ids(plan.host_blocks) == list(range(0, 10))
     plan.commit()
     assert ids(m.block_table(["a"])) == [[25, 26, 27, 28]]
     assert ids(m.state_table(["a"])[:, 0]) == [[29, 30, 31], [32, 33, 34]]

@@ -71,7 +71,7 @@ class HybridBlockManager(CheckpointMixin, SpeculationMixin, SwapMixin):
         self.num_state_blocks = int(bps.sum())
         self._uniform_sets = bool(self._state_mask.all())
         self.pool = BlockPool(layout.num_blocks)
-        self.host_pool = BlockPool(num_host_blocks + 1) if num_host_blocks > 0 else None
+        self.host_pool = BlockPool(num_host_blocks, reserve_null=False) if num_host_blocks > 0 else None  # ids 0..N-1
         self.watermark_blocks = int(watermark * self.pool.num_usable)
         self.use = np.zeros(layout.num_blocks, dtype=np.int8)
         self.use[NULL_BLOCK] = BlockUse.NULL

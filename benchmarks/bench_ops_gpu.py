@@ -1,0 +1,299 @@
+"""GPU benchmark of hybridkv.ops against the device copy rate and per-layer torch indexing (BENCH.md).
+
+Cases: gather/scatter of MiniMax-M1 TP1 states (70 lightning layers x [64, 128, 128] fp32, B = 1, 8,
+32), Mamba2-2.7B ssm states (64 layers x [80, 64, 128] fp32, B = 64) and Mamba2-2.7B conv states
+(64 layers x [5376, 3] bf16, ~31.5 KiB, B = 64), each in one launch for all layers vs torch
+``index_select`` / ``index_copy_`` per layer on vLLM-style contiguous per-layer pools; copy_blocks;
+swap_blocks in/out vs the pinned copy rate. Bandwidth counts bytes read + written (swaps: bytes
+moved over the link). ``triton.testing.do_bench`` medians; the 2 GiB ``y.copy_(x)`` rate measured
+in the same process is the denominator.
+
+    python benchmarks/bench_ops_gpu.py            # full run, a few minutes on one H200
+    python benchmarks/bench_ops_gpu.py --quick    # smaller sizes, fewer cases
+
+Writes ``benchmarks/results/ops_gpu_<date>.json`` and prints a table. Without a CUDA device it says
+so and exits with status 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+GiB, MiB, KiB = 1024**3, 1024**2, 1024
+TARGETS = {
+    "large": "states >= 1 MiB, B >= 8: >= 90% of copy bandwidth",
+    "small": "B = 1 or states < 64 KiB: >= 80% of copy bandwidth and >= 5x per-layer torch",
+    "copy_blocks": ">= 85% of copy bandwidth",
+    "swap": ">= 90% of the pinned copy rate in the same direction",
+}
+
+
+_RUN = {"device": "cuda", "smoke": False}  # --cpu-smoke switches to the CPU with tiny sizes
+
+
+def _size(full: int, quick: int, smoke: int, is_quick: bool) -> int:
+    return smoke if _RUN["smoke"] else quick if is_quick else full
+
+
+def _bench(fn: Callable[[], Any], quick: bool) -> float:
+    if _RUN["smoke"]:  # one timed call: checks that the case runs, the figure means nothing
+        fn()
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+    from triton.testing import do_bench
+
+    return float(do_bench(fn, warmup=10 if quick else 25, rep=30 if quick else 100, return_mode="median"))
+
+
+def _record(case: str, op: str, impl: str, ms: float, nbytes: int, denominator_gbps: float) -> dict[str, Any]:
+    gbps = nbytes / ms / 1e6
+    return {"case": case, "op": op, "impl": impl, "ms": ms, "bytes": nbytes, "gbps": gbps,
+            "fraction_of_copy": gbps / denominator_gbps}  # fmt: skip
+
+
+def copy_rate(quick: bool) -> dict[str, Any]:
+    import torch
+
+    x = torch.empty(_size(2048, 512, 16, quick) * MiB, dtype=torch.uint8, device=_RUN["device"]).random_(0, 255)
+    y = torch.empty_like(x)
+    ms = _bench(lambda: y.copy_(x), quick)
+    return {"bytes": 2 * x.numel(), "ms": ms, "gbps": 2 * x.numel() / ms / 1e6}
+
+
+def pinned_rates(nbytes: int, quick: bool) -> dict[str, float]:
+    import torch
+
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=_RUN["device"])
+    h2d = _bench(lambda: dev.copy_(host, non_blocking=True), quick)
+    d2h = _bench(lambda: host.copy_(dev, non_blocking=True), quick)
+    return {"in_gbps": nbytes / h2d / 1e6, "out_gbps": nbytes / d2h / 1e6, "bytes": nbytes}
+
+
+def _models():
+    from hybridkv.blockmgr.presets import preset
+    from hybridkv.blockmgr.spec import ModelSpec, RecurrentLayerSpec, StateComponent
+
+    def only(name: str, shape: tuple[int, ...], dtype: str) -> ModelSpec:
+        layer = RecurrentLayerSpec("mamba2", (StateComponent(name, shape, dtype),))
+        return ModelSpec(f"mamba2-2.7b-{name}", (layer,) * 64)
+
+    return {
+        "minimax-m1": preset("minimax-m1", "float32", 8 if _RUN["smoke"] else 1),  # smoke: 512 KiB states
+        "mamba2-ssm": only("ssm", (80, 64, 128), "float32"),
+        "mamba2-conv": only("conv", (80 * 64 + 2 * 128, 3), "bfloat16"),
+    }
+
+
+def state_case(model, batch: int, copy_gbps: float, quick: bool, check: bool) -> list[dict[str, Any]]:
+    """gather/scatter of every state layer of ``model`` for ``batch`` requests: hybridkv vs per-layer torch."""
+    import torch
+
+    from hybridkv.blockmgr.spec import RecurrentLayerSpec
+
+    state_layers = [spec for spec in model.layers if isinstance(spec, RecurrentLayerSpec)]
+    nbytes = 2 * batch * sum(spec.state_bytes for spec in state_layers)
+    name = f"{model.name} {len(state_layers)} layers x {state_layers[0].state_bytes / MiB:.3g} MiB, B={batch}"
+    records = _hybridkv_states(model, batch, name, nbytes, copy_gbps, quick, check)
+    torch.cuda.empty_cache()
+    records += _torch_states(state_layers, batch, name, nbytes, copy_gbps, quick)
+    torch.cuda.empty_cache()
+    small = batch == 1 or state_layers[0].state_bytes < 64 * KiB
+    for op in ("gather", "scatter"):
+        mine, theirs = (r for r in records if r["op"] == op)
+        mine["speedup_vs_torch"] = theirs["ms"] / mine["ms"]
+        if small:
+            mine["target"] = TARGETS["small"]
+            mine["pass"] = mine["fraction_of_copy"] >= 0.80 and mine["speedup_vs_torch"] >= 5.0
+        elif state_layers[0].state_bytes >= MiB and batch >= 8:
+            mine["target"] = TARGETS["large"]
+            mine["pass"] = mine["fraction_of_copy"] >= 0.90
+    return records
+
+
+def _hybridkv_states(model, batch, name, nbytes, copy_gbps, quick, check) -> list[dict[str, Any]]:
+    """One launch for all layers of all state groups, random block order, pool sized to the batch."""
+    import numpy as np
+    import torch
+
+    from hybridkv.blockmgr.layout import plan
+    from hybridkv.ops import allocate_pools, allocate_state_buffers, gather_states, scatter_states
+
+    probe = plan(model, 1 << 50, block_size=64)
+    needed = sum(probe.blocks_per_state) * batch + 1
+    layout = plan(model, needed * probe.bytes_per_block, block_size=64)
+    pools = allocate_pools(layout, _RUN["device"])
+    pools.torch_data.random_(0, 255)
+    pools.torch_data[:, :, 0].zero_()
+    ids = np.random.default_rng(0).permutation(np.arange(1, layout.num_blocks))
+    table = np.zeros((layout.num_state_groups, batch, max(layout.blocks_per_state)), dtype=np.int32)
+    pos = 0
+    for g, bps in enumerate(layout.blocks_per_state):
+        table[g, :, :bps] = ids[pos : pos + batch * bps].reshape(batch, bps)
+        pos += batch * bps
+    table_dev = torch.from_numpy(table).to(_RUN["device"])
+    out = allocate_state_buffers(layout, batch, device=_RUN["device"])
+    if check and batch <= 8:  # the reference's address tensors grow with batch x state bytes
+        ref = allocate_state_buffers(layout, batch, device=_RUN["device"])
+        gather_states(pools, table, None, ref, backend="naive")
+        gather_states(pools, table_dev, None, out, backend="naive" if _RUN["smoke"] else "triton")
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        assert torch.equal(ref.torch_data, out.torch_data), f"{name}: Triton gather differs from the reference"
+    gather_ms = _bench(lambda: gather_states(pools, table_dev, None, out, validate=False), quick)
+    scatter_ms = _bench(lambda: scatter_states(pools, table_dev, None, out, validate=False), quick)
+    return [
+        _record(name, "gather", "hybridkv (1 launch)", gather_ms, nbytes, copy_gbps),
+        _record(name, "scatter", "hybridkv (1 launch)", scatter_ms, nbytes, copy_gbps),
+    ]
+
+
+def _torch_states(state_layers, batch, name, nbytes, copy_gbps, quick) -> list[dict[str, Any]]:
+    """vLLM-style baseline: one contiguous ``[num_slots, *state]`` pool per layer, random slots."""
+    import torch
+
+    spec = state_layers[0].components[0]
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[spec.dtype.value]
+    device = _RUN["device"]
+    slots = [torch.empty((batch + 1, *spec.shape), dtype=dtype, device=device) for _ in state_layers]
+    outs = [torch.empty((batch, *spec.shape), dtype=dtype, device=device) for _ in state_layers]
+    idx = torch.randperm(batch + 1, device=device)[:batch]
+
+    def torch_gather():
+        for pool, o in zip(slots, outs, strict=True):
+            torch.index_select(pool, 0, idx, out=o)
+
+    def torch_scatter():
+        for pool, o in zip(slots, outs, strict=True):
+            pool.index_copy_(0, idx, o)
+
+    return [
+        _record(name, "gather", "torch index_select per layer", _bench(torch_gather, quick), nbytes, copy_gbps),
+        _record(name, "scatter", "torch index_copy_ per layer", _bench(torch_scatter, quick), nbytes, copy_gbps),
+    ]
+
+
+def blocks_and_swap_case(copy_gbps: float, pinned: dict[str, float], quick: bool) -> list[dict[str, Any]]:
+    import numpy as np
+    import torch
+
+    from hybridkv.blockmgr.layout import plan
+    from hybridkv.blockmgr.presets import preset
+    from hybridkv.ops import allocate_host_pools, allocate_pools, copy_blocks, swap_blocks
+
+    model = preset("minimax-m1", "float32", 1)
+    probe = plan(model, 1 << 50, block_size=64)
+    num_pairs = max(1, _size(1024, 256, 16, quick) * MiB // probe.bytes_per_block)
+    layout = plan(model, (2 * num_pairs + 1) * probe.bytes_per_block, block_size=64)
+    pools = allocate_pools(layout, _RUN["device"])
+    pools.torch_data.random_(0, 255)
+    pools.torch_data[:, :, 0].zero_()
+    rng = np.random.default_rng(1)
+    ids = rng.permutation(np.arange(1, layout.num_blocks))
+    src = torch.from_numpy(ids[:num_pairs]).to(_RUN["device"])
+    dst = torch.from_numpy(ids[num_pairs : 2 * num_pairs]).to(_RUN["device"])
+    name = f"minimax-m1 blocks of {layout.bytes_per_block / MiB:.3g} MiB (10 slots), {num_pairs} pairs"
+    nbytes = 2 * num_pairs * layout.bytes_per_block
+    data = pools.torch_data
+
+    def torch_copy():
+        data[:, :, dst] = data[:, :, src]
+
+    mine = _record(name, "copy_blocks", "hybridkv (1 launch)", _bench(lambda: copy_blocks(pools, src, dst), quick),
+                   nbytes, copy_gbps)  # fmt: skip
+    theirs = _record(name, "copy_blocks", "torch advanced indexing", _bench(torch_copy, quick), nbytes, copy_gbps)
+    mine |= {"speedup_vs_torch": theirs["ms"] / mine["ms"], "target": TARGETS["copy_blocks"]}
+    mine["pass"] = mine["fraction_of_copy"] >= 0.85
+    records = [mine, theirs]
+    host = allocate_host_pools(layout, num_pairs)
+    moved = num_pairs * layout.bytes_per_block
+    for host_order in ("consecutive", "random"):
+        host_ids = np.arange(num_pairs) if host_order == "consecutive" else rng.permutation(num_pairs)
+        dev_ids = ids[:num_pairs]
+        for direction in ("out", "in"):
+            ms = _bench(lambda d=direction, h=host_ids, i=dev_ids: swap_blocks(pools, host, i, h, d).wait(), quick)
+            rate = pinned[f"{direction}_gbps"]
+            rec = _record(f"minimax-m1 swap {num_pairs} blocks, random device ids, {host_order} host ids",
+                          f"swap_{direction}", "hybridkv", ms, moved, rate)  # fmt: skip
+            rec["fraction_of_pinned"] = rec.pop("fraction_of_copy")
+            rec |= {"target": TARGETS["swap"], "pass": rec["fraction_of_pinned"] >= 0.90}
+            records.append(rec)
+    return records
+
+
+def print_table(copy: dict[str, Any], pinned: dict[str, float], records: list[dict[str, Any]]) -> None:
+    print(f"device copy: {copy['gbps']:.0f} GB/s ({copy['ms']:.3f} ms for {copy['bytes'] / GiB:.1f} GiB r+w); "
+          f"pinned: in {pinned['in_gbps']:.1f} GB/s, out {pinned['out_gbps']:.1f} GB/s")  # fmt: skip
+    header = f"{'case':<62} {'op':<12} {'impl':<30} {'ms':>9} {'GB/s':>8} {'frac':>6} {'x torch':>8} pass"
+    print(header)
+    print("-" * len(header))
+    for r in records:
+        frac = r.get("fraction_of_copy", r.get("fraction_of_pinned", 0.0))
+        speedup = f"{r['speedup_vs_torch']:.2f}" if "speedup_vs_torch" in r else "-"
+        verdict = {True: "yes", False: "NO"}.get(r.get("pass"), "")
+        print(f"{r['case'][:62]:<62} {r['op']:<12} {r['impl'][:30]:<30} {r['ms']:>9.3f} {r['gbps']:>8.0f} "
+              f"{frac:>6.0%} {speedup:>8} {verdict}")  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="GPU benchmark of hybridkv.ops (see BENCH.md)")
+    parser.add_argument("--quick", action="store_true", help="smaller sizes and fewer cases (a smoke run)")
+    parser.add_argument("--no-check", action="store_true", help="skip the Triton-vs-reference check before timing")
+    parser.add_argument("--no-save", action="store_true", help="print only, do not write the JSON")
+    parser.add_argument(
+        "--cpu-smoke",
+        action="store_true",
+        help="run every case on the CPU with tiny sizes (checks the script; no JSON)",
+    )
+    args = parser.parse_args(argv)
+    try:
+        import torch
+    except ImportError:
+        print("bench_ops_gpu: torch is not installed; nothing to measure", file=sys.stderr)
+        return 0
+    if args.cpu_smoke:
+        _RUN.update(device="cpu", smoke=True)
+        args.quick, args.no_save = True, True
+    elif not torch.cuda.is_available():
+        print("bench_ops_gpu: no CUDA device here; this benchmark measures GPU ops, nothing to do", file=sys.stderr)
+        return 0
+    import triton
+
+    from benchmarks._common import save
+
+    copy = copy_rate(args.quick)
+    pinned = pinned_rates(_size(1024, 256, 16, args.quick) * MiB, args.quick)
+    models = _models()
+    cases = [("minimax-m1", b) for b in ((1,) if _RUN["smoke"] else (1, 8) if args.quick else (1, 8, 32))]
+    cases += [("mamba2-ssm", _size(64, 16, 1, args.quick)), ("mamba2-conv", _size(64, 64, 4, args.quick))]
+    records = []
+    for model_name, batch in cases:
+        records += state_case(models[model_name], batch, copy["gbps"], args.quick, check=not args.no_check)
+    records += blocks_and_swap_case(copy["gbps"], pinned, args.quick)
+    print_table(copy, pinned, records)
+    payload = {
+        "quick": args.quick,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "copy": copy,
+        "pinned": pinned,
+        "targets": TARGETS,
+        "cases": records,
+        "all_targets_met": all(r["pass"] for r in records if "pass" in r),
+    }
+    if not args.no_save:
+        print(f"saved {save('ops_gpu', payload)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

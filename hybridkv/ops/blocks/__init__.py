@@ -1,0 +1,101 @@
+"""copy_blocks: whole blocks (every layer slot, every segment) for checkpoints, copy-on-write and fork."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from hybridkv.blockmgr.layout import NULL_BLOCK
+from hybridkv.ops._framework import Backend, as_words, resolve_backend, to_torch, widest_word
+from hybridkv.ops.blocks.naive import copy_blocks_naive
+from hybridkv.ops.pools import BlockPools
+
+TILE_BYTES = 8192
+
+
+def block_ids(ids: Any, what: str) -> np.ndarray:
+    """Block ids (list, numpy, torch or paddle) as a 1-D int64 numpy array on the host."""
+    if isinstance(ids, list | tuple | range | np.ndarray | int | np.integer):
+        arr = np.asarray(ids, dtype=np.int64)
+    else:
+        arr = to_torch(ids).detach().cpu().numpy().astype(np.int64)
+    if arr.ndim != 1:
+        raise ValueError(f"{what} must be a 1-D list of block ids, got shape {arr.shape}")
+    return arr
+
+
+def check_pairs(src: np.ndarray, dst: np.ndarray, num_src: int, num_dst: int, what: str) -> None:
+    """Equal lengths, ids in range, destinations unique and never the null block. Raises ``ValueError``."""
+    if src.shape != dst.shape:
+        raise ValueError(f"{what}: {src.size} source blocks but {dst.size} destination blocks")
+    for ids, n, side in ((src, num_src, "source"), (dst, num_dst, "destination")):
+        bad = ids[(ids < 0) | (ids >= n)]
+        if bad.size:
+            raise ValueError(f"{what}: {side} block {int(bad[0])} is outside the pool's 0..{n - 1}")
+    uniq, counts = np.unique(dst, return_counts=True)
+    if (counts > 1).any():
+        raise ValueError(f"{what}: destination block {int(uniq[counts > 1][0])} appears twice")
+
+
+def copy_blocks(
+    pools: BlockPools,
+    src_blocks: Any,
+    dst_blocks: Any = None,
+    backend: Backend | str = "auto",
+    validate: bool | None = None,
+) -> None:
+    """Copy block ``src_blocks[i]`` onto ``dst_blocks[i]`` in every layer slot and segment, in one launch.
+
+    Ids: 1-D int lists/arrays/tensors of equal length, or the block manager's ``BlockCopies``
+    (``src``/``dst`` attributes) as ``src_blocks``. A source may repeat (fork one to many).
+    ``validate`` (default: unless the ids already are CUDA tensors, where checking would synchronise)
+    raises ``ValueError`` when ids are out of range, a destination is the null block or repeats, or
+    a block is both a source and a destination (the copies would race).
+    """
+    pools.require_slot_major("copy_blocks")
+    if dst_blocks is None and hasattr(src_blocks, "src") and hasattr(src_blocks, "dst"):
+        src_blocks, dst_blocks = src_blocks.src, src_blocks.dst
+    if dst_blocks is None:
+        raise ValueError("copy_blocks needs dst_blocks (or a BlockCopies with src and dst)")
+    device = pools.device
+    src_t, dst_t = _ids_on_device(src_blocks, device), _ids_on_device(dst_blocks, device)
+    if validate or (validate is None and not (src_t.is_cuda and dst_t.is_cuda)):
+        _check_copy(block_ids(src_t, "src_blocks"), block_ids(dst_t, "dst_blocks"), pools.num_blocks)
+    elif src_t.shape != dst_t.shape or src_t.dim() != 1:
+        raise ValueError(f"copy_blocks: src_blocks {tuple(src_t.shape)} and dst_blocks {tuple(dst_t.shape)} differ")
+    if resolve_backend(backend, device) is Backend.NAIVE:
+        copy_blocks_naive(pools, src_t, dst_t)
+        return
+    from hybridkv.ops.blocks import kernel
+
+    layout = pools.layout
+    word = widest_word(pools.torch_data.data_ptr(), layout.segment_bytes)
+    kernel.launch(
+        as_words(pools.torch_data.view(-1), word),
+        src_t,
+        dst_t,
+        layout.group_size * layout.num_segments,
+        pools.num_blocks,
+        layout.segment_bytes // word,
+        TILE_BYTES // word,
+    )
+
+
+def _ids_on_device(ids: Any, device: torch.device) -> torch.Tensor:
+    if isinstance(ids, list | tuple | range | np.ndarray):
+        return torch.from_numpy(np.asarray(ids, dtype=np.int64)).to(device)
+    t = to_torch(ids)
+    return t if t.device == device and t.dtype == torch.int64 else t.to(device=device, dtype=torch.int64)
+
+
+def _check_copy(src: np.ndarray, dst: np.ndarray, num_blocks: int) -> None:
+    check_pairs(src, dst, num_blocks, num_blocks, "copy_blocks")
+    if (dst == NULL_BLOCK).any():
+        raise ValueError("copy_blocks: the null block (0) cannot be a destination; it stays zero-filled")
+    both = np.intersect1d(src, dst)
+    if both.size:
+        raise ValueError(
+            f"copy_blocks: block {int(both[0])} is both a source and a destination; copy in two calls instead"
+        )

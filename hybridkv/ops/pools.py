@@ -1,0 +1,255 @@
+"""Device and host block pools of a :class:`~hybridkv.blockmgr.layout.Layout`, and batched state buffers.
+
+One backing uint8 tensor ``[group_size, num_segments, num_blocks, segment_bytes]`` holds every layer
+slot, so each op is one launch over one base pointer; ``pools.slot(i)`` is layer slot ``i``'s
+``[num_segments, num_blocks, segment_bytes]`` view. Block 0 is the null block: zero-filled, never
+written by the ops. The caller owns the pools (they live as long as the returned object is referenced).
+
+Host pools are **block-major**, ``[num_host_blocks, group_size, num_segments, segment_bytes]``: a host
+block is one contiguous ``bytes_per_block`` chunk, so a run of consecutive host ids moves in one
+DMA copy whatever the number of slots (no kernel ever reads the host pool).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from hybridkv.blockmgr.layout import NULL_BLOCK, Layout
+from hybridkv.blockmgr.spec import AttentionLayerSpec
+from hybridkv.ops._framework import Framework, from_torch, paddle_zeros, to_torch, torch_dtype
+from hybridkv.ops.addressing import BufferRegion, state_byte_addresses
+
+NAN_FILL = 0xFF  # all-ones bytes read as NaN in float32, bfloat16 and float16
+BUFFER_ALIGN_BYTES = 256
+
+
+def _fill_byte(fill: int | float | str | None) -> int | None:
+    if fill is None:
+        return None
+    if isinstance(fill, str) and fill.lower() == "nan" or isinstance(fill, float) and math.isnan(fill):
+        return NAN_FILL
+    if isinstance(fill, int) and 0 <= fill <= 255:
+        return fill
+    raise ValueError(f"fill must be None, 'nan' or a byte value 0..255, got {fill!r}")
+
+
+@dataclass(frozen=True, eq=False)
+class BlockPools:
+    """All layer slots of one pool. ``data``: uint8 ``[group_size, num_segments, num_blocks, segment_bytes]``
+    (host pools, ``block_major``: ``[num_blocks, group_size, num_segments, segment_bytes]``) in
+    ``framework``; ``torch_data`` is the same memory as a torch tensor (a DLPack view for paddle)."""
+
+    layout: Layout
+    data: Any
+    torch_data: torch.Tensor
+    framework: Framework
+    block_major: bool = False
+    cache: dict = field(default_factory=dict, repr=False)  # run tables of the kernels, by key
+
+    @property
+    def num_blocks(self) -> int:
+        return self.torch_data.shape[0 if self.block_major else 2]
+
+    def require_slot_major(self, op: str) -> None:
+        """Raise ``ValueError`` for a host (block-major) pool passed to a device op."""
+        if self.block_major:
+            raise ValueError(f"{op} works on device pools from allocate_pools, not on a host pool")
+
+    @property
+    def device(self) -> torch.device:
+        return self.torch_data.device
+
+    def slot(self, i: int) -> Any:
+        """Layer slot ``i``: ``[num_segments, num_blocks, segment_bytes]`` uint8, a view of ``data``."""
+        return self.data[:, i].transpose(0, 1) if self.block_major else self.data[i]
+
+    def slots(self) -> list[Any]:
+        return [self.slot(i) for i in range(self.layout.group_size)]
+
+
+def _new_pools(
+    layout: Layout, num_blocks: int, device: torch.device, framework: Framework, fill: Any, pin: bool, host: bool
+) -> BlockPools:
+    shape = [layout.group_size, layout.num_segments, num_blocks, layout.segment_bytes]
+    if host:
+        shape = [num_blocks, layout.group_size, layout.num_segments, layout.segment_bytes]
+    byte = _fill_byte(fill)
+    if framework is Framework.PADDLE and not host:
+        data = paddle_zeros(shape, device)
+        t = to_torch(data)
+    else:
+        t = torch.zeros(shape, dtype=torch.uint8, device=device, pin_memory=pin)
+        data = from_torch(t, framework)
+    if byte is not None:
+        t.fill_(byte)
+        if not host:
+            t[:, :, NULL_BLOCK].zero_()
+    return BlockPools(layout, data, t, framework, block_major=host)
+
+
+def allocate_pools(
+    layout: Layout,
+    device: str | torch.device = "cuda",
+    framework: Framework | str = "torch",
+    fill: int | float | str | None = None,
+    num_blocks: int | None = None,
+) -> BlockPools:
+    """Allocate ``layout.num_blocks`` (or ``num_blocks``) blocks of every layer slot on ``device``.
+
+    ``framework="paddle"`` allocates with paddle (the torch view is a DLPack alias). ``fill``: None
+    for zeros, ``"nan"`` (bytes 0xFF) or a byte value, for tests that must see stray reads; block 0
+    is zeroed either way. Raises ``ValueError`` on a bad ``fill``.
+    """
+    n = layout.num_blocks if num_blocks is None else num_blocks
+    if n < 2:
+        raise ValueError(f"a pool needs the null block and one more, got num_blocks={n}")
+    return _new_pools(layout, n, torch.device(device), Framework(framework), fill, pin=False, host=False)
+
+
+def allocate_host_pools(
+    layout: Layout,
+    num_host_blocks: int,
+    framework: Framework | str = "torch",
+    fill: int | float | str | None = None,
+    pin_memory: bool | None = None,
+) -> BlockPools:
+    """Host pool with the layout's block bytes and ``num_host_blocks`` blocks (ids 0..num_host_blocks-1),
+    block-major: ``data`` is ``[num_host_blocks, group_size, num_segments, segment_bytes]`` uint8.
+
+    ``HybridBlockManager(num_host_blocks=N)`` hands out host ids 0..N-1: allocate ``N`` here. Pinned
+    (page-locked) by default when CUDA is available, so swaps can run asynchronously; the memory is
+    allocated by torch and, for ``framework="paddle"``, exposed to paddle through DLPack.
+    """
+    if num_host_blocks < 1:
+        raise ValueError(f"num_host_blocks must be positive, got {num_host_blocks}")
+    pin = torch.cuda.is_available() if pin_memory is None else pin_memory
+    return _new_pools(layout, num_host_blocks, torch.device("cpu"), Framework(framework), fill, pin=pin, host=True)
+
+
+def kv_cache_views(pools: BlockPools) -> list[Any]:
+    """``[k0, v0, k1, v1, ...]`` for the attention layers in slot order (FastDeploy's ``caches``).
+
+    Each is ``[num_blocks, kv_heads, block_size, head_dim]`` of the attention dtype, a view of the
+    pool memory in the pool's framework. Empty for models without attention.
+    """
+    pools.require_slot_major("kv_cache_views")
+    layout, kv = pools.layout, pools.layout.kv_group
+    if kv is None:
+        return []
+    views = []
+    for slot, layer_id in enumerate(kv.layer_ids):
+        if layer_id is None:
+            continue
+        spec = layout.model.layers[layer_id]
+        assert isinstance(spec, AttentionLayerSpec)
+        for seg in range(2):
+            t = pools.torch_data[slot, seg].view(torch_dtype(spec.dtype))
+            t = t.view(pools.num_blocks, spec.num_kv_heads, layout.block_size, spec.head_dim)
+            views.append(from_torch(t, pools.framework))
+    return views
+
+
+def read_state(pools: BlockPools, group: int, slot: int, blocks: Any) -> dict[str, torch.Tensor]:
+    """Reference read of one state (not a view): component name -> new torch tensor of its shape.
+
+    ``blocks``: the state set's ``blocks_per_state`` block ids in table order; null blocks read zeros.
+    """
+    pools.require_slot_major("read_state")
+    entry = pools.layout.state_layer(group, slot)
+    if entry is None:
+        raise ValueError(f"state group {group} has no layer in slot {slot}")
+    spec = entry[1]
+    row = to_torch(blocks).to(pools.device, torch.int64).reshape(1, -1)
+    if row.shape[1] < pools.layout.blocks_per_state[group]:
+        raise ValueError(
+            f"a state of group {group} spans {pools.layout.blocks_per_state[group]} block ids, got {row.shape[1]}"
+        )
+    address, null = state_byte_addresses(pools.layout, pools.num_blocks, row, spec.state_bytes)
+    flat = pools.torch_data[slot].reshape(-1)[address[0]].masked_fill(null[0], 0)
+    offsets = spec.component_offsets()
+    return {
+        c.name: flat[offsets[c.name] : offsets[c.name] + c.nbytes].view(torch_dtype(c.dtype)).view(c.shape)
+        for c in spec.components
+    }
+
+
+@dataclass(frozen=True, eq=False)
+class StateBuffers:
+    """Batched contiguous states: per state layer and component a ``[batch_size, *shape]`` tensor.
+
+    All tensors are views of one uint8 backing buffer ``data`` (``torch_data`` in torch), laid out by
+    ``regions`` (256-byte aligned). ``tensors[(group, slot)][name]`` is in the buffers' framework.
+    """
+
+    layout: Layout
+    batch_size: int
+    groups: tuple[int, ...]
+    regions: tuple[BufferRegion, ...]
+    data: Any
+    torch_data: torch.Tensor
+    framework: Framework
+    tensors: dict[tuple[int, int], dict[str, Any]]
+    cache: dict = field(default_factory=dict, repr=False)
+
+    def layer(self, group: int, slot: int) -> dict[str, Any]:
+        """Component name -> ``[batch_size, *shape]`` tensor of state group ``group``'s layer in ``slot``."""
+        return self.tensors[(group, slot)]
+
+    def by_layer_id(self) -> dict[int, dict[str, Any]]:
+        """Model layer id -> component name -> ``[batch_size, *shape]`` tensor."""
+        return {r.layer_id: self.tensors[(r.group, r.slot)] for r in self.regions}
+
+    def region_bytes(self, region: BufferRegion) -> torch.Tensor:
+        """``[batch_size, nbytes]`` uint8 torch view of one region."""
+        size = self.batch_size * region.nbytes
+        return self.torch_data[region.buffer_offset : region.buffer_offset + size].view(self.batch_size, -1)
+
+
+def allocate_state_buffers(
+    layout: Layout,
+    batch_size: int,
+    group: int | None = None,
+    device: str | torch.device = "cuda",
+    framework: Framework | str = "torch",
+    fill: int | float | str | None = None,
+) -> StateBuffers:
+    """One backing buffer with a ``[batch_size, *component.shape]`` view per state layer and component,
+    for state group ``group`` or (None) every state group. Owned by the caller."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be positive, got {batch_size}")
+    fw = Framework(framework)
+    groups = tuple(range(layout.num_state_groups)) if group is None else (group,)
+    for g in groups:
+        if not 0 <= g < layout.num_state_groups:
+            raise ValueError(f"state group {g} does not exist: the layout has {layout.num_state_groups}")
+    regions, pos = [], 0
+    for g in groups:
+        for slot in range(layout.group_size):
+            entry = layout.state_layer(g, slot)
+            if entry is None:
+                continue
+            layer_id, spec = entry
+            for c, off in zip(spec.components, spec.component_offsets().values(), strict=True):
+                regions.append(BufferRegion(g, slot, layer_id, c.name, off, c.nbytes, pos))
+                pos += -(-batch_size * c.nbytes // BUFFER_ALIGN_BYTES) * BUFFER_ALIGN_BYTES
+    size, dev = max(pos, BUFFER_ALIGN_BYTES), torch.device(device)
+    if fw is Framework.PADDLE:
+        data = paddle_zeros([size], dev)
+        data_t = to_torch(data)
+    else:
+        data = data_t = torch.zeros(size, dtype=torch.uint8, device=dev)
+    byte = _fill_byte(fill)
+    if byte is not None:
+        data_t.fill_(byte)
+    tensors: dict[tuple[int, int], dict[str, Any]] = {}
+    for r in regions:
+        spec = layout.model.layers[r.layer_id]
+        c = spec.component(r.name)
+        raw = data_t[r.buffer_offset : r.buffer_offset + batch_size * r.nbytes]
+        view = raw.view(torch_dtype(c.dtype)).view(batch_size, *c.shape)
+        tensors.setdefault((r.group, r.slot), {})[r.name] = from_torch(view, fw)
+    return StateBuffers(layout, batch_size, groups, tuple(regions), data, data_t, fw, tensors)
