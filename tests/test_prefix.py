@@ -115,6 +115,22 @@ def test_eviction_frees_cached_blocks_for_new_requests():
 
 
 @pytest.mark.parametrize("eviction", ["lru", "flop_aware"])
+def test_eviction_takes_leaves_first(eviction):
+    """Evicting the first block of a cached chain would orphan the rest: the deepest goes first."""
+    m = cached_manager(num_blocks=40, checkpoint="none", eviction=eviction)
+    prefill(m, "a", PREFIX + [1])
+    chain = m.block_table(["a"])[0][:3].tolist()
+    m.free("a")
+    assert m.usage().kv_cached == 3
+    freed = m.prefix_cache.evict(1)
+    m.pool.free(freed)
+    assert freed.tolist() == [chain[2]]
+    # policy none: no hit, but the KV chain above the evicted leaf is intact
+    assert m.prefix_cache.match(PREFIX[:8] + [0], 9).num_matched_tokens == 8
+    m.check_integrity()
+
+
+@pytest.mark.parametrize("eviction", ["lru", "flop_aware"])
 @pytest.mark.parametrize("checkpoint", ["every_n_blocks", "branch_and_last"])
 @settings(
     max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]

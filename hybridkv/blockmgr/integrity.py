@@ -73,8 +73,8 @@ def check_integrity(m: HybridBlockManager) -> None:
     cached_mask[cached_kv] = True
     if (free & (actual > 0)).any() or (free & cached_mask).any():
         problems.append("blocks both free and referenced or cached")
-    if cache is not None and not np.array_equal(cached_mask, cache._kv_evictable):
-        problems.append("the prefix cache's evictable-KV mirror differs from its evictable set")
+    if cache is not None:
+        problems += cache.check()
     if (cached_mask & (actual > 0)).any():
         problems.append("cached (evictable) KV blocks still referenced")
     referenced = actual > 0

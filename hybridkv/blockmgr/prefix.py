@@ -66,9 +66,11 @@ class Node:
     """One full block of a cached token sequence: ends at token ``position``."""
 
     key: int
+    parent: int  # key of the previous block's node (ROOT_KEY for the first block)
     tokens: tuple[int, ...]
     position: int
     kv_block: int = 0  # 0: no KV block cached for it
+    kv_children: int = 0  # child nodes holding a KV block: while > 0 this KV block is no leaf
     checkpoint: np.ndarray | None = None  # flat block ids of the state sets at ``position``
     kv_tick: int = 0
     ckpt_tick: int = 0
@@ -123,6 +125,8 @@ class PrefixCache:
         self._kv_evictable = np.zeros(layout.num_blocks, dtype=bool)
         self._kv_tick = np.zeros(layout.num_blocks, dtype=np.int64)
         self._kv_fpb = np.zeros(layout.num_blocks, dtype=np.float64)
+        # KV blocks with a cached child: evicting one would orphan its subtree, so only leaves go
+        self._kv_inner = np.zeros(layout.num_blocks, dtype=bool)
 
     # ---- counts ------------------------------------------------------------------------------
     @property
@@ -211,7 +215,7 @@ class PrefixCache:
             keys.append(key)
             node = self.nodes.get(key)
             if node is None:
-                node = Node(key, tokens, (j + 1) * self.block_size)
+                node = Node(key, keys[-2] if len(keys) > 1 else ROOT_KEY, tokens, (j + 1) * self.block_size)
                 pos = node.position  # FLOPs of this block's tokens, per byte of one block
                 node.kv_flops_per_byte = (lin * bs + quad * (2 * pos - bs) * bs) / bpb
                 self.nodes[key] = node
@@ -219,6 +223,12 @@ class PrefixCache:
                 node.kv_block = int(kv_blocks[j])
                 self.block_node[node.kv_block] = node
                 self._kv_fpb[node.kv_block] = node.kv_flops_per_byte
+                self._kv_inner[node.kv_block] = node.kv_children > 0
+                parent = self.nodes.get(node.parent)
+                if parent is not None:
+                    parent.kv_children += 1
+                    if parent.kv_block:
+                        self._kv_inner[parent.kv_block] = True
 
     def release(self, ids: np.ndarray) -> np.ndarray:
         """KV blocks whose count reached zero: cached ones become evictable; returns the rest."""
@@ -261,6 +271,28 @@ class PrefixCache:
         self.m.use[blocks] = BlockUse.CHECKPOINT
         self.stats.checkpoints_made += 1
 
+    def check(self) -> list[str]:
+        """Problems with the cache's own books (mirrors, child counts); used by ``check_integrity``."""
+        problems = []
+        evictable = np.zeros_like(self._kv_evictable)
+        evictable[self.cached_kv_blocks()] = True
+        if not np.array_equal(evictable, self._kv_evictable):
+            problems.append("the prefix cache's evictable-KV mirror differs from its evictable set")
+        children: dict[int, int] = {}
+        for node in self.nodes.values():
+            if node.kv_block:
+                children[node.parent] = children.get(node.parent, 0) + 1
+                if self.block_node.get(node.kv_block) is not node:
+                    problems.append(f"cached KV block {node.kv_block} is not mapped to its node")
+        for node in self.nodes.values():
+            if node.kv_children != children.get(node.key, 0):
+                problems.append(
+                    f"node at {node.position} counts {node.kv_children} KV children, has {children.get(node.key, 0)}"
+                )
+            if node.kv_block and self._kv_inner[node.kv_block] != (node.kv_children > 0):
+                problems.append(f"leaf mirror wrong for KV block {node.kv_block}")
+        return problems
+
     # ---- eviction ----------------------------------------------------------------------------
     def evict(self, num_blocks: int, protect: set[int] = frozenset()) -> np.ndarray:  # type: ignore[assignment]
         """Evict units until at least ``num_blocks`` blocks are freed; returns the freed ids.
@@ -272,32 +304,55 @@ class PrefixCache:
             return np.empty(0, dtype=np.int32)
         target = max(num_blocks, int(self.config.evict_batch_fraction * self.m.pool.num_usable))
         target = max(num_blocks, min(target, self.num_evictable - self.num_protected(protect)))
-        if self.config.eviction is EvictionPolicy.LRU:
-            victims = self._lru_victims(target, protect)
-        else:
-            victims = self._flop_aware_victims(target, protect)
-        freed = []
-        for kind, node in victims:
-            if kind == "kv":
-                del self._evictable_kv[node.kv_block]
-                self._kv_evictable[node.kv_block] = False
-                del self.block_node[node.kv_block]
-                freed.append(np.array([node.kv_block], dtype=np.int32))
-                node.kv_block = 0
-                self.stats.kv_evicted += 1
+        freed: list[np.ndarray] = []
+        left = target
+        leaves_only = True
+        while left > 0:  # rounds: evicting a leaf can make its parent a leaf
+            if self.config.eviction is EvictionPolicy.LRU:
+                victims = self._lru_victims(left, protect, leaves_only)
             else:
-                del self._checkpoints[node.key]
-                freed.append(node.checkpoint)
-                node.checkpoint = None
-                self.stats.checkpoints_evicted += 1
-            if not node.kv_block and node.checkpoint is None:
-                self.nodes.pop(node.key, None)
+                victims = self._flop_aware_victims(left, protect, leaves_only)
+            if not victims:
+                if not leaves_only:
+                    break
+                # what is left sits above KV still in use (a request computed a cached block again
+                # and holds its own copy): orphaning such a subtree is the last resort
+                leaves_only = False
+                continue
+            for kind, node in victims:
+                ids = self._drop(kind, node)
+                freed.append(ids)
+                left -= ids.size
         ids = np.concatenate(freed) if freed else np.empty(0, dtype=np.int32)
         self.m.pool.ref_counts[ids] = 0
         self.m.use[ids] = BlockUse.FREE
         return ids
 
-    def _lru_victims(self, num_blocks: int, protect: set[int]) -> list[tuple[str, Node]]:
+    def _drop(self, kind: str, node: Node) -> np.ndarray:
+        if kind == "kv":
+            block = node.kv_block
+            del self._evictable_kv[block]
+            del self.block_node[block]
+            self._kv_evictable[block] = False
+            node.kv_block = 0
+            parent = self.nodes.get(node.parent)
+            if parent is not None:
+                parent.kv_children -= 1
+                if parent.kv_block and not parent.kv_children:
+                    self._kv_inner[parent.kv_block] = False
+                if not (parent.kv_block or parent.kv_children or parent.checkpoint is not None):
+                    del self.nodes[parent.key]  # emptied by evicting KV below it
+            self.stats.kv_evicted += 1
+            ids = np.array([block], dtype=np.int32)
+        else:
+            del self._checkpoints[node.key]
+            ids, node.checkpoint = node.checkpoint, None  # type: ignore[assignment]
+            self.stats.checkpoints_evicted += 1
+        if not node.kv_block and node.checkpoint is None and not node.kv_children:
+            self.nodes.pop(node.key, None)
+        return ids
+
+    def _lru_victims(self, num_blocks: int, protect: set[int], leaves_only: bool) -> list[tuple[str, Node]]:
         kv_iter = iter(self._evictable_kv.values())  # oldest first; nothing changes while we look
         ck_iter = iter(self._checkpoints.values())
         kv_next, ck_next = next(kv_iter, None), next(ck_iter, None)
@@ -307,7 +362,7 @@ class PrefixCache:
             take_kv = ck_next is None or (kv_next is not None and kv_next.kv_tick <= ck_next.ckpt_tick)
             if take_kv:
                 node, kv_next = kv_next, next(kv_iter, None)
-                if node.key not in protect:
+                if node.key not in protect and not (leaves_only and self._kv_inner[node.kv_block]):
                     victims.append(("kv", node))
                     got += 1
             else:
@@ -326,9 +381,9 @@ class PrefixCache:
                 n += self.m.num_state_blocks if node.checkpoint is not None else 0
         return n
 
-    def _flop_aware_victims(self, target: int, protect: set[int]) -> list[tuple[str, Node]]:
+    def _flop_aware_victims(self, target: int, protect: set[int], leaves_only: bool) -> list[tuple[str, Node]]:
         """Lowest utility first: ``alpha * norm(log1p(FLOPs saved per byte)) + norm(recency)``."""
-        mask = self._kv_evictable.copy()
+        mask = self._kv_evictable & ~self._kv_inner if leaves_only else self._kv_evictable.copy()
         for key in protect:
             node = self.nodes.get(key)
             if node is not None and node.kv_block:
