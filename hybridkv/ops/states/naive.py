@@ -1,8 +1,10 @@
 """Reference gather/scatter of states: the layout's addressing rule as plain torch indexing.
 
-For state group ``g``, layer slot ``s`` and batch row ``b``, state byte ``o`` is
-``slot[s].flat[address(table[g, b], o)]`` (zero where the block is the null block); components sit
-back to back in the state's flat bytes.
+A state set is ``blocks_per_state`` block ids; in layer slot ``s`` block ``j`` of the set holds the
+state's bytes ``[j * block_bytes, (j + 1) * block_bytes)``, split over the slot's segments
+(``slot[seg, block]`` holds ``segment_bytes`` of them). So one layer's states for a batch are
+``slot[:, table]`` (``[num_segments, B, blocks_per_state, segment_bytes]``) read block by block,
+null blocks as zeros, and cut to ``state_bytes``. Components sit back to back in those bytes.
 """
 
 from __future__ import annotations
@@ -11,7 +13,8 @@ from collections import defaultdict
 
 import torch
 
-from hybridkv.ops.addressing import BufferRegion, state_byte_addresses
+from hybridkv.blockmgr.layout import NULL_BLOCK
+from hybridkv.ops.addressing import BufferRegion
 from hybridkv.ops.pools import BlockPools, StateBuffers
 
 
@@ -22,9 +25,18 @@ def _layers(regions: list[BufferRegion]) -> dict[tuple[int, int], list[BufferReg
     return layers
 
 
-def _addresses(pools: BlockPools, table: torch.Tensor, table_group: dict[int, int], g: int, slot: int):
-    spec = pools.layout.state_layer(g, slot)[1]
-    return state_byte_addresses(pools.layout, pools.num_blocks, table[table_group[g]], spec.state_bytes)
+def _layer(pools: BlockPools, table: torch.Tensor, table_group: dict[int, int], g: int, slot: int):
+    """(slot tensor ``[S, N, seg / w]`` of ``w``-byte words, ids ``[B, blocks_per_state]`` int64,
+    state bytes) of one layer; moving words instead of bytes is several times faster on the CPU."""
+    layout = pools.layout
+    spec = layout.state_layer(g, slot)[1]
+    bps = layout.state_groups[g].blocks_per_state
+    ids = table[table_group[g], :, :bps].to(torch.int64)
+    word = next(w for w, dt in _WORDS if layout.segment_bytes % w == 0)
+    return pools.torch_data[slot].view(dict(_WORDS)[word]), ids, spec.state_bytes
+
+
+_WORDS = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
 
 
 def gather_states_naive(
@@ -36,8 +48,12 @@ def gather_states_naive(
 ) -> None:
     """``buffers[region][b] = state bytes of table row b`` for every region; null blocks read zeros."""
     for (g, slot), components in _layers(regions).items():
-        address, null = _addresses(pools, table, table_group, g, slot)
-        state = pools.torch_data[slot].reshape(-1)[address].masked_fill(null, 0)  # [B, state_bytes]
+        data, ids, state_bytes = _layer(pools, table, table_group, g, slot)
+        blocks = data[:, ids]  # [S, B, bps, seg words]
+        null = ids == NULL_BLOCK
+        if null.any():
+            blocks.masked_fill_(null[None, :, :, None], 0)
+        state = blocks.permute(1, 2, 0, 3).contiguous().view(ids.shape[0], -1).view(torch.uint8)[:, :state_bytes]
         for r in components:
             buffers.region_bytes(r).copy_(state[:, r.state_offset : r.state_offset + r.nbytes])
 
@@ -49,9 +65,27 @@ def scatter_states_naive(
     buffers: StateBuffers,
     regions: list[BufferRegion],
 ) -> None:
-    """The inverse of :func:`gather_states_naive`; bytes that fall in the null block are dropped."""
+    """The inverse of :func:`gather_states_naive`: only the state's bytes are written (not the unused
+    tail of its last block), and nothing lands in the null block."""
+    seg = pools.layout.segment_bytes
     for (g, slot), components in _layers(regions).items():
-        address, null = _addresses(pools, table, table_group, g, slot)
-        state = torch.cat([buffers.region_bytes(r) for r in components], dim=1)  # [B, state_bytes]
-        keep = ~null
-        pools.torch_data[slot].reshape(-1)[address[keep]] = state[keep]
+        words, ids, state_bytes = _layer(pools, table, table_group, g, slot)
+        data = words.view(torch.uint8)
+        num_segments, bps = data.shape[0], ids.shape[1]
+        state = torch.zeros(ids.shape[0], bps * num_segments * seg, dtype=torch.uint8, device=data.device)
+        for r in components:
+            state[:, r.state_offset : r.state_offset + r.nbytes] = buffers.region_bytes(r)
+        blocks = state.view(ids.shape[0], bps, num_segments, seg)
+        keep = ids != NULL_BLOCK
+        full, tail = divmod(state_bytes, num_segments * seg)
+        if full:  # blocks the state fills completely, moved as words
+            rows = keep[:, :full]
+            whole = blocks[:, :full].reshape(ids.shape[0], full, num_segments * seg).view(words.dtype)
+            picked = whole[rows].view(-1, num_segments, words.shape[2])  # [kept blocks, S, seg words]
+            words[:, ids[:, :full][rows]] = picked.permute(1, 0, 2)
+        if tail:  # the last block: only its first ``tail`` bytes, segment by segment
+            rows = keep[:, full]
+            for k in range(num_segments):
+                n = min(seg, max(0, tail - k * seg))
+                if n:
+                    data[k, ids[rows, full], :n] = blocks[rows, full, k, :n]
