@@ -192,3 +192,48 @@ def test_random_shared_prefixes_keep_integrity_and_exact_checkpoints(eviction, c
     m.check_integrity()
     u = m.usage()
     assert u.kv_live == u.state_live == 0 and u.free + u.evictable + 1 == u.total
+
+
+def test_a_hit_that_pins_more_than_it_saves_is_admitted_as_a_miss():
+    m = cached_manager(num_blocks=40)
+    prefill(m, "a", PREFIX + [1])  # caches 3 KV blocks and checkpoints at 4, 8 and 12 tokens
+    m.free("a")
+    tokens = PREFIX + list(range(1000, 1108))  # 120 tokens: 30 KV blocks + 6 state = 36 of 39
+    assert m.match_prefix(tokens) == 12
+    assert m.blocks_to_admit(120, token_ids=tokens) == 36  # the hit would pin 36 - 3 + 3 + 6 = 42
+    assert m.can_allocate(120, token_ids=tokens)
+    alloc = m.allocate("big", 120, token_ids=tokens)
+    assert alloc.num_cached_tokens == 0 and len(alloc.copies) == 0
+    m.check_integrity()
+
+
+def test_a_request_keeps_its_chain_when_the_cached_twin_of_its_block_is_evicted():
+    """Regression: request 5 computed a block that was cached already (private twin); evicting the
+    cached twin removed the node, and later blocks and checkpoints of request 5 hung on nothing."""
+    from hybridkv.blockmgr.spec import AttentionLayerSpec, DType, ModelSpec, RecurrentLayerSpec, StateComponent
+
+    attn = AttentionLayerSpec(1, 8, DType.BFLOAT16)
+    rec = RecurrentLayerSpec("gla", (StateComponent("kv", (2, 8, 4), DType.FLOAT32),))
+    layout = plan(ModelSpec("tiny", (attn, rec, rec)), 20 * 128, block_size=4)
+    m = HybridBlockManager(layout, prefix_cache=PrefixCacheConfig(CheckpointPolicy.NONE, EvictionPolicy.LRU))
+    long = list(range(16))
+    calls = [
+        ("allocate", (0, 0), {"token_ids": [10000]}), ("append", (0, 1), {}),
+        ("allocate", (1, 0), {"token_ids": [20000]}), ("append", (1, 1), {}),
+        ("free", (0,), {}), ("free", (1,), {}),
+        ("allocate", (2, 0), {"token_ids": [30000]}), ("append", (2, 1), {}),
+        ("allocate", (4, 0), {"token_ids": long + [50000]}), ("append", (4, 5), {}),
+        ("free", (2,), {}), ("append", (4, 6), {}), ("append", (4, 6), {}), ("free", (4,), {}),
+        ("allocate", (5, 0), {"token_ids": long + [60000]}), ("append", (5, 6), {}), ("append", (5, 6), {}),
+        ("append", (5, 5), {}),
+        ("allocate", (3, 0), {"token_ids": long + [40000]}), ("append", (3, 1), {}),
+        ("append", (5, 1), {"token_ids": [6000]}), ("append", (3, 5), {}),
+        ("append", (5, 1), {"token_ids": [7000]}), ("append", (3, 5), {}),
+        ("append", (5, 1), {"token_ids": [8000]}), ("append", (3, 5), {}),
+    ]  # fmt: skip
+    for name, args, kwargs in calls:
+        getattr(m, name)(*args, **kwargs)
+        m.check_integrity()
+        for r in m.requests:
+            m.checkpoint(r)
+            m.check_integrity()

@@ -49,6 +49,7 @@ class CheckpointMixin:
         if cache.has_checkpoint(key) or self.num_state_blocks > self.num_available_blocks - cache.num_protected({key}):
             return _NO_COPIES
         self._make_room(self.num_state_blocks, protect={key})
+        node = cache.ensure(rec.token_ids, rec.block_keys, rec.kv_blocks, pos // bs - 1)
         ids = self.pool.allocate(self.num_state_blocks)
-        cache.add_checkpoint(key, ids)
+        cache.add_checkpoint(node, ids)
         return BlockCopies(self._set_ids(rec.state).copy(), ids.copy())

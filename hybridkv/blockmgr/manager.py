@@ -98,7 +98,11 @@ class HybridBlockManager(CheckpointMixin, SpeculationMixin, SwapMixin):
             return new, new, None
         hit = self.prefix_cache.match(token_ids, num_tokens)
         shared = len(hit.nodes) if self._has_kv else 0
-        return new - shared + self.prefix_cache.num_pinned(hit), new - shared, hit
+        taken = new - shared + self.prefix_cache.num_pinned(hit)
+        if taken > new and taken + self.watermark_blocks > self.num_available_blocks:
+            # the hit pins more than it saves and only the miss fits: admit as a miss
+            return new, new, hit._replace(num_tokens=0, nodes=[], checkpoint=None)
+        return taken, new - shared, hit
 
     def match_prefix(self, token_ids: Sequence[int], max_tokens: int | None = None) -> int:
         """Tokens of ``token_ids`` a request admitted now would get from the prefix cache."""

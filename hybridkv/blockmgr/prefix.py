@@ -206,29 +206,52 @@ class PrefixCache:
         """
         start = len(keys)
         end = min(num_tokens, len(token_ids)) // self.block_size
-        (lin, quad), bs, bpb = self._flops, self.block_size, self.m.layout.bytes_per_block
+        if start and end > start:
+            self.ensure(token_ids, keys, kv_blocks, start - 1)  # a parent to hang the new blocks on
         key = keys[-1] if keys else ROOT_KEY
-        has_kv = self.m._has_kv
         for j in range(start, end):
-            tokens = tuple(token_ids[j * self.block_size : (j + 1) * self.block_size])
-            key = hash((key, tokens))
+            parent, tokens = key, tuple(token_ids[j * self.block_size : (j + 1) * self.block_size])
+            key = hash((parent, tokens))
             keys.append(key)
-            node = self.nodes.get(key)
-            if node is None:
-                node = Node(key, keys[-2] if len(keys) > 1 else ROOT_KEY, tokens, (j + 1) * self.block_size)
-                pos = node.position  # FLOPs of this block's tokens, per byte of one block
-                node.kv_flops_per_byte = (lin * bs + quad * (2 * pos - bs) * bs) / bpb
-                self.nodes[key] = node
-            if has_kv and not node.kv_block:
-                node.kv_block = int(kv_blocks[j])
-                self.block_node[node.kv_block] = node
-                self._kv_fpb[node.kv_block] = node.kv_flops_per_byte
-                self._kv_inner[node.kv_block] = node.kv_children > 0
-                parent = self.nodes.get(node.parent)
-                if parent is not None:
-                    parent.kv_children += 1
-                    if parent.kv_block:
-                        self._kv_inner[parent.kv_block] = True
+            self._place(key, parent, tokens, j, kv_blocks)
+
+    def ensure(self, token_ids: Sequence[int], keys: list[int], kv_blocks: np.ndarray, j: int) -> Node:
+        """The node of block ``j`` of a request's chain, re-created with any missing ancestors.
+
+        A request whose block duplicated a cached one keeps a private copy; if the cached copy is
+        later evicted, its node goes, and the request's own block takes its place here.
+        """
+        node = self.nodes.get(keys[j])
+        if node is not None:
+            return node
+        i = j
+        while i > 0 and keys[i - 1] not in self.nodes:
+            i -= 1
+        for t in range(i, j + 1):
+            tokens = tuple(token_ids[t * self.block_size : (t + 1) * self.block_size])
+            node = self._place(keys[t], keys[t - 1] if t else ROOT_KEY, tokens, t, kv_blocks)
+        return node
+
+    def _place(self, key: int, parent: int, tokens: tuple[int, ...], j: int, kv_blocks: np.ndarray) -> Node:
+        """Node ``key`` (created if new); block ``j`` of the request becomes its KV if it has none."""
+        node = self.nodes.get(key)
+        if node is None:
+            node = Node(key, parent, tokens, (j + 1) * self.block_size)
+            (lin, quad), bs, pos = self._flops, self.block_size, node.position
+            # FLOPs of this block's tokens, per byte of one block
+            node.kv_flops_per_byte = (lin * bs + quad * (2 * pos - bs) * bs) / self.m.layout.bytes_per_block
+            self.nodes[key] = node
+        if self.m._has_kv and not node.kv_block and int(kv_blocks[j]) not in self.block_node:
+            block = node.kv_block = int(kv_blocks[j])
+            self.block_node[block] = node
+            self._kv_fpb[block] = node.kv_flops_per_byte
+            self._kv_inner[block] = node.kv_children > 0
+            up = self.nodes.get(node.parent)
+            if up is not None:
+                up.kv_children += 1
+                if up.kv_block:
+                    self._kv_inner[up.kv_block] = True
+        return node
 
     def release(self, ids: np.ndarray) -> np.ndarray:
         """KV blocks whose count reached zero: cached ones become evictable; returns the rest."""
@@ -261,9 +284,9 @@ class PrefixCache:
         node = self.nodes.get(key)
         return node is not None and node.checkpoint is not None
 
-    def add_checkpoint(self, key: int, blocks: np.ndarray) -> None:
-        node = self.nodes[key]
-        assert node.checkpoint is None
+    def add_checkpoint(self, node: Node, blocks: np.ndarray) -> None:
+        assert node.checkpoint is None and self.nodes.get(node.key) is node
+        key = node.key
         node.checkpoint = blocks
         node.ckpt_tick = self._now()
         node.ckpt_flops_per_byte = prefill_flops(self._flops, node.position) / self._ckpt_bytes
