@@ -27,6 +27,7 @@ from hybridkv.blockmgr.layout import NULL_BLOCK, Layout
 from hybridkv.blockmgr.pool import BlockPool
 from hybridkv.blockmgr.prefix import PrefixCache, PrefixCacheConfig, PrefixHit
 from hybridkv.blockmgr.records import (
+    AdmissionPlan,
     Allocation,
     BlockCopies,
     BlockUse,
@@ -103,6 +104,15 @@ class HybridBlockManager(CheckpointMixin, SpeculationMixin, SwapMixin):
             # the hit pins more than it saves and only the miss fits: admit as a miss
             return new, new, hit._replace(num_tokens=0, nodes=[], checkpoint=None)
         return taken, new - shared, hit
+
+    def plan_admission(
+        self, num_tokens: int, num_speculative: int = 0, token_ids: Sequence[int] | None = None
+    ) -> AdmissionPlan:
+        """What ``allocate`` with these arguments would do now: the blocks it takes out of
+        :attr:`num_available_blocks` and the tokens it serves from the prefix cache (0 when a hit
+        that pins more than it saves is admitted as a miss). Changes nothing."""
+        taken, _, hit = self._admission(num_tokens, num_speculative, token_ids)
+        return AdmissionPlan(taken, hit.num_tokens if hit is not None else 0)
 
     def match_prefix(self, token_ids: Sequence[int], max_tokens: int | None = None) -> int:
         """Tokens of ``token_ids`` a request admitted now would get from the prefix cache."""

@@ -51,6 +51,13 @@ class BlockCopies(NamedTuple):
         return BlockCopies(np.concatenate((self.src, other.src)), np.concatenate((self.dst, other.dst)))
 
 
+class AdmissionPlan(NamedTuple):
+    """What an ``allocate`` would take now: blocks out of the available count, tokens from the cache."""
+
+    num_blocks: int
+    num_cached_tokens: int
+
+
 class Allocation(NamedTuple):
     """Result of ``allocate``: tokens served from the prefix cache and state copies to run."""
 

@@ -1,0 +1,142 @@
+"""Records and results of the scheduler: one record per request, the step plan, the step outputs.
+
+Token accounting (one rule for prefill, decode, chunks and recompute): a request's tokens are its
+prompt followed by its outputs, ``num_tokens = num_prompt_tokens + len(output_token_ids)``;
+``num_computed_tokens`` of them have KV and state written. A step runs ``num_scheduled_tokens``
+of the uncomputed ones (plus ``num_drafts`` draft tokens when decoding speculatively); when the
+step reaches ``num_tokens`` it samples. A decoding request therefore has
+``num_computed_tokens == num_tokens - 1`` and runs 1 (+k) tokens.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from hybridkv.blockmgr.records import BlockCopies, RequestId, SwapPlan
+from hybridkv.scheduler_adapter.cost import PreemptionMode
+
+
+class RequestState(enum.Enum):
+    WAITING = "waiting"  # not admitted, or preempted by recompute
+    RUNNING = "running"  # blocks on the device
+    SWAPPED = "swapped"  # preempted by swap: blocks on the host
+    FINISHED = "finished"  # produced max_new_tokens, or the engine reported a stop
+    ABORTED = "aborted"
+
+
+@dataclass(slots=True, eq=False)
+class SchedRequest:
+    """The scheduler's record of one request (the block manager holds its blocks)."""
+
+    request_id: RequestId
+    num_prompt_tokens: int
+    max_new_tokens: int
+    priority: int  # lower runs first; ties by arrival
+    arrival: int  # submission order
+    prompt_token_ids: tuple[int, ...] | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_allocated_tokens: int = 0  # token slots the manager holds KV for (mirrors its record)
+    num_spec_sets: int = 0  # speculative state sets the manager holds for it (mirrors its record)
+    token_ids_given: int = 0  # token ids the manager has for it (prefix cache), 0 = none
+    state: RequestState = RequestState.WAITING
+    num_preemptions: int = 0
+    num_cached_tokens: int = 0  # served from the prefix cache at the last admission
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prompt_tokens + len(self.output_token_ids)
+
+    @property
+    def num_remaining_tokens(self) -> int:
+        """Output tokens still to generate."""
+        return self.max_new_tokens - len(self.output_token_ids)
+
+    @property
+    def is_prefilling(self) -> bool:
+        """Known tokens beyond the last sampled one are not computed yet (prompt, or outputs after a recompute)."""
+        return self.num_computed_tokens < self.num_tokens - 1 or not self.output_token_ids
+
+    @property
+    def sort_key(self) -> tuple[int, int]:
+        return (self.priority, self.arrival)
+
+    def token_ids(self) -> list[int] | None:
+        """Prompt + output token ids, or None when the prompt ids were not given."""
+        if self.prompt_token_ids is None:
+            return None
+        return [*self.prompt_token_ids, *self.output_token_ids]
+
+
+class ScheduledRequest(NamedTuple):
+    """One row of a step: ``num_scheduled_tokens`` tokens from position ``num_computed_tokens``,
+    then ``num_drafts`` draft tokens (decode only). ``samples``: the step reaches the end of the
+    request's known tokens and samples (a prefill chunk that stops short does not)."""
+
+    request_id: RequestId
+    num_computed_tokens: int
+    num_scheduled_tokens: int
+    num_drafts: int
+    is_prefill: bool
+    samples: bool
+
+    @property
+    def num_query_tokens(self) -> int:
+        return self.num_scheduled_tokens + self.num_drafts
+
+
+class Preemption(NamedTuple):
+    request_id: RequestId
+    mode: PreemptionMode  # RECOMPUTE or SWAP (what AUTO chose)
+
+
+class StepPlan(NamedTuple):
+    """What one step runs. Before the forward the executor runs, in this order:
+
+    1. ``checkpoint_copies``: live state -> prefix-cache checkpoint, taken after the previous
+       forward (first: their sources may be freed and reused by this step's swaps);
+    2. the copies of ``swap_out`` (device -> host), then of ``swap_in`` (host -> device):
+       ``plan.device_blocks[j] <-> plan.host_blocks[j]``;
+    3. ``copies``: device block copies of this step (copy-on-write, prefix hits' checkpoint -> live).
+
+    The swap plans are already settled with the manager; stream order makes that safe (blocks a
+    swap-out frees are written only by later copies and the forward).
+    """
+
+    step: int
+    scheduled: tuple[ScheduledRequest, ...]
+    preempted: tuple[Preemption, ...]
+    resumed: tuple[RequestId, ...]  # swapped in this step (they run in it)
+    admitted: tuple[RequestId, ...]  # allocated this step (new, or readmitted after recompute)
+    swap_out: tuple[SwapPlan, ...]
+    swap_in: tuple[SwapPlan, ...]
+    checkpoint_copies: BlockCopies
+    copies: BlockCopies
+    num_batched_tokens: int
+
+    @property
+    def request_ids(self) -> list[RequestId]:
+        return [s.request_id for s in self.scheduled]
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class StepOutputs(NamedTuple):
+    """What the forward produced. ``sampled[rid]``: the tokens sampled for a row that samples
+    (1 token; with drafts, the accepted drafts then the bonus token). ``finished``: rows that hit a
+    stop condition. ``num_accepted[rid]``: accepted drafts (default: ``len(sampled[rid]) - 1``)."""
+
+    sampled: Mapping[RequestId, Sequence[int]]
+    finished: frozenset[RequestId] | set[RequestId] = frozenset()
+    num_accepted: Mapping[RequestId, int] = {}
+
+
+class StepResult(NamedTuple):
+    """What :meth:`Scheduler.update` did: requests finished this step (with their output ids)."""
+
+    finished: tuple[RequestId, ...]

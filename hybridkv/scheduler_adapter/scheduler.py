@@ -1,0 +1,406 @@
+"""A continuous-batching scheduler over :class:`~hybridkv.blockmgr.manager.HybridBlockManager`.
+
+One step, in this order (DESIGN.md "Scheduler adapter"):
+
+1. running requests, by priority then arrival: each row grows the request by the tokens it runs
+   (a prefill chunk, or a decode's ``1 + drafts`` plus its speculative state sets). When one cannot
+   grow, the lowest-priority, newest running request not yet scheduled this step is preempted
+   (itself, when it is the last); :class:`~hybridkv.scheduler_adapter.cost.PreemptionMode` says how.
+2. swapped requests resume (swap-in) before anything new is admitted;
+3. waiting requests are admitted, FCFS within a priority, by the manager's one count
+   (``can_allocate`` of the first chunk: KV + live state sets + speculative sets + watermark;
+   prefix-cache hits lower it), up to ``max_num_seqs`` running. Steps that preempted admit nothing.
+
+With a prefix cache (a manager whose ``allocate`` / ``append`` take ``token_ids``, requests
+submitted with token ids), admission takes the hit, chunks end where the checkpoint policy wants a
+checkpoint, and ``checkpoint`` runs after every forward. :meth:`Scheduler.step` returns a
+:class:`StepPlan`; :meth:`Scheduler.update` takes the :class:`StepOutputs` of that plan before the
+next step.
+"""
+
+from __future__ import annotations
+
+import bisect
+import inspect
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from hybridkv.blockmgr.errors import DuplicateRequestError, RequestStateError, UnknownRequestError
+from hybridkv.blockmgr.manager import HybridBlockManager
+from hybridkv.blockmgr.records import BlockCopies, RequestId, SwapPlan
+from hybridkv.blockmgr.units import cdiv
+from hybridkv.scheduler_adapter.cost import H200, GpuSpec, PreemptionCost, PreemptionMode
+from hybridkv.scheduler_adapter.preemption import Preemptor, SwapExecutor
+from hybridkv.scheduler_adapter.requests import (
+    Preemption,
+    RequestState,
+    SchedRequest,
+    ScheduledRequest,
+    StepOutputs,
+    StepPlan,
+    StepResult,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    num_speculative_tokens: int = 0  # k drafts per decoding request and step
+    preemption_mode: PreemptionMode = PreemptionMode.RECOMPUTE
+    gpu: GpuSpec = field(default=H200)  # for PreemptionMode.AUTO
+    chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.num_speculative_tokens < 0:
+            raise ValueError(
+                f"max_num_seqs and max_num_batched_tokens must be >= 1 and num_speculative_tokens >= 0, got "
+                f"{self.max_num_seqs}, {self.max_num_batched_tokens}, {self.num_speculative_tokens}"
+            )
+        if self.max_num_batched_tokens <= self.num_speculative_tokens:
+            raise ValueError("max_num_batched_tokens must exceed num_speculative_tokens: a decode runs 1 + k tokens")
+
+
+def _accepts_token_ids(fn: Callable) -> bool:
+    return "token_ids" in inspect.signature(fn).parameters
+
+
+def _key(req: SchedRequest) -> tuple[int, int]:
+    return req.sort_key
+
+
+class Scheduler:
+    """Waiting / running / swapped queues over one manager. Not thread-safe.
+
+    ``swap_executor``: optional; runs a swap plan's copies before the scheduler commits it (a
+    failure aborts the plan: a swap-out falls back to recompute, a swap-in stays swapped). Without
+    it plans are committed at once and returned in the :class:`StepPlan` for the executor to run
+    before the forward.
+    """
+
+    def __init__(
+        self,
+        manager: HybridBlockManager,
+        config: SchedulerConfig | None = None,
+        swap_executor: SwapExecutor | None = None,
+    ) -> None:
+        self.manager = manager
+        self.config = config or SchedulerConfig()
+        self.preemptor = Preemptor(manager, self.config.preemption_mode, self.config.gpu, swap_executor)
+        self.requests: dict[RequestId, SchedRequest] = {}  # waiting, running and swapped
+        self.finished: dict[RequestId, SchedRequest] = {}  # finished and aborted, until popped
+        self.waiting: list[SchedRequest] = []  # each queue sorted by (priority, arrival)
+        self.running: list[SchedRequest] = []
+        self.swapped: list[SchedRequest] = []
+        self.num_steps = 0
+        self._arrivals = 0
+        self._pending: StepPlan | None = None
+        self._has_kv = manager.layout.kv_group is not None
+        self._prefix_args = hasattr(manager, "match_prefix") and all(
+            _accepts_token_ids(f) for f in (manager.can_allocate, manager.allocate, manager.append)
+        )
+        # prefix-cache checkpoints: taken after forwards, chunks end where the policy wants one
+        self._checkpoints = (
+            self._prefix_args
+            and getattr(manager, "prefix_cache", None) is not None
+            and hasattr(manager, "checkpoint")
+            and hasattr(manager, "next_checkpoint_position")
+        )
+        self._carried_copies = BlockCopies.empty()  # checkpoint copies for the next plan
+
+    # ---- submission ------------------------------------------------------------------------------
+    def add_request(
+        self, request_id: RequestId, prompt: int | Sequence[int], max_new_tokens: int, priority: int = 0
+    ) -> SchedRequest:
+        """Queue a request. ``prompt``: its token ids (used for prefix-cache lookups) or a token count.
+
+        Raises :class:`DuplicateRequestError`, ``ValueError`` on empty prompts or outputs, and
+        :class:`RequestTooLargeError` when ``prompt + max_new_tokens`` can never fit in the pool.
+        """
+        if request_id in self.requests or request_id in self.finished:
+            raise DuplicateRequestError(f"request {request_id!r} was already submitted: use a new id")
+        ids = None if isinstance(prompt, int) else tuple(int(t) for t in prompt)
+        num_prompt = prompt if ids is None else len(ids)
+        if num_prompt < 1 or max_new_tokens < 1:
+            raise ValueError(f"request {request_id!r}: prompt and max_new_tokens must be >= 1")
+        if not self.config.chunked_prefill and num_prompt + max_new_tokens > self.config.max_num_batched_tokens:
+            raise ValueError(
+                f"request {request_id!r}: {num_prompt + max_new_tokens} tokens exceed max_num_batched_tokens="
+                f"{self.config.max_num_batched_tokens} without chunked prefill: enable it or raise the budget"
+            )
+        self.manager.check_fits(num_prompt + max_new_tokens, self.config.num_speculative_tokens)
+        req = SchedRequest(request_id, num_prompt, max_new_tokens, priority, self._arrivals, ids)
+        self._arrivals += 1
+        self.requests[request_id] = req
+        bisect.insort(self.waiting, req, key=_key)
+        return req
+
+    def abort(self, request_id: RequestId) -> None:
+        """Drop a request in any state, giving its blocks back; a plan that scheduled it stays valid
+        for the other rows and :meth:`update` ignores this one. Raises :class:`UnknownRequestError`."""
+        req = self.requests.get(request_id)
+        if req is None:
+            raise UnknownRequestError(f"unknown request {request_id!r}: it finished, was aborted, or never came")
+        if req.state is not RequestState.WAITING:
+            self.manager.free(request_id)
+        self._queue(req).remove(req)
+        self._retire(req, RequestState.ABORTED)
+
+    def pop_finished(self) -> dict[RequestId, SchedRequest]:
+        out, self.finished = self.finished, {}
+        return out
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # ---- one step --------------------------------------------------------------------------------
+    def step(self) -> StepPlan:
+        """Plan the next forward. Raises :class:`RequestStateError` if the last plan was not updated."""
+        if self._pending is not None:
+            raise RequestStateError(f"step {self._pending.step} has no outputs yet: call update() first")
+        s = _StepBuilder(self.config.max_num_batched_tokens)
+        checkpoints, self._carried_copies = self._carried_copies, BlockCopies.empty()
+        self._schedule_running(s)
+        if not s.preempted:
+            self._resume_swapped(s)
+        if not s.preempted and not self.swapped:
+            self._admit_waiting(s)
+        plan = StepPlan(
+            self.num_steps,
+            tuple(s.scheduled),
+            tuple(s.preempted),
+            tuple(s.resumed),
+            tuple(s.admitted),
+            tuple(s.swap_out),
+            tuple(s.swap_in),
+            checkpoints,
+            s.copies,
+            self.config.max_num_batched_tokens - s.budget,
+        )
+        self.num_steps += 1
+        self._pending = plan
+        return plan
+
+    def update(self, outputs: StepOutputs) -> StepResult:
+        """Apply the forward's outputs to the last plan: commit speculation, extend outputs, finish.
+
+        Raises ``ValueError`` when a sampling row has no tokens or an accepted count is out of range.
+        """
+        plan, self._pending = self._pending, None
+        if plan is None:
+            raise RequestStateError("update() without a step: call step() first")
+        done: list[RequestId] = []
+        for row in plan.scheduled:
+            rid = row.request_id
+            req = self.requests.get(rid)
+            if req is None or req.state is not RequestState.RUNNING:
+                continue  # aborted after the step was planned
+            tokens = outputs.sampled.get(rid, ())
+            if row.num_drafts:
+                accepted = outputs.num_accepted.get(rid, len(tokens) - 1)
+                if not 0 <= accepted <= row.num_drafts or len(tokens) != accepted + 1:
+                    raise ValueError(
+                        f"request {rid!r}: {len(tokens)} sampled tokens and {accepted} accepted of "
+                        f"{row.num_drafts} drafts: expect accepted in [0, drafts] and accepted + 1 tokens"
+                    )
+                self.manager.commit_speculation(rid, accepted, row.num_drafts)
+                req.num_allocated_tokens -= row.num_drafts - accepted
+                req.num_computed_tokens += 1 + accepted
+            else:
+                req.num_computed_tokens += row.num_scheduled_tokens
+            if row.samples:
+                if not tokens:
+                    raise ValueError(f"request {rid!r} sampled this step but got no token")
+                out = req.output_token_ids
+                out.extend(tokens[: req.max_new_tokens - len(out)])
+            if self._checkpoints and req.token_ids_given:
+                # the live sets now hold the state at num_computed_tokens: the policy may keep it
+                copies = self.manager.checkpoint(rid)
+                if len(copies):
+                    self._carried_copies = self._carried_copies.concat(copies)
+            if len(req.output_token_ids) >= req.max_new_tokens or rid in outputs.finished:
+                self.manager.free(rid)
+                self.running.remove(req)
+                self._retire(req, RequestState.FINISHED)
+                done.append(rid)
+        return StepResult(tuple(done))
+
+    # ---- phases ----------------------------------------------------------------------------------
+    def _schedule_running(self, s: _StepBuilder) -> None:
+        exact = not self._all_fit(s.budget)
+        for req in list(self.running):
+            if s.budget <= 0:
+                break
+            if req.state is not RequestState.RUNNING:
+                continue  # preempted earlier in this step
+            n, drafts = self._demand(req, s.budget)
+            if exact:
+                while not self._can_grow(req, n + drafts, drafts):
+                    victim = self.preemptor.choose_victim(self.running, req)
+                    self._preempt(victim, s)
+                    if victim is req:
+                        break
+                if req.state is not RequestState.RUNNING:
+                    break  # it preempted itself: everything after it is gone too
+            self._run(req, n, drafts, s)
+
+    def _all_fit(self, budget: int) -> bool:
+        """An O(1) upper bound on what the running requests can take this step (``budget`` tokens
+        over the rows, a partial block and a copy-on-write block per row, missing speculative
+        sets); when it fits, the per-request checks are skipped."""
+        k, rows = self.config.num_speculative_tokens, len(self.running)
+        kv = cdiv(budget, self.manager.block_size) + 2 * rows if self._has_kv else 0
+        return kv + rows * k * self.manager.num_state_blocks <= self.manager.num_available_blocks
+
+    def _resume_swapped(self, s: _StepBuilder) -> None:
+        for req in list(self.swapped):
+            if s.budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                return
+            n, drafts = self._demand(req, s.budget, cut=False)
+            host = self.manager.requests[req.request_id].host_blocks.size
+            grow = self._kv_growth(req.num_allocated_tokens, n + drafts)  # blocks come back private: no copy
+            need = host + grow + drafts * self.manager.num_state_blocks + self.manager.watermark_blocks
+            if need > self.manager.num_available_blocks:
+                return
+            plan = self.manager.swap_in(req.request_id)
+            if not self.preemptor.settle(plan):
+                return
+            s.swap_in.append(plan)
+            s.resumed.append(req.request_id)
+            self.swapped.remove(req)
+            req.state = RequestState.RUNNING
+            bisect.insort(self.running, req, key=_key)
+            n, drafts = self._demand(req, s.budget)
+            self._run(req, n, drafts, s)
+
+    def _admit_waiting(self, s: _StepBuilder) -> None:
+        k = self.config.num_speculative_tokens
+        while self.waiting and s.budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            total = req.num_tokens
+            ids = req.token_ids() if self._prefix_args and req.prompt_token_ids is not None else None
+            cached = self.manager.match_prefix(ids, total) if ids is not None else 0
+            n = min(total - cached, s.budget)
+            if ids is not None and self.manager.plan_admission(cached + n, k, ids).num_cached_tokens != cached:
+                # the manager would admit it as a miss (the hit pins more than it saves): do so
+                # without token ids, so the first chunk is one allocation
+                ids, cached, n = None, 0, min(total, s.budget)
+            extra = {} if ids is None else {"token_ids": ids}
+            if not self.manager.can_allocate(cached + n, k, **extra):  # the one count, for this chunk
+                return
+            if not self.config.chunked_prefill and n < total - cached:
+                return
+            self.waiting.pop(0)
+            req.state = RequestState.RUNNING
+            req.num_spec_sets = k
+            bisect.insort(self.running, req, key=_key)
+            s.admitted.append(req.request_id)
+            if ids is None:  # admit with the first chunk in one call
+                self.manager.allocate(req.request_id, n, k)
+                req.num_computed_tokens, req.num_allocated_tokens, req.num_cached_tokens = 0, n, 0
+                self._row(req, n, 0, s)
+                continue
+            # with token ids: take the hit, then grow chunk by chunk, ending chunks where the
+            # prefix cache wants a checkpoint
+            alloc = self.manager.allocate(req.request_id, cached, k, **extra)
+            if alloc.num_cached_tokens != cached:
+                raise AssertionError(f"prefix hit {alloc.num_cached_tokens} != match_prefix {cached}")
+            if len(alloc.copies):
+                s.copies = s.copies.concat(alloc.copies)
+            req.num_computed_tokens = req.num_allocated_tokens = req.num_cached_tokens = cached
+            req.token_ids_given = len(ids)
+            n, drafts = self._demand(req, s.budget)
+            self._run(req, n, drafts, s)
+
+    # ---- helpers ---------------------------------------------------------------------------------
+    def _demand(self, req: SchedRequest, budget: int, cut: bool = True) -> tuple[int, int]:
+        """(tokens, drafts) the request runs with ``budget`` tokens left: a decode (its last sampled
+        token, plus drafts) or a prefill chunk, ended early where the prefix cache wants a checkpoint."""
+        to_compute = req.num_prompt_tokens + len(req.output_token_ids) - req.num_computed_tokens
+        if to_compute == 1 and req.output_token_ids:
+            k = self.config.num_speculative_tokens
+            if not k:
+                return 1, 0
+            return 1, max(0, min(k, req.max_new_tokens - len(req.output_token_ids) - 1, budget - 1))
+        n = min(to_compute, budget)
+        if cut and self._checkpoints and req.token_ids_given:
+            pos = self.manager.next_checkpoint_position(req.request_id)
+            if pos is not None and req.num_computed_tokens < pos < req.num_computed_tokens + n:
+                n = pos - req.num_computed_tokens
+        return n, 0
+
+    def _kv_growth(self, num_tokens: int, n: int) -> int:
+        bs = self.manager.block_size
+        return cdiv(num_tokens + n, bs) - cdiv(num_tokens, bs) if self._has_kv else 0
+
+    def _can_grow(self, req: SchedRequest, n: int, drafts: int) -> bool:
+        need = self.manager.num_new_kv_blocks(req.request_id, n)
+        need += max(0, drafts - req.num_spec_sets) * self.manager.num_state_blocks
+        return need <= self.manager.num_available_blocks
+
+    def _run(self, req: SchedRequest, n: int, drafts: int, s: _StepBuilder) -> None:
+        """Grow the request by ``n + drafts`` token slots (and speculative sets) and add its row."""
+        rid = req.request_id
+        if drafts > req.num_spec_sets:  # commit_speculation gets num_drafted, so no call otherwise
+            self.manager.begin_speculation(rid, drafts)
+            req.num_spec_sets = drafts
+        given, outputs = req.token_ids_given, req.output_token_ids
+        if given and given < req.num_prompt_tokens + len(outputs):
+            new_ids = outputs[given - req.num_prompt_tokens :]  # sampled since: for the prefix cache
+            req.token_ids_given += len(new_ids)
+            copies = self.manager.append(rid, n + drafts, token_ids=new_ids)
+        else:
+            copies = self.manager.append(rid, n + drafts)
+        if copies.src.size:
+            s.copies = s.copies.concat(copies)
+        req.num_allocated_tokens += n + drafts
+        self._row(req, n, drafts, s)
+
+    @staticmethod
+    def _row(req: SchedRequest, n: int, drafts: int, s: _StepBuilder) -> None:
+        computed, outputs = req.num_computed_tokens, len(req.output_token_ids)
+        known = req.num_prompt_tokens + outputs
+        prefill = not outputs or n != 1 or computed != known - 1
+        row = (req.request_id, computed, n, drafts, prefill, computed + n == known)
+        s.scheduled.append(tuple.__new__(ScheduledRequest, row))  # NamedTuple.__new__ without its overhead
+        s.budget -= n + drafts
+
+    def _preempt(self, victim: SchedRequest, s: _StepBuilder) -> None:
+        mode, plan = self.preemptor.preempt(victim)
+        self.running.remove(victim)
+        victim.num_preemptions += 1
+        victim.num_spec_sets = 0  # a swap-out commit and a free both drop the speculative sets
+        if plan is not None:
+            s.swap_out.append(plan)
+            victim.state = RequestState.SWAPPED
+            bisect.insort(self.swapped, victim, key=_key)
+        else:
+            victim.num_computed_tokens = victim.num_allocated_tokens = victim.token_ids_given = 0
+            victim.state = RequestState.WAITING
+            bisect.insort(self.waiting, victim, key=_key)
+        s.preempted.append(Preemption(victim.request_id, mode))
+
+    def preemption_cost(self, req: SchedRequest) -> PreemptionCost:
+        """The cost model's view of preempting ``req`` (running) now."""
+        return self.preemptor.cost(req)
+
+    def _queue(self, req: SchedRequest) -> list[SchedRequest]:
+        return {RequestState.WAITING: self.waiting, RequestState.RUNNING: self.running}.get(req.state, self.swapped)
+
+    def _retire(self, req: SchedRequest, state: RequestState) -> None:
+        req.state = state
+        del self.requests[req.request_id]
+        self.finished[req.request_id] = req
+
+
+@dataclass(slots=True)
+class _StepBuilder:
+    budget: int
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Preemption] = field(default_factory=list)
+    resumed: list[RequestId] = field(default_factory=list)
+    admitted: list[RequestId] = field(default_factory=list)
+    swap_out: list[SwapPlan] = field(default_factory=list)
+    swap_in: list[SwapPlan] = field(default_factory=list)
+    copies: BlockCopies = field(default_factory=BlockCopies.empty)
