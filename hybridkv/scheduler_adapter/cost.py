@@ -19,8 +19,9 @@ import enum
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from hybridkv.blockmgr.flops import prefill_flops
 from hybridkv.blockmgr.layout import Layout
-from hybridkv.blockmgr.spec import AttentionLayerSpec, ModelSpec, RecurrentLayerSpec
+from hybridkv.blockmgr.spec import ModelSpec
 
 
 class PreemptionMode(enum.Enum):
@@ -75,15 +76,7 @@ def recompute_flops(model: ModelSpec, num_tokens: int) -> float:
     """
     if model.params_active is None:
         raise ValueError(f"model {model.name!r} has no params_active: set it in the spec to use preemption 'auto'")
-    n = float(num_tokens)
-    flops = 2.0 * model.params_active / model.tp_size * n
-    for layer in model.layers:
-        if isinstance(layer, AttentionLayerSpec):
-            q_heads = layer.num_q_heads or layer.num_kv_heads
-            flops += 2.0 * n * n * q_heads * layer.head_dim
-        elif isinstance(layer, RecurrentLayerSpec):
-            flops += 4.0 * n * sum(c.numel for c in layer.components)
-    return flops
+    return prefill_flops(model, num_tokens)
 
 
 class PreemptionCost(NamedTuple):
