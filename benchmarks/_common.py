@@ -25,11 +25,15 @@ def machine_info() -> dict[str, Any]:
                     break
     except OSError:
         pass
+    import numpy
+
     return {
         "cpu": cpu,
         "cores": os.cpu_count(),
         "python": platform.python_version(),
+        "numpy": numpy.__version__,
         "platform": platform.platform(),
+        "load_average_1min": os.getloadavg()[0],  # other work on the machine inflates timings
     }
 
 

@@ -13,10 +13,6 @@ Run: ``python benchmarks/bench_scheduler.py [--iters 300]``. Prints a table and 
 from __future__ import annotations
 
 import argparse
-import datetime as dt
-import json
-import os
-import platform
 import statistics
 import sys
 import time
@@ -24,6 +20,9 @@ from pathlib import Path
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks._common import save  # noqa: E402
 from hybridkv.blockmgr.layout import plan
 from hybridkv.blockmgr.manager import HybridBlockManager
 from hybridkv.blockmgr.presets import preset
@@ -34,16 +33,6 @@ GiB = 1024**3
 NUM_REQUESTS = 256
 PROMPT_TOKENS = 2048
 MIXED_PROMPT_TOKENS = 1792
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def new_scheduler(k: int, budget_tokens: int) -> Scheduler:
@@ -133,7 +122,6 @@ def summarize(times: dict[str, list[float]]) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--iters", type=int, default=300)
-    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = ap.parse_args(argv)
     cases = {
         "decode": lambda: case_decode(args.iters),
@@ -141,19 +129,7 @@ def main(argv: list[str] | None = None) -> dict:
         "mixed": lambda: case_mixed(args.iters),
     }
     results = {name: summarize(run()) for name, run in cases.items()}
-    today = dt.datetime.now(dt.UTC)
     report = {
-        "benchmark": "scheduler",
-        "date": today.isoformat(timespec="seconds"),
-        "machine": {
-            "platform": platform.platform(),
-            "cpu": cpu_name(),
-            "machine": platform.machine(),
-            "python": sys.version.split()[0],
-            "numpy": np.__version__,
-            "cpu_count": os.cpu_count(),
-            "load_average_1min": os.getloadavg()[0],  # other work on the machine inflates medians
-        },
         "config": {
             "model": "minimax-m1 TP8 (fp32 state)",
             "layout": "paged, 64-token blocks, 140 GiB",
@@ -174,10 +150,7 @@ def main(argv: list[str] | None = None) -> dict:
             f"{r['with_update_median_us']:>6.0f} us {r['step_median_us']:>5.0f} us {r['metadata_median_us']:>5.0f} us "
             f"{r['update_median_us']:>5.0f} us  {per['step']:.2f} + {per['metadata']:.2f} + {per['update']:.2f} us"
         )
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"scheduler_{today:%Y-%m-%d}.json"
-    path.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"saved {path}")
+    print(f"saved {save('scheduler', report)}")
     return report
 
 
