@@ -81,6 +81,7 @@ def replay(model_key, budget_gib, checkpoint, eviction, trace, tokens, concurren
         m.checkpoint(rid)
         ok = True
         while ok and m.requests[rid].num_tokens < len(toks):
+            m.release_pins()  # the forward ran this chunk's copies
             stop = m.next_checkpoint_position(rid) or len(toks)
             n = stop - m.requests[rid].num_tokens
             while not m.can_append(rid, n):
@@ -96,6 +97,7 @@ def replay(model_key, budget_gib, checkpoint, eviction, trace, tokens, concurren
             m.free(rid)
             skipped += 1
             continue
+        m.release_pins()
         m.append(rid, req.output_length)
         running.append(rid)
         while len(running) > concurrency:

@@ -23,9 +23,11 @@ def prefill(m, rid, tokens, num_tokens=None):
     alloc = m.allocate(rid, num_tokens or alloc_tokens(m, tokens), token_ids=tokens)
     m.checkpoint(rid)
     while m.requests[rid].num_tokens < len(tokens):
+        m.release_pins()  # the forward ran the step's copies
         step = min(4, len(tokens) - m.requests[rid].num_tokens)
         m.append(rid, step)
         m.checkpoint(rid)
+    m.release_pins()
     return alloc
 
 
@@ -145,8 +147,27 @@ def test_random_shared_prefixes_keep_integrity_and_exact_checkpoints(eviction, c
         rec = m.requests[rid]
         content[m.state_table([rid]).ravel()] = hash(tuple(rec.token_ids[: rec.num_tokens]))
 
-    def run(copies):
-        content[copies.dst] = content[copies.src]
+    # copies of the current step, in the executor's two batches (StepPlan): checkpoints taken after
+    # the last forward first, then this step's copies (prefix hits, copy-on-write)
+    checkpoints, pending = [], []
+
+    def run(copies, batch=pending):
+        batch.append(copies)
+
+    def flush():
+        """Run each batch as one unordered launch: no block written twice, none read and written."""
+        for batch in (checkpoints, pending):
+            if batch:
+                src = np.concatenate([c.src for c in batch])
+                dst = np.concatenate([c.dst for c in batch])
+                assert np.unique(dst).size == dst.size, "a block is written twice in one batch"
+                assert not set(src.tolist()) & set(dst.tolist()), "a block is read and written in one batch"
+                content[dst] = content[src]
+                batch.clear()
+        m.release_pins()
+        for node in m.prefix_cache.nodes.values():  # every checkpoint holds exactly its prefix
+            if node.checkpoint is not None:
+                assert set(content[node.checkpoint]) == {hash(prefixes[node.key])}
 
     prefixes = {}  # chain key -> the token prefix it names
     stems = [[s * 10 + i for i in range(data.draw(st.integers(2, 14)))] for s in range(3)]
@@ -158,35 +179,32 @@ def test_random_shared_prefixes_keep_integrity_and_exact_checkpoints(eviction, c
             continue
         stem = stems[data.draw(st.integers(0, 2))]
         tokens = stem + data.draw(st.lists(st.integers(0, 3), max_size=10))
-        if len(tokens) < 1:
-            continue
         first = alloc_tokens(m, tokens)
         if not m.can_allocate(first, token_ids=tokens):
             continue
         rid = f"r{step}"
         for j, key in enumerate(chain_keys(tokens, 4)):
             prefixes[key] = tuple(tokens[: (j + 1) * 4])
-        alloc = m.allocate(rid, first, token_ids=tokens)
+        alloc = m.allocate(rid, first, token_ids=tokens)  # copies of the last step may still be pending
         running.append(rid)
+        run(alloc.copies)
+        flush()
         if alloc.num_cached_tokens:
-            run(alloc.copies)
             expected = hash(tuple(tokens[: alloc.num_cached_tokens]))
             assert set(content[m.state_table([rid]).ravel()]) == {expected}
         write_state(rid)
-        run(m.checkpoint(rid))
+        run(m.checkpoint(rid), checkpoints)
         m.check_integrity()
         while m.requests[rid].num_tokens < len(tokens):
             n = min(4 - m.requests[rid].num_tokens % 4, len(tokens) - m.requests[rid].num_tokens)
             if not m.can_append(rid, n):
                 break
             run(m.append(rid, n))
+            flush()
             write_state(rid)
-            run(m.checkpoint(rid))
+            run(m.checkpoint(rid), checkpoints)
             m.check_integrity()
-        # every checkpoint holds the state of exactly its prefix
-        for node in m.prefix_cache.nodes.values():
-            if node.checkpoint is not None:
-                assert set(content[node.checkpoint]) == {hash(prefixes[node.key])}
+    flush()
     for rid in running:
         m.free(rid)
     m.check_integrity()
@@ -237,3 +255,22 @@ def test_a_request_keeps_its_chain_when_the_cached_twin_of_its_block_is_evicted(
         for r in m.requests:
             m.checkpoint(r)
             m.check_integrity()
+
+
+def test_checkpoints_with_pending_copies_are_not_evicted_until_released():
+    """A checkpoint written (or read by a hit) this step must keep its blocks until the executor
+    ran the step's copies, or another writer could get them in the same batch."""
+    m = cached_manager(num_blocks=40)
+    m.allocate("a", 4, token_ids=PREFIX[:4] + [1])
+    copies = m.checkpoint("a")  # live -> checkpoint: pending until the next forward
+    assert len(copies) == 6
+    m.free("a")
+    u = m.usage()
+    assert (u.free, u.kv_cached, u.checkpoints) == (32, 1, 6)
+    assert m.num_available_blocks == 33  # the pinned checkpoint is not available
+    assert not m.can_allocate(120)  # 30 KV + 6 state
+    m.release_pins()
+    assert m.num_available_blocks == 39 and m.can_allocate(120)
+    m.allocate("big", 120)
+    assert m.usage().checkpoints == 0
+    m.check_integrity()

@@ -114,6 +114,12 @@ class HybridBlockManager(CheckpointMixin, SpeculationMixin, SwapMixin):
         taken, _, hit = self._admission(num_tokens, num_speculative, token_ids)
         return AdmissionPlan(taken, hit.num_tokens if hit is not None else 0)
 
+    def release_pins(self) -> None:
+        """Call once the executor ran a step's copies: checkpoints those copies read or wrote are
+        kept from eviction until then (their blocks must not be handed to another writer)."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.release_pins()
+
     def match_prefix(self, token_ids: Sequence[int], max_tokens: int | None = None) -> int:
         """Tokens of ``token_ids`` a request admitted now would get from the prefix cache."""
         if self.prefix_cache is None:

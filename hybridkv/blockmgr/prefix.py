@@ -118,6 +118,9 @@ class PrefixCache:
         self._checkpoints: OrderedDict[int, Node] = OrderedDict()  # node key -> node, LRU order
         self._tick = 0
         self.stats = _Counters()
+        # keys of checkpoints a pending copy reads (a hit) or writes (a new checkpoint): evicting
+        # one before the executor ran the step's copies would hand its blocks to another writer
+        self.pinned: set[int] = set()
         model, layout = manager.layout.model, manager.layout
         self._ckpt_bytes = manager.num_state_blocks * layout.bytes_per_block
         self._flops = flop_coefficients(model)
@@ -131,7 +134,12 @@ class PrefixCache:
     # ---- counts ------------------------------------------------------------------------------
     @property
     def num_evictable(self) -> int:
-        return len(self._evictable_kv) + len(self._checkpoints) * self.m.num_state_blocks
+        """Blocks eviction can free now (checkpoints pinned by this step's copies excluded)."""
+        return len(self._evictable_kv) + (len(self._checkpoints) - len(self.pinned)) * self.m.num_state_blocks
+
+    def release_pins(self) -> None:
+        """The step's copies have run: its checkpoints (read by hits, written fresh) may go again."""
+        self.pinned.clear()
 
     def cached_kv_blocks(self) -> np.ndarray:
         return np.fromiter(self._evictable_kv, dtype=np.int32, count=len(self._evictable_kv))
@@ -193,6 +201,7 @@ class PrefixCache:
         if hit.checkpoint is not None:
             hit.checkpoint.ckpt_tick = now
             self._checkpoints.move_to_end(hit.checkpoint.key)
+            self.pinned.add(hit.checkpoint.key)
         self.stats.hit_tokens += hit.num_tokens
         return ids
 
@@ -291,6 +300,7 @@ class PrefixCache:
         node.ckpt_tick = self._now()
         node.ckpt_flops_per_byte = prefill_flops(self._flops, node.position) / self._ckpt_bytes
         self._checkpoints[key] = node
+        self.pinned.add(key)
         self.m.use[blocks] = BlockUse.CHECKPOINT
         self.stats.checkpoints_made += 1
 
@@ -390,7 +400,7 @@ class PrefixCache:
                     got += 1
             else:
                 node, ck_next = ck_next, next(ck_iter, None)
-                if node.key not in protect:
+                if node.key not in protect and node.key not in self.pinned:
                     victims.append(("ckpt", node))
                     got += self.m.num_state_blocks
         return victims
@@ -401,7 +411,7 @@ class PrefixCache:
             node = self.nodes.get(key)
             if node is not None:
                 n += node.kv_block in self._evictable_kv
-                n += self.m.num_state_blocks if node.checkpoint is not None else 0
+                n += self.m.num_state_blocks if node.checkpoint is not None and key not in self.pinned else 0
         return n
 
     def _flop_aware_victims(self, target: int, protect: set[int], leaves_only: bool) -> list[tuple[str, Node]]:
@@ -412,7 +422,7 @@ class PrefixCache:
             if node is not None and node.kv_block:
                 mask[node.kv_block] = False
         kv_ids = np.flatnonzero(mask)
-        ckpts = [n for n in self._checkpoints.values() if n.key not in protect]
+        ckpts = [n for n in self._checkpoints.values() if n.key not in protect and n.key not in self.pinned]
         fpb = np.concatenate((self._kv_fpb[kv_ids], [n.ckpt_flops_per_byte for n in ckpts]))
         tick = np.concatenate((self._kv_tick[kv_ids], [n.ckpt_tick for n in ckpts])).astype(np.float64)
         if not fpb.size:

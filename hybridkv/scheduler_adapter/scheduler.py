@@ -190,6 +190,9 @@ class Scheduler:
         plan, self._pending = self._pending, None
         if plan is None:
             raise RequestStateError("update() without a step: call step() first")
+        # the plan's copies ran before its forward: checkpoints they read or wrote may be evicted
+        # again (the checkpoints taken below stay pinned until the next step's copies have run)
+        self.manager.release_pins()
         done: list[RequestId] = []
         for row in plan.scheduled:
             rid = row.request_id
