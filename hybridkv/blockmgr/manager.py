@@ -115,8 +115,10 @@ class HybridBlockManager(CheckpointMixin, SpeculationMixin, SwapMixin):
         return AdmissionPlan(taken, hit.num_tokens if hit is not None else 0)
 
     def release_pins(self) -> None:
-        """Call once the executor ran a step's copies: checkpoints those copies read or wrote are
-        kept from eviction until then (their blocks must not be handed to another writer)."""
+        """Call when the copies that read or write checkpoints are fixed in the executor's batches
+        (at the start of the next scheduling step, if checkpoint copies run before the step's other
+        copies). Until then those checkpoints are kept from eviction: their blocks must not reach
+        another writer of the same batch."""
         if self.prefix_cache is not None:
             self.prefix_cache.release_pins()
 
@@ -190,6 +192,8 @@ class HybridBlockManager(CheckpointMixin, SpeculationMixin, SwapMixin):
             rec.spec = self._split_state_sets(ids[n_live:n_state], num_speculative)
         if self.pool.last_allocation_was_run:
             first = int(ids[0])  # one run (the common case): slices instead of fancy indexing
+            if not shared.size and self.prefix_cache is None:
+                rec.run = (first, first + need)
             self.use[first : first + n_live] = BlockUse.STATE
             self.use[first + n_live : first + n_state] = BlockUse.SPECULATIVE
             self.use[first + n_state : first + need] = BlockUse.KV
@@ -248,6 +252,7 @@ class HybridBlockManager(CheckpointMixin, SpeculationMixin, SwapMixin):
             )
         copies = _NO_COPIES
         if need:
+            rec.run = None
             ids = self._take(need)
             self._mark(ids, BlockUse.KV)
             if self._needs_cow(rec) and num_new_tokens > 0:
@@ -296,6 +301,7 @@ class HybridBlockManager(CheckpointMixin, SpeculationMixin, SwapMixin):
         ids = self._take(self.num_state_blocks)
         kv = parent.kv_blocks
         self.pool.incref(kv)
+        parent.run = None  # its KV is shared now
         child = RequestRecord(child_id, parent.num_tokens, _EMPTY, kv.size, _EMPTY, self._no_spec())
         if parent.token_ids is not None:
             child.token_ids, child.block_keys = list(parent.token_ids), list(parent.block_keys)
@@ -434,6 +440,14 @@ class HybridBlockManager(CheckpointMixin, SpeculationMixin, SwapMixin):
 
     def _release_all(self, rec: RequestRecord) -> None:
         """Give back a running request's blocks in one pool operation and its table row."""
+        if rec.run is not None:  # one private id run: slices, no sort, no fancy indexing
+            start, end = rec.run
+            self.pool.ref_counts[start:end] = 0
+            self.use[start:end] = BlockUse.FREE
+            self.pool.free_run(start, end)
+            self.tables.give_back(rec)
+            rec.run = None
+            return
         owned = np.concatenate((self._set_ids(rec.state), self._set_ids(rec.spec)))
         self.pool.ref_counts[owned] = 0
         release = np.concatenate((owned, self._release_kv(rec.kv_blocks)))

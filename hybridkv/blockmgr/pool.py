@@ -122,10 +122,14 @@ class BlockPool:
             return
         lo, hi = int(ids.min()), int(ids.max()) + 1
         if hi - lo == ids.size:  # distinct ids spanning one run: no sort needed
-            extents = [(lo, hi)]
-        else:
-            extents = runs(np.sort(np.asarray(ids, dtype=np.int32)))
-        for start, end in extents:
+            self.free_run(lo, hi)
+            return
+        for start, end in runs(np.sort(np.asarray(ids, dtype=np.int32))):
+            self.free_run(start, end)
+
+    def free_run(self, start: int, end: int) -> None:
+        """Return the unreferenced ids ``[start, end)`` to the free extents, merging neighbours."""
+        if end > start:
             j = self._by_start.bisect_right(start)
             if j:  # merge with the extent before
                 prev_start = self._by_start.keys()[j - 1]

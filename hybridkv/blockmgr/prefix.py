@@ -138,7 +138,7 @@ class PrefixCache:
         return len(self._evictable_kv) + (len(self._checkpoints) - len(self.pinned)) * self.m.num_state_blocks
 
     def release_pins(self) -> None:
-        """The step's copies have run: its checkpoints (read by hits, written fresh) may go again."""
+        """The copies reading or writing pinned checkpoints are in earlier batches: they may go again."""
         self.pinned.clear()
 
     def cached_kv_blocks(self) -> np.ndarray:

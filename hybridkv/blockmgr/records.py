@@ -87,6 +87,9 @@ class RequestRecord:
     num_drafted: int = 0
     pending: SwapPlan | None = None
     row: int = -1  # row in the manager's RowTables while running
+    # [start, end): every block the request holds, when they are one private id run (freed as a
+    # slice); None once the set changes (append, fork, speculation, swap)
+    run: tuple[int, int] | None = None
     # prefix caching: the input's token ids (then any appended), hash-chain keys of its full blocks,
     # and where it left the cached prefixes at admission
     token_ids: list[int] | None = None

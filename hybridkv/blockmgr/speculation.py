@@ -36,6 +36,7 @@ class SpeculationMixin:
                 raise NoFreeBlocksError(
                     f"{num_speculative} speculative sets for {request_id!r}", need, self.num_available_blocks
                 )
+            rec.run = None
             new = self._split_state_sets(self._take(need), missing)
             self._mark_sets(new, BlockUse.SPECULATIVE)
             rec.spec = np.concatenate((rec.spec, new))
@@ -67,6 +68,7 @@ class SpeculationMixin:
             self._mark_sets(rec.state, BlockUse.STATE)
             self._mark_sets(rec.spec[j], BlockUse.SPECULATIVE)
         if rejected:
+            rec.run = None
             rec.num_tokens -= rejected
             keep = cdiv(rec.num_tokens, self.block_size) if self._has_kv else 0
             self._drop_kv(rec.kv[keep : rec.num_kv_blocks].copy())
@@ -76,6 +78,7 @@ class SpeculationMixin:
     def end_speculation(self: HybridBlockManager, request_id: RequestId) -> None:
         """Give the speculative sets back (speculation turned off for this request)."""
         rec = self._running(request_id)
+        rec.run = None
         self._drop_state(rec.spec)
         rec.spec = self._no_spec()
         rec.num_drafted = 0

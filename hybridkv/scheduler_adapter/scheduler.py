@@ -159,6 +159,10 @@ class Scheduler:
         """Plan the next forward. Raises :class:`RequestStateError` if the last plan was not updated."""
         if self._pending is not None:
             raise RequestStateError(f"step {self._pending.step} has no outputs yet: call update() first")
+        # checkpoints taken in the last update and hits of the last step have their copies fixed in
+        # batches the executor runs before this step's (checkpoint copies first): from here on,
+        # blocks eviction frees can only be written after them
+        self.manager.release_pins()
         s = _StepBuilder(self.config.max_num_batched_tokens)
         checkpoints, self._carried_copies = self._carried_copies, BlockCopies.empty()
         self._schedule_running(s)
@@ -190,9 +194,6 @@ class Scheduler:
         plan, self._pending = self._pending, None
         if plan is None:
             raise RequestStateError("update() without a step: call step() first")
-        # the plan's copies ran before its forward: checkpoints they read or wrote may be evicted
-        # again (the checkpoints taken below stay pinned until the next step's copies have run)
-        self.manager.release_pins()
         done: list[RequestId] = []
         for row in plan.scheduled:
             rid = row.request_id
