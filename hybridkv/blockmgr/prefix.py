@@ -66,16 +66,13 @@ class Node:
     """One full block of a cached token sequence: ends at token ``position``."""
 
     key: int
-    parent: int  # key of the previous block's node (ROOT_KEY for the first block)
     tokens: tuple[int, ...]
     position: int
     kv_block: int = 0  # 0: no KV block cached for it
-    kv_children: int = 0  # child nodes holding a KV block: while > 0 this KV block is no leaf
     checkpoint: np.ndarray | None = None  # flat block ids of the state sets at ``position``
     kv_tick: int = 0
     ckpt_tick: int = 0
     ckpt_flops_per_byte: float = 0.0
-    kv_flops_per_byte: float = 0.0
 
 
 class PrefixHit(NamedTuple):
@@ -127,9 +124,7 @@ class PrefixCache:
         # per-block mirrors of the evictable KV set, so flop_aware ranks candidates in numpy
         self._kv_evictable = np.zeros(layout.num_blocks, dtype=bool)
         self._kv_tick = np.zeros(layout.num_blocks, dtype=np.int64)
-        self._kv_fpb = np.zeros(layout.num_blocks, dtype=np.float64)
-        # KV blocks with a cached child: evicting one would orphan its subtree, so only leaves go
-        self._kv_inner = np.zeros(layout.num_blocks, dtype=bool)
+        self._kv_pos = np.zeros(layout.num_blocks, dtype=np.int64)
 
     # ---- counts ------------------------------------------------------------------------------
     @property
@@ -219,10 +214,10 @@ class PrefixCache:
             self.ensure(token_ids, keys, kv_blocks, start - 1)  # a parent to hang the new blocks on
         key = keys[-1] if keys else ROOT_KEY
         for j in range(start, end):
-            parent, tokens = key, tuple(token_ids[j * self.block_size : (j + 1) * self.block_size])
-            key = hash((parent, tokens))
+            tokens = tuple(token_ids[j * self.block_size : (j + 1) * self.block_size])
+            key = hash((key, tokens))
             keys.append(key)
-            self._place(key, parent, tokens, j, kv_blocks)
+            self._place(key, tokens, j, kv_blocks)
 
     def ensure(self, token_ids: Sequence[int], keys: list[int], kv_blocks: np.ndarray, j: int) -> Node:
         """The node of block ``j`` of a request's chain, re-created with any missing ancestors.
@@ -238,28 +233,19 @@ class PrefixCache:
             i -= 1
         for t in range(i, j + 1):
             tokens = tuple(token_ids[t * self.block_size : (t + 1) * self.block_size])
-            node = self._place(keys[t], keys[t - 1] if t else ROOT_KEY, tokens, t, kv_blocks)
+            node = self._place(keys[t], tokens, t, kv_blocks)
         return node
 
-    def _place(self, key: int, parent: int, tokens: tuple[int, ...], j: int, kv_blocks: np.ndarray) -> Node:
+    def _place(self, key: int, tokens: tuple[int, ...], j: int, kv_blocks: np.ndarray) -> Node:
         """Node ``key`` (created if new); block ``j`` of the request becomes its KV if it has none."""
         node = self.nodes.get(key)
         if node is None:
-            node = Node(key, parent, tokens, (j + 1) * self.block_size)
-            (lin, quad), bs, pos = self._flops, self.block_size, node.position
-            # FLOPs of this block's tokens, per byte of one block
-            node.kv_flops_per_byte = (lin * bs + quad * (2 * pos - bs) * bs) / self.m.layout.bytes_per_block
+            node = Node(key, tokens, (j + 1) * self.block_size)
             self.nodes[key] = node
         if self.m._has_kv and not node.kv_block and int(kv_blocks[j]) not in self.block_node:
             block = node.kv_block = int(kv_blocks[j])
             self.block_node[block] = node
-            self._kv_fpb[block] = node.kv_flops_per_byte
-            self._kv_inner[block] = node.kv_children > 0
-            up = self.nodes.get(node.parent)
-            if up is not None:
-                up.kv_children += 1
-                if up.kv_block:
-                    self._kv_inner[up.kv_block] = True
+            self._kv_pos[block] = node.position
         return node
 
     def release(self, ids: np.ndarray) -> np.ndarray:
@@ -269,7 +255,9 @@ class PrefixCache:
         now = self._now()
         keep = np.fromiter((i in self.block_node for i in ids.tolist()), dtype=bool, count=ids.size)
         kept = ids[keep]
-        for i in kept.tolist():
+        # a request's blocks come in chain order; queue the tail first, so that among blocks
+        # released together LRU takes a chain's end before its root (which would orphan the rest)
+        for i in kept[::-1].tolist():
             self._evictable_kv[i] = self.block_node[i]
             self.block_node[i].kv_tick = now
         self.m.use[kept] = BlockUse.CACHED_KV
@@ -311,19 +299,9 @@ class PrefixCache:
         evictable[self.cached_kv_blocks()] = True
         if not np.array_equal(evictable, self._kv_evictable):
             problems.append("the prefix cache's evictable-KV mirror differs from its evictable set")
-        children: dict[int, int] = {}
         for node in self.nodes.values():
-            if node.kv_block:
-                children[node.parent] = children.get(node.parent, 0) + 1
-                if self.block_node.get(node.kv_block) is not node:
-                    problems.append(f"cached KV block {node.kv_block} is not mapped to its node")
-        for node in self.nodes.values():
-            if node.kv_children != children.get(node.key, 0):
-                problems.append(
-                    f"node at {node.position} counts {node.kv_children} KV children, has {children.get(node.key, 0)}"
-                )
-            if node.kv_block and self._kv_inner[node.kv_block] != (node.kv_children > 0):
-                problems.append(f"leaf mirror wrong for KV block {node.kv_block}")
+            if node.kv_block and self.block_node.get(node.kv_block) is not node:
+                problems.append(f"cached KV block {node.kv_block} is not mapped to its node")
         return problems
 
     # ---- eviction ----------------------------------------------------------------------------
@@ -337,25 +315,11 @@ class PrefixCache:
             return np.empty(0, dtype=np.int32)
         target = max(num_blocks, int(self.config.evict_batch_fraction * self.m.pool.num_usable))
         target = max(num_blocks, min(target, self.num_evictable - self.num_protected(protect)))
-        freed: list[np.ndarray] = []
-        left = target
-        leaves_only = True
-        while left > 0:  # rounds: evicting a leaf can make its parent a leaf
-            if self.config.eviction is EvictionPolicy.LRU:
-                victims = self._lru_victims(left, protect, leaves_only)
-            else:
-                victims = self._flop_aware_victims(left, protect, leaves_only)
-            if not victims:
-                if not leaves_only:
-                    break
-                # what is left sits above KV still in use (a request computed a cached block again
-                # and holds its own copy): orphaning such a subtree is the last resort
-                leaves_only = False
-                continue
-            for kind, node in victims:
-                ids = self._drop(kind, node)
-                freed.append(ids)
-                left -= ids.size
+        if self.config.eviction is EvictionPolicy.LRU:
+            victims = self._lru_victims(target, protect)
+        else:
+            victims = self._flop_aware_victims(target, protect)
+        freed = [self._drop(kind, node) for kind, node in victims]
         ids = np.concatenate(freed) if freed else np.empty(0, dtype=np.int32)
         self.m.pool.ref_counts[ids] = 0
         self.m.use[ids] = BlockUse.FREE
@@ -368,24 +332,17 @@ class PrefixCache:
             del self.block_node[block]
             self._kv_evictable[block] = False
             node.kv_block = 0
-            parent = self.nodes.get(node.parent)
-            if parent is not None:
-                parent.kv_children -= 1
-                if parent.kv_block and not parent.kv_children:
-                    self._kv_inner[parent.kv_block] = False
-                if not (parent.kv_block or parent.kv_children or parent.checkpoint is not None):
-                    del self.nodes[parent.key]  # emptied by evicting KV below it
             self.stats.kv_evicted += 1
             ids = np.array([block], dtype=np.int32)
         else:
             del self._checkpoints[node.key]
             ids, node.checkpoint = node.checkpoint, None  # type: ignore[assignment]
             self.stats.checkpoints_evicted += 1
-        if not node.kv_block and node.checkpoint is None and not node.kv_children:
+        if not node.kv_block and node.checkpoint is None:
             self.nodes.pop(node.key, None)
         return ids
 
-    def _lru_victims(self, num_blocks: int, protect: set[int], leaves_only: bool) -> list[tuple[str, Node]]:
+    def _lru_victims(self, num_blocks: int, protect: set[int]) -> list[tuple[str, Node]]:
         kv_iter = iter(self._evictable_kv.values())  # oldest first; nothing changes while we look
         ck_iter = iter(self._checkpoints.values())
         kv_next, ck_next = next(kv_iter, None), next(ck_iter, None)
@@ -395,7 +352,7 @@ class PrefixCache:
             take_kv = ck_next is None or (kv_next is not None and kv_next.kv_tick <= ck_next.ckpt_tick)
             if take_kv:
                 node, kv_next = kv_next, next(kv_iter, None)
-                if node.key not in protect and not (leaves_only and self._kv_inner[node.kv_block]):
+                if node.key not in protect:
                     victims.append(("kv", node))
                     got += 1
             else:
@@ -414,29 +371,33 @@ class PrefixCache:
                 n += self.m.num_state_blocks if node.checkpoint is not None and key not in self.pinned else 0
         return n
 
-    def _flop_aware_victims(self, target: int, protect: set[int], leaves_only: bool) -> list[tuple[str, Node]]:
-        """Lowest utility first: ``alpha * norm(log1p(FLOPs saved per byte)) + norm(recency)``."""
-        mask = self._kv_evictable & ~self._kv_inner if leaves_only else self._kv_evictable.copy()
+    def _flop_aware_victims(self, target: int, protect: set[int]) -> list[tuple[str, Node]]:
+        """Lowest utility first. A checkpoint scores ``alpha * norm(log1p(FLOPs saved per byte)) +
+        norm(recency)``: it is what makes a hit possible, and deep ones save the most. A cached KV
+        block scores its recency alone (what it is worth is the hits below it, which its chain's
+        recency already tracks); ties go deepest first, so a chain is cut from its end."""
+        mask = self._kv_evictable.copy()
         for key in protect:
             node = self.nodes.get(key)
             if node is not None and node.kv_block:
                 mask[node.kv_block] = False
         kv_ids = np.flatnonzero(mask)
         ckpts = [n for n in self._checkpoints.values() if n.key not in protect and n.key not in self.pinned]
-        fpb = np.concatenate((self._kv_fpb[kv_ids], [n.ckpt_flops_per_byte for n in ckpts]))
-        tick = np.concatenate((self._kv_tick[kv_ids], [n.ckpt_tick for n in ckpts])).astype(np.float64)
-        if not fpb.size:
+        if not kv_ids.size and not ckpts:
             return []
-        size = np.concatenate((np.ones(kv_ids.size, dtype=np.int64), np.full(len(ckpts), self.m.num_state_blocks)))
 
         def norm(x: np.ndarray) -> np.ndarray:
+            if not x.size:
+                return x
             span = x.max() - x.min()
             return (x - x.min()) / span if span > 0 else np.zeros_like(x)
 
-        # FLOPs per byte spans orders of magnitude (a checkpoint deep in a long prompt vs a KV
-        # block near the start), so it is compared on a log scale
-        utility = self.config.alpha * norm(np.log1p(fpb)) + norm(tick)
-        order = np.argsort(utility, kind="stable")
+        tick = np.concatenate((self._kv_tick[kv_ids], [n.ckpt_tick for n in ckpts])).astype(np.float64)
+        flops = norm(np.log1p(np.array([n.ckpt_flops_per_byte for n in ckpts], dtype=np.float64)))
+        utility = norm(tick) + self.config.alpha * np.concatenate((np.zeros(kv_ids.size), flops))
+        depth = np.concatenate((self._kv_pos[kv_ids], [n.position for n in ckpts]))
+        order = np.lexsort((-depth, utility))
+        size = np.concatenate((np.ones(kv_ids.size, dtype=np.int64), np.full(len(ckpts), self.m.num_state_blocks)))
         count = int(np.searchsorted(np.cumsum(size[order]), target)) + 1
         victims: list[tuple[str, Node]] = []
         for i in order[:count].tolist():
