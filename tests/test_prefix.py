@@ -116,10 +116,10 @@ def test_eviction_frees_cached_blocks_for_new_requests():
     assert m.prefix_cache.stats.checkpoints_evicted >= 1
 
 
-@pytest.mark.parametrize("eviction", ["lru", "flop_aware"])
-def test_eviction_takes_leaves_first(eviction):
-    """Evicting the first block of a cached chain would orphan the rest: the deepest goes first."""
-    m = cached_manager(num_blocks=40, checkpoint="none", eviction=eviction)
+def test_lru_cuts_a_released_chain_from_its_end():
+    """Evicting the first block of a cached chain would orphan the rest: LRU takes the deepest first
+    among blocks released together."""
+    m = cached_manager(num_blocks=40, checkpoint="none", eviction="lru")
     prefill(m, "a", PREFIX + [1])
     chain = m.block_table(["a"])[0][:3].tolist()
     m.free("a")

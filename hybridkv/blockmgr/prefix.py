@@ -73,6 +73,7 @@ class Node:
     kv_tick: int = 0
     ckpt_tick: int = 0
     ckpt_flops_per_byte: float = 0.0
+    kv_flops_per_byte: float = 0.0
 
 
 class PrefixHit(NamedTuple):
@@ -124,7 +125,7 @@ class PrefixCache:
         # per-block mirrors of the evictable KV set, so flop_aware ranks candidates in numpy
         self._kv_evictable = np.zeros(layout.num_blocks, dtype=bool)
         self._kv_tick = np.zeros(layout.num_blocks, dtype=np.int64)
-        self._kv_pos = np.zeros(layout.num_blocks, dtype=np.int64)
+        self._kv_fpb = np.zeros(layout.num_blocks, dtype=np.float64)
 
     # ---- counts ------------------------------------------------------------------------------
     @property
@@ -241,11 +242,14 @@ class PrefixCache:
         node = self.nodes.get(key)
         if node is None:
             node = Node(key, tokens, (j + 1) * self.block_size)
+            (lin, quad), bs, pos = self._flops, self.block_size, node.position
+            # FLOPs of this block's tokens, per byte of one block
+            node.kv_flops_per_byte = (lin * bs + quad * (2 * pos - bs) * bs) / self.m.layout.bytes_per_block
             self.nodes[key] = node
         if self.m._has_kv and not node.kv_block and int(kv_blocks[j]) not in self.block_node:
             block = node.kv_block = int(kv_blocks[j])
             self.block_node[block] = node
-            self._kv_pos[block] = node.position
+            self._kv_fpb[block] = node.kv_flops_per_byte
         return node
 
     def release(self, ids: np.ndarray) -> np.ndarray:
@@ -372,10 +376,9 @@ class PrefixCache:
         return n
 
     def _flop_aware_victims(self, target: int, protect: set[int]) -> list[tuple[str, Node]]:
-        """Lowest utility first. A checkpoint scores ``alpha * norm(log1p(FLOPs saved per byte)) +
-        norm(recency)``: it is what makes a hit possible, and deep ones save the most. A cached KV
-        block scores its recency alone (what it is worth is the hits below it, which its chain's
-        recency already tracks); ties go deepest first, so a chain is cut from its end."""
+        """Lowest utility first: ``alpha * norm(log1p(FLOPs saved per byte)) + norm(recency)`` over
+        all candidates. A checkpoint saves the FLOPs of the prefix it ends, a KV block those of its
+        own tokens; FLOPs per byte spans orders of magnitude, so it is compared on a log scale."""
         mask = self._kv_evictable.copy()
         for key in protect:
             node = self.nodes.get(key)
@@ -383,21 +386,18 @@ class PrefixCache:
                 mask[node.kv_block] = False
         kv_ids = np.flatnonzero(mask)
         ckpts = [n for n in self._checkpoints.values() if n.key not in protect and n.key not in self.pinned]
-        if not kv_ids.size and not ckpts:
+        fpb = np.concatenate((self._kv_fpb[kv_ids], [n.ckpt_flops_per_byte for n in ckpts]))
+        if not fpb.size:
             return []
+        tick = np.concatenate((self._kv_tick[kv_ids], [n.ckpt_tick for n in ckpts])).astype(np.float64)
+        size = np.concatenate((np.ones(kv_ids.size, dtype=np.int64), np.full(len(ckpts), self.m.num_state_blocks)))
 
         def norm(x: np.ndarray) -> np.ndarray:
-            if not x.size:
-                return x
             span = x.max() - x.min()
             return (x - x.min()) / span if span > 0 else np.zeros_like(x)
 
-        tick = np.concatenate((self._kv_tick[kv_ids], [n.ckpt_tick for n in ckpts])).astype(np.float64)
-        flops = norm(np.log1p(np.array([n.ckpt_flops_per_byte for n in ckpts], dtype=np.float64)))
-        utility = norm(tick) + self.config.alpha * np.concatenate((np.zeros(kv_ids.size), flops))
-        depth = np.concatenate((self._kv_pos[kv_ids], [n.position for n in ckpts]))
-        order = np.lexsort((-depth, utility))
-        size = np.concatenate((np.ones(kv_ids.size, dtype=np.int64), np.full(len(ckpts), self.m.num_state_blocks)))
+        utility = self.config.alpha * norm(np.log1p(fpb)) + norm(tick)
+        order = np.argsort(utility, kind="stable")
         count = int(np.searchsorted(np.cumsum(size[order]), target)) + 1
         victims: list[tuple[str, Node]] = []
         for i in order[:count].tolist():
