@@ -303,6 +303,7 @@ class HybridBlockManager(CheckpointMixin, SpeculationMixin, SwapMixin):
         self.pool.incref(kv)
         parent.run = None  # its KV is shared now
         child = RequestRecord(child_id, parent.num_tokens, _EMPTY, kv.size, _EMPTY, self._no_spec())
+        parent.tail_shared = child.tail_shared = parent.num_tokens % self.block_size != 0
         if parent.token_ids is not None:
             child.token_ids, child.block_keys = list(parent.token_ids), list(parent.block_keys)
         self.tables.take(child, kv.size)
@@ -388,7 +389,8 @@ class HybridBlockManager(CheckpointMixin, SpeculationMixin, SwapMixin):
         return rec
 
     def _needs_cow(self, rec: RequestRecord) -> bool:
-        if not rec.num_kv_blocks or rec.num_tokens % self.block_size == 0:
+        # only fork shares a partly filled block (prefix hits share full ones)
+        if not rec.tail_shared or not rec.num_kv_blocks or rec.num_tokens % self.block_size == 0:
             return False
         return bool(self.pool.ref_counts[rec.kv[rec.num_kv_blocks - 1]] > 1)
 

@@ -90,6 +90,8 @@ class RequestRecord:
     # [start, end): every block the request holds, when they are one private id run (freed as a
     # slice); None once the set changes (append, fork, speculation, swap)
     run: tuple[int, int] | None = None
+    # a fork shared its partly filled last KV block: appends must check for copy-on-write
+    tail_shared: bool = False
     # prefix caching: the input's token ids (then any appended), hash-chain keys of its full blocks,
     # and where it left the cached prefixes at admission
     token_ids: list[int] | None = None
