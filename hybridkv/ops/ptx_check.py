@@ -40,28 +40,29 @@ def compile_kernels(arch: int = 90) -> dict[str, dict[str, list[str]]]:
     from triton.compiler import ASTSource
 
     from hybridkv.ops.blocks.kernel import _copy_blocks_kernel
-    from hybridkv.ops.states.kernel import _gather_states_kernel, _scatter_states_kernel
+    from hybridkv.ops.states.kernel import _states_kernel
 
     target = GPUTarget("cuda", arch, 32)
     report = {}
     for word, ty in _WORD_TYPES.items():
         for align in sorted({1, 16 // word}):
-            for kernel in (_gather_states_kernel, _scatter_states_kernel):
+            for scatter in (False, True):
                 sig = {"pool_ptr": f"*{ty}", "buf_ptr": f"*{ty}", "table_ptr": "*i32", "runs_ptr": "*i64"}
                 sig |= {"stride_table_g": "i32", "stride_table_b": "i32", "segment_words": "i32"}
                 consts = dict(NUM_FIELDS=NUM_RUN_FIELDS, F_SRC=RUN_SRC_BASE, F_GROUP=RUN_TABLE_GROUP)
                 consts |= dict(F_COLUMN=RUN_COLUMN, F_LENGTH=RUN_LENGTH, F_DST=RUN_DST_BASE)
-                consts |= dict(F_ROW=RUN_DST_ROW_STRIDE, BLOCK=8192 // word, ALIGN=align)
+                consts |= dict(F_ROW=RUN_DST_ROW_STRIDE, BLOCK=8192 // word, ALIGN=align, SCATTER=scatter)
                 sig |= {k: "constexpr" for k in consts}
                 names = list(sig)
                 src = ASTSource(
-                    fn=kernel,
+                    fn=_states_kernel,
                     signature=sig,
                     constexprs={(names.index(k),): v for k, v in consts.items()},
                     attrs={(i,): _ALIGNED_16 for i in range(4)},
                 )
                 ptx = triton.compile(src, target=target, options={"num_warps": 4}).asm["ptx"]
-                report[f"{kernel.fn.__name__}[word={word},align={align}]"] = _accesses(ptx)
+                name = "_scatter_states" if scatter else "_gather_states"
+                report[f"{name}[word={word},align={align}]"] = _accesses(ptx)
         sig = {"pool_ptr": f"*{ty}", "src_ptr": "*i64", "dst_ptr": "*i64", "num_blocks": "i32"}
         sig |= {"segment_words": "i32", "BLOCK": "constexpr"}
         src = ASTSource(

@@ -61,7 +61,7 @@ def _run_addresses(
 
 
 @triton.jit
-def _gather_states_kernel(
+def _states_kernel(
     pool_ptr,
     buf_ptr,
     table_ptr,
@@ -78,40 +78,19 @@ def _gather_states_kernel(
     F_ROW: tl.constexpr,
     BLOCK: tl.constexpr,
     ALIGN: tl.constexpr,
+    SCATTER: tl.constexpr,
 ):
-    o_pool, o_buf, m_read, m_write = _run_addresses(
+    """Gather (pool -> buffer) or, with ``SCATTER``, scatter (buffer -> pool) one run for one row."""
+    o_pool, o_buf, m_live, m_all = _run_addresses(
         runs_ptr, table_ptr, stride_table_g, stride_table_b, segment_words,
         NUM_FIELDS, F_SRC, F_GROUP, F_COLUMN, F_LENGTH, F_DST, F_ROW, BLOCK, ALIGN,
     )  # fmt: skip
-    b_x = tl.load(pool_ptr + o_pool, mask=m_read, other=0)  # null block: explicit zeros
-    tl.store(buf_ptr + o_buf, b_x, mask=m_write)
-
-
-@triton.jit
-def _scatter_states_kernel(
-    pool_ptr,
-    buf_ptr,
-    table_ptr,
-    runs_ptr,
-    stride_table_g,
-    stride_table_b,
-    segment_words,
-    NUM_FIELDS: tl.constexpr,
-    F_SRC: tl.constexpr,
-    F_GROUP: tl.constexpr,
-    F_COLUMN: tl.constexpr,
-    F_LENGTH: tl.constexpr,
-    F_DST: tl.constexpr,
-    F_ROW: tl.constexpr,
-    BLOCK: tl.constexpr,
-    ALIGN: tl.constexpr,
-):
-    o_pool, o_buf, m_write, _ = _run_addresses(
-        runs_ptr, table_ptr, stride_table_g, stride_table_b, segment_words,
-        NUM_FIELDS, F_SRC, F_GROUP, F_COLUMN, F_LENGTH, F_DST, F_ROW, BLOCK, ALIGN,
-    )  # fmt: skip
-    b_x = tl.load(buf_ptr + o_buf, mask=m_write, other=0)
-    tl.store(pool_ptr + o_pool, b_x, mask=m_write)  # the null block is never written
+    if SCATTER:
+        b_x = tl.load(buf_ptr + o_buf, mask=m_live, other=0)
+        tl.store(pool_ptr + o_pool, b_x, mask=m_live)  # the null block is never written
+    else:
+        b_x = tl.load(pool_ptr + o_pool, mask=m_live, other=0)  # null block: explicit zeros
+        tl.store(buf_ptr + o_buf, b_x, mask=m_all)
 
 
 def launch(
@@ -132,11 +111,10 @@ def launch(
     """
     if runs.shape[0] == 0 or table.shape[1] == 0:
         return
-    kernel = _scatter_states_kernel if scatter else _gather_states_kernel
     grid = (runs.shape[0], table.shape[1])
-    kernel[grid](
+    _states_kernel[grid](
         pool_words, buf_words, table, runs, table.stride(0), table.stride(1), segment_words,
         NUM_FIELDS=NUM_RUN_FIELDS, F_SRC=RUN_SRC_BASE, F_GROUP=RUN_TABLE_GROUP, F_COLUMN=RUN_COLUMN,
         F_LENGTH=RUN_LENGTH, F_DST=RUN_DST_BASE, F_ROW=RUN_DST_ROW_STRIDE, BLOCK=block,
-        ALIGN=align, num_warps=4,
+        ALIGN=align, SCATTER=scatter, num_warps=4,
     )  # fmt: skip
