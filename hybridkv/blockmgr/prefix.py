@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import enum
 from collections import OrderedDict
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
@@ -45,8 +45,8 @@ class EvictionPolicy(enum.Enum):
 @dataclass(frozen=True, slots=True)
 class PrefixCacheConfig:
     """``every_n``: block interval of ``every_n_blocks``. ``alpha``: weight of FLOP efficiency.
-    ``evict_batch_fraction``: flop_aware ranks all candidates once per eviction and frees at least
-    this fraction of the pool, so the ranking cost is paid rarely."""
+    ``evict_batch_fraction``: each eviction frees at least this fraction of the pool (both
+    policies), so flop_aware's ranking of all candidates is paid rarely."""
 
     checkpoint: CheckpointPolicy = CheckpointPolicy.BRANCH_AND_LAST
     eviction: EvictionPolicy = EvictionPolicy.FLOP_AWARE
@@ -83,24 +83,29 @@ class PrefixHit(NamedTuple):
     num_matched_tokens: int  # tokens whose KV blocks are cached (>= num_tokens): the branch point
 
 
-def chain_keys(token_ids: Sequence[int], block_size: int, start_key: int = ROOT_KEY, start: int = 0) -> list[int]:
-    """Hash-chain keys of the full blocks of ``token_ids`` from block ``start`` on."""
-    keys, key = [], start_key
-    for j in range(start, len(token_ids) // block_size):
-        key = hash((key, tuple(token_ids[j * block_size : (j + 1) * block_size])))
-        keys.append(key)
-    return keys
+def chain(
+    token_ids: Sequence[int], block_size: int, start: int = 0, end: int | None = None, key: int = ROOT_KEY
+) -> Iterator[tuple[int, tuple[int, ...], int]]:
+    """``(block index, its token ids, chain key)`` of the full blocks ``[start, end)`` of ``token_ids``;
+    ``key`` is the chain key of block ``start - 1``. The one place the hash-chain rule lives."""
+    end = len(token_ids) // block_size if end is None else end
+    for j in range(start, end):
+        tokens = tuple(token_ids[j * block_size : (j + 1) * block_size])
+        key = hash((key, tokens))
+        yield j, tokens, key
+
+
+def chain_keys(token_ids: Sequence[int], block_size: int) -> list[int]:
+    """Hash-chain keys of all full blocks of ``token_ids``."""
+    return [key for _, _, key in chain(token_ids, block_size)]
 
 
 @dataclass(slots=True)
 class _Counters:
-    queries: int = 0
-    query_tokens: int = 0
     hit_tokens: int = 0
     checkpoints_made: int = 0
     checkpoints_evicted: int = 0
     kv_evicted: int = 0
-    extra: dict = field(default_factory=dict)
 
 
 class PrefixCache:
@@ -157,10 +162,7 @@ class PrefixCache:
         max_blocks = min(max_tokens, len(token_ids) - 1) // self.block_size
         has_kv = self.m._has_kv
         nodes: list[Node] = []
-        key = ROOT_KEY
-        for j in range(limit):
-            tokens = tuple(token_ids[j * self.block_size : (j + 1) * self.block_size])
-            key = hash((key, tokens))
+        for _, tokens, key in chain(token_ids, self.block_size, 0, limit):
             node = self.nodes.get(key)
             if node is None or node.tokens != tokens or (has_kv and not node.kv_block):
                 break
@@ -213,10 +215,7 @@ class PrefixCache:
         end = min(num_tokens, len(token_ids)) // self.block_size
         if start and end > start:
             self.ensure(token_ids, keys, kv_blocks, start - 1)  # a parent to hang the new blocks on
-        key = keys[-1] if keys else ROOT_KEY
-        for j in range(start, end):
-            tokens = tuple(token_ids[j * self.block_size : (j + 1) * self.block_size])
-            key = hash((key, tokens))
+        for j, tokens, key in chain(token_ids, self.block_size, start, end, keys[-1] if keys else ROOT_KEY):
             keys.append(key)
             self._place(key, tokens, j, kv_blocks)
 

@@ -98,10 +98,11 @@ def _recurrent(table: Mapping[str, Any], where: str) -> RecurrentLayerSpec:
     return builder(**args)
 
 
-def spec_from_dict(data: Mapping[str, Any], source: str = "spec") -> ModelSpec:
-    """Build a :class:`ModelSpec` from hybridkv's format, or from a HuggingFace config dict."""
+def spec_from_dict(data: Mapping[str, Any], source: str = "spec", state_dtype: DType | str | None = None) -> ModelSpec:
+    """Build a :class:`ModelSpec` from hybridkv's format, or from a HuggingFace config dict
+    (``state_dtype`` applies to HF configs; a hybridkv spec states its own dtypes)."""
     if "model_type" in data or "architectures" in data:
-        return spec_from_hf_config(data, source)
+        return spec_from_hf_config(data, source, state_dtype)
     name = str(data.get("name", Path(source).stem))
     layers: list[LayerSpec] = []
     if "layers" in data:
@@ -125,7 +126,7 @@ def spec_from_dict(data: Mapping[str, Any], source: str = "spec") -> ModelSpec:
     return ModelSpec(name, tuple(layers), hidden_size=data.get("hidden_size"), params_active=data.get("params_active"))
 
 
-def load_spec(path: str | Path) -> ModelSpec:
+def load_spec(path: str | Path, state_dtype: DType | str | None = None) -> ModelSpec:
     """Read a model spec from a ``.json`` or ``.toml`` file (hybridkv format or HF ``config.json``)."""
     p = Path(path)
     if not p.is_file():
@@ -139,7 +140,7 @@ def load_spec(path: str | Path) -> ModelSpec:
         raise SpecError(f"{p}: not valid {p.suffix.lstrip('.') or 'json'}: {e}") from None
     if not isinstance(data, dict):
         raise SpecError(f"{p}: the top level must be a table/object")
-    return spec_from_dict(data, str(p))
+    return spec_from_dict(data, str(p), state_dtype)
 
 
 # ---- HuggingFace config.json --------------------------------------------------------------------
@@ -227,10 +228,5 @@ def resolve_model(name_or_path: str, state_dtype: DType | str | None = None, tp_
     """
     p = Path(name_or_path)
     if p.suffix in (".json", ".toml") or p.is_file():
-        spec = load_spec(p)
-        if state_dtype is not None and p.suffix == ".json":
-            data = json.loads(p.read_text())
-            if "model_type" in data:
-                spec = spec_from_hf_config(data, str(p), state_dtype)
-        return spec.shard(tp_size)
+        return load_spec(p, state_dtype).shard(tp_size)
     return P.preset(name_or_path, state_dtype, tp_size)
