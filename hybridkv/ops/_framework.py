@@ -7,6 +7,7 @@ tensor. paddle and triton are imported lazily: ``hybridkv.ops`` imports without 
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import importlib.util
 import os
@@ -61,11 +62,39 @@ def from_torch(t: torch.Tensor, framework: Framework) -> Any:
     return paddle.utils.dlpack.from_dlpack(t)
 
 
+class DeviceMismatchError(ValueError):
+    """Pools, state buffers or ids of one op call live on different devices."""
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """``device`` with an index: ``"cuda"`` without one means torch's current CUDA device, for torch
+    *and* paddle allocations alike (paddle's own current place is not consulted)."""
+    d = torch.device(device)
+    if d.type == "cuda" and d.index is None and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return d
+
+
+def require_device(expected: torch.device, actual: torch.device, what: str) -> None:
+    """Raise :class:`DeviceMismatchError` unless ``what`` is on the pools' device ``expected``."""
+    if actual != expected:
+        raise DeviceMismatchError(
+            f"{what}: on {actual}, but the pools are on {expected}; put it on {expected} "
+            "(ids may also come from the host: a list, numpy array or CPU tensor is copied there)"
+        )
+
+
+def device_guard(device: torch.device) -> contextlib.AbstractContextManager:
+    """Make ``device`` current for a Triton launch (Triton launches on the current device and stream)."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
 def paddle_place_for(device: torch.device) -> Any:
     import paddle
 
+    device = resolve_device(device)
     if device.type == "cuda":
-        return paddle.CUDAPlace(device.index or 0)
+        return paddle.CUDAPlace(0 if device.index is None else device.index)
     return paddle.CPUPlace()
 
 
@@ -102,6 +131,29 @@ def widest_word(*values: int) -> int:
         if all(v % word == 0 for v in values):
             return word
     return 1
+
+
+VECTOR_BYTES = 16  # widest load/store of one thread
+TILE_BYTES = 8192  # most bytes one program moves
+NUM_WARPS = 4
+MAX_GRID_YZ = 65_535  # CUDA's limit on grid axes 1 and 2 (axis 0 allows 2**31 - 1)
+
+
+def word_and_align(*values: int) -> tuple[int, int]:
+    """``(word, align)``: the widest word (8, 4, 2 or 1 bytes) dividing every value (offsets, sizes,
+    addresses), and how many such words (1 or 2) every value is a multiple of, up to 16 bytes.
+
+    The five outcomes, by the largest power of two up to 16 dividing all values, are (1, 1), (2, 1),
+    (4, 1), (8, 1) and (8, 2): these are the kernel variants ``ptx_check`` compiles."""
+    align_bytes = next(a for a in (16, 8, 4, 2, 1) if all(v % a == 0 for v in values))
+    word = min(align_bytes, 8)
+    return word, align_bytes // word
+
+
+def tile_words(word: int, align: int) -> int:
+    """Words one program moves: 8 KiB, or fewer when narrow unaligned words would give each thread more
+    than 8 separate accesses (each a 64-bit address in registers: 64 byte loads per thread spill)."""
+    return min(TILE_BYTES // word, 32 * NUM_WARPS * align * 8)
 
 
 WORD_DTYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}

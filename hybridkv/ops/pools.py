@@ -20,7 +20,7 @@ import torch
 
 from hybridkv.blockmgr.layout import NULL_BLOCK, Layout
 from hybridkv.blockmgr.spec import AttentionLayerSpec
-from hybridkv.ops._framework import Framework, from_torch, paddle_zeros, to_torch, torch_dtype
+from hybridkv.ops._framework import Framework, from_torch, paddle_zeros, resolve_device, to_torch, torch_dtype
 from hybridkv.ops.addressing import BufferRegion, state_byte_addresses
 
 NAN_FILL = 0xFF  # all-ones bytes read as NaN in float32, bfloat16 and float16
@@ -107,7 +107,7 @@ def allocate_pools(
     n = layout.num_blocks if num_blocks is None else num_blocks
     if n < 2:
         raise ValueError(f"a pool needs the null block and one more, got num_blocks={n}")
-    return _new_pools(layout, n, torch.device(device), Framework(framework), fill, pin=False, host=False)
+    return _new_pools(layout, n, resolve_device(device), Framework(framework), fill, pin=False, host=False)
 
 
 def allocate_host_pools(
@@ -203,6 +203,10 @@ class StateBuffers:
         """Model layer id -> component name -> ``[batch_size, *shape]`` tensor."""
         return {r.layer_id: self.tensors[(r.group, r.slot)] for r in self.regions}
 
+    @property
+    def device(self) -> torch.device:
+        return self.torch_data.device
+
     def region_bytes(self, region: BufferRegion) -> torch.Tensor:
         """``[batch_size, nbytes]`` uint8 torch view of one region."""
         size = self.batch_size * region.nbytes
@@ -236,7 +240,7 @@ def allocate_state_buffers(
             for c, off in zip(spec.components, spec.component_offsets().values(), strict=True):
                 regions.append(BufferRegion(g, slot, layer_id, c.name, off, c.nbytes, pos))
                 pos += -(-batch_size * c.nbytes // BUFFER_ALIGN_BYTES) * BUFFER_ALIGN_BYTES
-    size, dev = max(pos, BUFFER_ALIGN_BYTES), torch.device(device)
+    size, dev = max(pos, BUFFER_ALIGN_BYTES), resolve_device(device)
     if fw is Framework.PADDLE:
         data = paddle_zeros([size], dev)
         data_t = to_torch(data)

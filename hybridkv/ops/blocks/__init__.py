@@ -8,11 +8,19 @@ import numpy as np
 import torch
 
 from hybridkv.blockmgr.layout import NULL_BLOCK
-from hybridkv.ops._framework import Backend, as_words, resolve_backend, to_torch, widest_word
+from hybridkv.ops import _ids
+from hybridkv.ops._framework import (
+    Backend,
+    as_words,
+    device_guard,
+    require_device,
+    resolve_backend,
+    tile_words,
+    to_torch,
+    word_and_align,
+)
 from hybridkv.ops.blocks.naive import copy_blocks_naive
 from hybridkv.ops.pools import BlockPools
-
-TILE_BYTES = 8192
 
 
 def block_ids(ids: Any, what: str) -> np.ndarray:
@@ -50,44 +58,58 @@ def copy_blocks(
 
     Ids: 1-D int lists/arrays/tensors of equal length, or the block manager's ``BlockCopies``
     (``src``/``dst`` attributes) as ``src_blocks``. A source may repeat (fork one to many).
-    ``validate`` (default: unless the ids already are CUDA tensors, where checking would synchronise)
-    raises ``ValueError`` when ids are out of range, a destination is the null block or repeats, or
-    a block is both a source and a destination (the copies would race).
+    ``validate`` (default: when every id comes from the host, i.e. lists, numpy or CPU tensors) raises
+    ``ValueError`` when ids are out of range, a destination is the null block or repeats, or a block is
+    both a source and a destination (the copies would race). Host ids are checked before they move and
+    then reach the device in one copy; ids passed as tensors on the pools' device are trusted unless
+    ``validate=True`` (which synchronises). Raises :class:`~hybridkv.ops._framework.DeviceMismatchError`
+    for id tensors on another device.
     """
     pools.require_slot_major("copy_blocks")
     if dst_blocks is None and hasattr(src_blocks, "src") and hasattr(src_blocks, "dst"):
         src_blocks, dst_blocks = src_blocks.src, src_blocks.dst
     if dst_blocks is None:
         raise ValueError("copy_blocks needs dst_blocks (or a BlockCopies with src and dst)")
+    src, dst = _ids.by_origin(src_blocks), _ids.by_origin(dst_blocks)
+    if src.ndim != 1 or dst.ndim != 1:
+        raise ValueError(
+            f"copy_blocks: src_blocks and dst_blocks must be 1-D lists of block ids, got shapes "
+            f"{tuple(src.shape)} and {tuple(dst.shape)}"
+        )
+    if src.shape != dst.shape:
+        raise ValueError(f"copy_blocks: {src.shape[0]} source blocks but {dst.shape[0]} destination blocks")
     device = pools.device
-    src_t, dst_t = _ids_on_device(src_blocks, device), _ids_on_device(dst_blocks, device)
-    if validate or (validate is None and not (src_t.is_cuda and dst_t.is_cuda)):
-        _check_copy(block_ids(src_t, "src_blocks"), block_ids(dst_t, "dst_blocks"), pools.num_blocks)
-    elif src_t.shape != dst_t.shape or src_t.dim() != 1:
-        raise ValueError(f"copy_blocks: src_blocks {tuple(src_t.shape)} and dst_blocks {tuple(dst_t.shape)} differ")
+    for ids, what in ((src, "src_blocks"), (dst, "dst_blocks")):
+        if not _ids.from_host(ids):
+            require_device(device, ids.device, f"copy_blocks {what}")
+    if validate or (validate is None and _ids.from_host(src) and _ids.from_host(dst)):
+        _check_copy(_ids.host_copy(src), _ids.host_copy(dst), pools.num_blocks)
+    if src.shape[0] == 0:
+        return
+    host = [ids for ids in (src, dst) if _ids.from_host(ids)]
+    staged = iter(_ids.to_device(host, device, torch.int64) if host else [])
+    src_t, dst_t = (
+        next(staged) if _ids.from_host(ids) else _ids.on_device(ids, device, torch.int64, what)
+        for ids, what in ((src, "copy_blocks src_blocks"), (dst, "copy_blocks dst_blocks"))
+    )
     if resolve_backend(backend, device) is Backend.NAIVE:
         copy_blocks_naive(pools, src_t, dst_t)
         return
     from hybridkv.ops.blocks import kernel
 
     layout = pools.layout
-    word = widest_word(pools.torch_data.data_ptr(), layout.segment_bytes)
-    kernel.launch(
-        as_words(pools.torch_data.view(-1), word),
-        src_t,
-        dst_t,
-        layout.group_size * layout.num_segments,
-        pools.num_blocks,
-        layout.segment_bytes // word,
-        TILE_BYTES // word,
-    )
-
-
-def _ids_on_device(ids: Any, device: torch.device) -> torch.Tensor:
-    if isinstance(ids, list | tuple | range | np.ndarray):
-        return torch.from_numpy(np.asarray(ids, dtype=np.int64)).to(device)
-    t = to_torch(ids)
-    return t if t.device == device and t.dtype == torch.int64 else t.to(device=device, dtype=torch.int64)
+    word, align = word_and_align(pools.torch_data.data_ptr(), layout.segment_bytes)
+    with device_guard(device):
+        kernel.launch(
+            as_words(pools.torch_data.view(-1), word),
+            src_t,
+            dst_t,
+            layout.group_size * layout.num_segments,
+            pools.num_blocks,
+            layout.segment_bytes // word,
+            tile_words(word, align),
+            align,
+        )
 
 
 def _check_copy(src: np.ndarray, dst: np.ndarray, num_blocks: int) -> None:

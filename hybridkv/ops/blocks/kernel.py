@@ -2,6 +2,9 @@
 
 Program ``(i_pair, i_ss, i_t)`` copies tile ``i_t`` of segment ``i_ss`` (slot-major) of block
 ``src[i_pair]`` to block ``dst[i_pair]``: a contiguous masked copy of at most ``BLOCK`` words.
+``ALIGN`` (words) divides ``segment_words`` and the pool's base address, so every segment start is
+a multiple of it: the same hint the state kernels give, which lets accesses vectorise to 16 bytes
+whatever ``segment_words % 16`` is. Grid axes 1 and 2 are chunked to CUDA's 65,535 limit.
 """
 
 from __future__ import annotations
@@ -9,6 +12,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from hybridkv.ops import _framework
 
 
 @triton.jit
@@ -18,18 +23,24 @@ def _copy_blocks_kernel(
     dst_ptr,
     num_blocks,
     segment_words,
+    ss_start,
+    t_start,
     BLOCK: tl.constexpr,
+    ALIGN: tl.constexpr,
 ):
     i_pair = tl.program_id(0).to(tl.int64)
-    i_ss = tl.program_id(1).to(tl.int64)
-    i_t = tl.program_id(2).to(tl.int64)
+    i_ss = tl.program_id(1).to(tl.int64) + ss_start
+    i_t = tl.program_id(2).to(tl.int64) + t_start
     b_src = tl.load(src_ptr + i_pair).to(tl.int64)
     b_dst = tl.load(dst_ptr + i_pair).to(tl.int64)
+    n_seg = tl.multiple_of(segment_words, ALIGN)
     o_w = i_t * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
-    m_w = o_w < segment_words
-    o_seg = i_ss * num_blocks * segment_words
-    b_x = tl.load(pool_ptr + o_seg + b_src * segment_words + o_w, mask=m_w)
-    tl.store(pool_ptr + o_seg + b_dst * segment_words + o_w, b_x, mask=m_w)
+    m_w = o_w < n_seg
+    o_seg = i_ss * num_blocks * n_seg
+    o_src = tl.multiple_of(o_seg + b_src * n_seg, ALIGN) + o_w
+    o_dst = tl.multiple_of(o_seg + b_dst * n_seg, ALIGN) + o_w
+    b_x = tl.load(pool_ptr + o_src, mask=m_w)
+    tl.store(pool_ptr + o_dst, b_x, mask=m_w)
 
 
 def launch(
@@ -40,10 +51,19 @@ def launch(
     num_blocks: int,
     segment_words: int,
     block: int,
+    align: int,
 ) -> None:
     """``pool_words``: 1-D word view of ``[group_size * num_segments, num_blocks, segment_words]``;
-    ``src``/``dst``: int64 ``[num_pairs]`` on the pool's device."""
+    ``src``/``dst``: contiguous int64 ``[num_pairs]`` on the pool's device (the current device).
+    ``align``: a power of two (words) dividing ``segment_words`` and the pool's address."""
     if src.numel() == 0:
         return
-    grid = (src.numel(), num_slot_segments, triton.cdiv(segment_words, block))
-    _copy_blocks_kernel[grid](pool_words, src, dst, num_blocks, segment_words, BLOCK=block, num_warps=4)
+    limit = _framework.MAX_GRID_YZ
+    num_tiles = triton.cdiv(segment_words, block)
+    for ss in range(0, num_slot_segments, limit):
+        for t in range(0, num_tiles, limit):
+            grid = (src.numel(), min(limit, num_slot_segments - ss), min(limit, num_tiles - t))
+            _copy_blocks_kernel[grid](
+                pool_words, src, dst, num_blocks, segment_words, ss, t,
+                BLOCK=block, ALIGN=align, num_warps=_framework.NUM_WARPS,
+            )  # fmt: skip

@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
-from hybridkv.blockmgr.layout import NULL_BLOCK
-from hybridkv.ops._framework import Backend, as_words, resolve_backend, to_torch, widest_word
+from hybridkv.blockmgr.layout import NULL_BLOCK, Layout
+from hybridkv.ops import _ids
+from hybridkv.ops._framework import (
+    Backend,
+    as_words,
+    device_guard,
+    require_device,
+    resolve_backend,
+    tile_words,
+    word_and_align,
+)
 from hybridkv.ops.addressing import (
     RUN_DST_BASE,
     RUN_DST_ROW_STRIDE,
@@ -19,9 +29,6 @@ from hybridkv.ops.addressing import (
 )
 from hybridkv.ops.pools import BlockPools, StateBuffers
 from hybridkv.ops.states.naive import gather_states_naive, scatter_states_naive
-
-TILE_BYTES = 8192  # bytes one program moves
-VECTOR_BYTES = 16  # widest load/store of one thread
 
 
 def gather_states(
@@ -39,7 +46,10 @@ def gather_states(
     ``group`` (from :func:`~hybridkv.ops.pools.allocate_state_buffers`); each component tensor
     ``[B, *shape]`` is overwritten. Null-block entries read as zeros. One Triton launch on CUDA (or with
     ``backend="triton"``), the torch reference otherwise. ``validate`` (default: when the table is on
-    the host) checks block ids. Raises ``ValueError`` on shapes or ids that do not fit. Returns ``out``.
+    the host: numpy, lists or CPU tensors) checks block ids before they move; a table that is already a
+    tensor on the pools' device is trusted unless ``validate=True`` (which synchronises). Raises
+    ``ValueError`` on shapes or ids that do not fit, :class:`~hybridkv.ops._framework.DeviceMismatchError`
+    when the buffers or a device table are not on the pools' device. Returns ``out``.
     """
     _run(False, pools, state_table, group, out, backend, validate)
     return out
@@ -68,7 +78,8 @@ class _Selection(NamedTuple):
     groups: tuple[int, ...]
     table_group: dict[int, int]  # state group -> its row in the (3-D) state table
     widths: list[int]  # blocks_per_state of each selected group
-    regions: list[BufferRegion]
+    regions: tuple[BufferRegion, ...]
+    offsets: tuple[int, ...]  # every region's state offset, size and buffer offset (for the alignment)
 
 
 def _select(pools: BlockPools, buffers: StateBuffers, group: int | None, table_dim: int) -> _Selection:
@@ -95,7 +106,9 @@ def _select(pools: BlockPools, buffers: StateBuffers, group: int | None, table_d
             "blocks_per_state], or [B, blocks_per_state] with an int group"
         )
     widths = [layout.blocks_per_state[g] for g in groups]
-    selection = _Selection(groups, table_group, widths, [r for r in buffers.regions if r.group in groups])
+    regions = tuple(r for r in buffers.regions if r.group in groups)
+    offsets = tuple(v for r in regions for v in (r.state_offset, r.nbytes, r.buffer_offset))
+    selection = _Selection(groups, table_group, widths, regions, offsets)
     buffers.cache[key] = selection
     return selection
 
@@ -110,11 +123,13 @@ def _run(
     validate: bool | None,
 ) -> None:
     pools.require_slot_major("gather_states/scatter_states")
-    table = to_torch(state_table)
-    sel = _select(pools, buffers, group, table.dim())
+    device = pools.device
+    require_device(device, buffers.device, "state buffers")
+    table = _ids.by_origin(state_table)  # host ids as numpy, a device tensor as given
+    sel = _select(pools, buffers, group, table.ndim)
     num_state_groups = pools.layout.num_state_groups
-    if table.dim() == 2:
-        table = table.unsqueeze(0)
+    if table.ndim == 2:
+        table = table[None]
     elif table.shape[0] != num_state_groups:
         raise ValueError(f"state table has {table.shape[0]} group rows, the layout {num_state_groups} state groups")
     if table.shape[1] != buffers.batch_size or table.shape[2] < max(sel.widths):
@@ -122,28 +137,36 @@ def _run(
             f"state table has shape {tuple(table.shape)}: expected batch {buffers.batch_size} (the buffers') "
             f"and at least {max(sel.widths)} block ids per row (blocks_per_state)"
         )
-    if validate or (validate is None and table.device.type == "cpu"):
-        _validate_ids(table, sel.table_group, sel.widths, pools.num_blocks, scatter)
-    if table.device != pools.device or table.dtype != torch.int32 or not table.is_contiguous():
-        table = table.to(device=pools.device, dtype=torch.int32).contiguous()
-    if resolve_backend(backend, pools.device) is Backend.NAIVE:
+    host = _ids.from_host(table)
+    if not host:
+        require_device(device, table.device, "state table")
+    if validate or (validate is None and host):
+        _validate_ids(_ids.host_copy(table), sel.table_group, sel.widths, pools.num_blocks, scatter)
+    if host:
+        table_t = _ids.to_device([table], device, torch.int32)[0]
+    else:
+        table_t = _ids.on_device(table, device, torch.int32, "state table")
+    if resolve_backend(backend, device) is Backend.NAIVE:
         run = scatter_states_naive if scatter else gather_states_naive
-        run(pools, table.to(torch.int64), sel.table_group, buffers, sel.regions)
+        run(pools, table_t.to(torch.int64), sel.table_group, buffers, list(sel.regions))
         return
     from hybridkv.ops.states import kernel
 
-    word, align, runs = _runs(pools, buffers, sel.regions, sel.table_group)
+    pool_ptr, buf_ptr = pools.torch_data.data_ptr(), buffers.torch_data.data_ptr()
+    word, align = word_and_align(pool_ptr, buf_ptr, pools.layout.segment_bytes, *sel.offsets)
+    block = tile_words(word, align)
+    runs = run_table(pools, sel.regions, sel.table_group, word, align, block)
     pool_words = as_words(pools.torch_data.view(-1), word)
     buf_words = as_words(buffers.torch_data, word)
-    segment_words, block = pools.layout.segment_bytes // word, TILE_BYTES // word
-    kernel.launch(scatter, pool_words, buf_words, table, runs, segment_words, block, align)
+    with device_guard(device):
+        kernel.launch(scatter, pool_words, buf_words, table_t, runs, pools.layout.segment_bytes // word, block, align)
 
 
 def _validate_ids(
-    table: torch.Tensor, table_group: dict[int, int], widths: list[int], num_blocks: int, scatter: bool
+    table: np.ndarray, table_group: dict[int, int], widths: list[int], num_blocks: int, scatter: bool
 ) -> None:
-    used = [table[t, :, :w].cpu().numpy().ravel() for t, w in zip(table_group.values(), widths, strict=True)]
-    ids = np.concatenate(used).astype(np.int64)
+    used = [table[t, :, :w].ravel() for t, w in zip(table_group.values(), widths, strict=True)]
+    ids = np.concatenate(used)
     bad = ids[(ids < 0) | (ids >= num_blocks)]
     if bad.size:
         raise ValueError(f"state table holds block id {int(bad[0])}, outside the pool's 0..{num_blocks - 1}")
@@ -157,22 +180,35 @@ def _validate_ids(
             )
 
 
-def _runs(
-    pools: BlockPools, buffers: StateBuffers, regions: list[BufferRegion], table_group: dict[int, int]
-) -> tuple[int, int, torch.Tensor]:
-    """Widest word, the alignment hint (words) and the run table on the device, cached on the buffers."""
-    pool_ptr = pools.torch_data.data_ptr()
-    key = ("runs", pool_ptr, pools.num_blocks, pools.device, tuple(table_group.items()))
-    cached = buffers.cache.get(key)
-    if cached is None:
-        offsets = [v for r in regions for v in (r.state_offset, r.nbytes, r.buffer_offset)]
-        buf_ptr = buffers.torch_data.data_ptr()
-        word = widest_word(pool_ptr, buf_ptr, pools.layout.segment_bytes, *offsets)
-        host = state_runs(pools.layout, pools.num_blocks, regions, table_group, word, TILE_BYTES)
-        fields = host[:, [RUN_SRC_BASE, RUN_LENGTH, RUN_DST_BASE, RUN_DST_ROW_STRIDE]].ravel()
-        bases = np.array([pool_ptr // word, buf_ptr // word, pools.layout.segment_bytes // word], dtype=np.int64)
-        words = np.concatenate([fields, bases])
-        align = next(a for a in (16, 8, 4, 2, 1) if a * word <= VECTOR_BYTES and not (words % a).any())
-        cached = (word, align, torch.from_numpy(host).to(pools.device))
-        buffers.cache[key] = cached
-    return cached
+RUN_TABLE_CACHE_SIZE = 64
+_RUN_TABLES: OrderedDict[tuple, tuple[Layout, torch.Tensor]] = OrderedDict()
+
+
+def run_table(
+    pools: BlockPools,
+    regions: tuple[BufferRegion, ...],
+    table_group: dict[int, int],
+    word: int,
+    align: int,
+    block: int,
+) -> torch.Tensor:
+    """The run table (int64 ``[num_runs, NUM_RUN_FIELDS]`` on the pools' device) for these regions.
+
+    Cached per layout, pool size, regions (the buffers' shape: batch size and groups), word, tile and
+    device, not per buffers object: new buffers of the same shape reuse it, and so does every step of
+    an engine. At most ``RUN_TABLE_CACHE_SIZE`` tables are kept (least recently used goes first).
+    """
+    layout = pools.layout
+    key = (id(layout), pools.num_blocks, regions, tuple(table_group.items()), word, block, pools.device)
+    hit = _RUN_TABLES.get(key)
+    if hit is not None and hit[0] is layout:  # the entry holds the layout, so its id cannot be reused
+        _RUN_TABLES.move_to_end(key)
+        return hit[1]
+    host = state_runs(layout, pools.num_blocks, list(regions), table_group, word, block * word)
+    if (host[:, [RUN_SRC_BASE, RUN_LENGTH, RUN_DST_BASE, RUN_DST_ROW_STRIDE]] % align).any():
+        raise AssertionError(f"runs are not aligned to {align} words of {word} bytes")
+    runs = _ids.to_device([host], pools.device, torch.int64)[0]
+    _RUN_TABLES[key] = (layout, runs)
+    while len(_RUN_TABLES) > RUN_TABLE_CACHE_SIZE:
+        _RUN_TABLES.popitem(last=False)
+    return runs

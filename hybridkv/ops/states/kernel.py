@@ -4,7 +4,8 @@ The host splits each (layer, component) into runs that are contiguous in the poo
 segment boundary, at most ``BLOCK`` words; see :func:`hybridkv.ops.addressing.state_runs`). Program
 ``(i_run, i_b)`` moves run ``i_run`` of batch row ``i_b``: one block id from the state table, then a
 contiguous masked copy in the widest word alignment allows. Null-block entries read zeros (gather)
-and are never written (scatter). All address arithmetic is int64.
+and are never written (scatter). All address arithmetic is int64. The batch (grid axis 1) is
+launched in chunks of at most 65,535 rows, CUDA's limit on that axis.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from hybridkv.ops import _framework
 from hybridkv.ops.addressing import (
     NUM_RUN_FIELDS,
     RUN_COLUMN,
@@ -31,6 +33,7 @@ def _run_addresses(
     stride_table_g,
     stride_table_b,
     segment_words,
+    row_start,
     NUM_FIELDS: tl.constexpr,
     F_SRC: tl.constexpr,
     F_GROUP: tl.constexpr,
@@ -42,7 +45,7 @@ def _run_addresses(
     ALIGN: tl.constexpr,
 ):
     i_run = tl.program_id(0).to(tl.int64)
-    i_b = tl.program_id(1).to(tl.int64)
+    i_b = tl.program_id(1).to(tl.int64) + row_start
     p_run = runs_ptr + i_run * NUM_FIELDS
     src_base = tl.load(p_run + F_SRC)
     group = tl.load(p_run + F_GROUP)
@@ -69,6 +72,7 @@ def _states_kernel(
     stride_table_g,
     stride_table_b,
     segment_words,
+    row_start,
     NUM_FIELDS: tl.constexpr,
     F_SRC: tl.constexpr,
     F_GROUP: tl.constexpr,
@@ -82,7 +86,7 @@ def _states_kernel(
 ):
     """Gather (pool -> buffer) or, with ``SCATTER``, scatter (buffer -> pool) one run for one row."""
     o_pool, o_buf, m_live, m_all = _run_addresses(
-        runs_ptr, table_ptr, stride_table_g, stride_table_b, segment_words,
+        runs_ptr, table_ptr, stride_table_g, stride_table_b, segment_words, row_start,
         NUM_FIELDS, F_SRC, F_GROUP, F_COLUMN, F_LENGTH, F_DST, F_ROW, BLOCK, ALIGN,
     )  # fmt: skip
     if SCATTER:
@@ -106,15 +110,19 @@ def launch(
     """One launch over ``runs`` (int64 ``[num_runs, NUM_RUN_FIELDS]``) x batch rows of ``table``.
 
     ``pool_words``/``buf_words``: 1-D word views of the pool and the state buffers; ``table``: int32
-    ``[num_table_groups, B, W]`` contiguous on the pool's device. ``align``: a power of two (words)
-    dividing every run offset, length and row stride, ``segment_words`` and both base addresses.
+    ``[num_table_groups, B, W]`` contiguous on the pool's device (the current device). ``align``: a
+    power of two (words) dividing every run offset, length and row stride, ``segment_words`` and both
+    base addresses. ``block``: the tile the runs were cut to (:func:`~hybridkv.ops._framework.tile_words`).
     """
-    if runs.shape[0] == 0 or table.shape[1] == 0:
+    num_rows = table.shape[1]
+    if runs.shape[0] == 0 or num_rows == 0:
         return
-    grid = (runs.shape[0], table.shape[1])
-    _states_kernel[grid](
-        pool_words, buf_words, table, runs, table.stride(0), table.stride(1), segment_words,
-        NUM_FIELDS=NUM_RUN_FIELDS, F_SRC=RUN_SRC_BASE, F_GROUP=RUN_TABLE_GROUP, F_COLUMN=RUN_COLUMN,
-        F_LENGTH=RUN_LENGTH, F_DST=RUN_DST_BASE, F_ROW=RUN_DST_ROW_STRIDE, BLOCK=block,
-        ALIGN=align, SCATTER=scatter, num_warps=4,
-    )  # fmt: skip
+    limit = _framework.MAX_GRID_YZ
+    for row_start in range(0, num_rows, limit):
+        grid = (runs.shape[0], min(limit, num_rows - row_start))
+        _states_kernel[grid](
+            pool_words, buf_words, table, runs, table.stride(0), table.stride(1), segment_words, row_start,
+            NUM_FIELDS=NUM_RUN_FIELDS, F_SRC=RUN_SRC_BASE, F_GROUP=RUN_TABLE_GROUP, F_COLUMN=RUN_COLUMN,
+            F_LENGTH=RUN_LENGTH, F_DST=RUN_DST_BASE, F_ROW=RUN_DST_ROW_STRIDE, BLOCK=block,
+            ALIGN=align, SCATTER=scatter, num_warps=_framework.NUM_WARPS,
+        )  # fmt: skip
