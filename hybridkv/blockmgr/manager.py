@@ -39,13 +39,14 @@ from hybridkv.blockmgr.records import (
 from hybridkv.blockmgr.speculation import SpeculationMixin
 from hybridkv.blockmgr.swap import SwapMixin
 from hybridkv.blockmgr.tables import RowTables
+from hybridkv.blockmgr.transfer_plans import TransferMixin
 from hybridkv.blockmgr.units import cdiv
 
 _EMPTY = np.empty(0, dtype=np.int32)
 _NO_COPIES = BlockCopies.empty()
 
 
-class HybridBlockManager(CheckpointMixin, SpeculationMixin, SwapMixin):
+class HybridBlockManager(CheckpointMixin, SpeculationMixin, SwapMixin, TransferMixin):
     """Per-request lifecycle over one :class:`BlockPool` laid out by a :class:`Layout`.
 
     ``num_host_blocks``: size of the host (CPU) swap pool, 0 = no swap. ``watermark``: fraction of
