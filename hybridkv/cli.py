@@ -1,33 +1,113 @@
-"""Command line: ``hybridkv plan`` (capacity and waste of a model in one block pool).
+"""Command line: ``hybridkv plan`` (capacity and waste of a model in one block pool) and the
+subcommands other packages plug in (see :data:`PLUGIN_MODULES`).
 
-Every user error is one line on stderr starting with ``hybridkv: error:`` and exit code 2.
+Every user error is one line on stderr starting with ``hybridkv: error:`` (or ``hybridkv plan:
+error:`` for a bad option) and exit code 2; never a traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
+import importlib
+import io
 import json
+import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
+from hybridkv.blockmgr import presets as P
 from hybridkv.blockmgr.errors import HybridKVError
 from hybridkv.blockmgr.layout import Layout, LayoutKind, plan
-from hybridkv.blockmgr.presets import PRESET_NAMES
-from hybridkv.blockmgr.spec_io import resolve_model
+from hybridkv.blockmgr.spec import AttentionLayerSpec, ModelSpec, RecurrentLayerSpec
+from hybridkv.blockmgr.spec_io import is_spec_path, resolve_model
 from hybridkv.blockmgr.units import format_bytes, parse_bytes, parse_tokens
 
+DEFAULT_BUDGET = "80GiB"
+DEFAULT_CONTEXT = "32k"
+DEFAULT_UTILIZATION = 0.9
 
-class _UserError(Exception):
-    pass
+# Subcommands that live in other packages. Each module has ``add_parser(subparsers) -> ArgumentParser``
+# (it calls ``subparsers.add_parser(name, ...)``) and ``run(args) -> int``; a module that does not
+# exist yet is skipped, so a package plugs a command in by adding its module name here.
+PLUGIN_MODULES: tuple[str, ...] = ("hybridkv.sim.cli",)
+
+EXAMPLES = """\
+examples:
+  hybridkv plan                                         MiniMax-M1 at its default TP, 80 GiB cache, 32k context
+  hybridkv plan --model gla-1.3b                        any preset; its default TP and dtypes are shown
+  hybridkv plan --model qwen3-next-80b-a3b --gpu h200 --gpu-memory-utilization 0.9 --max-requests 64
+                                                        the longest context 64 requests can have
+  hybridkv plan --model qwen3-next-80b-a3b --max-model-len 128k --max-num-seqs 32
+                                                        the cache 32 requests of 128k tokens need
+  hybridkv plan --model path/to/model-dir --tp 2        a HuggingFace model directory (config.json)
+  hybridkv plan --model examples/specs/my-hybrid.toml --format md
+  hybridkv plan --model minimax-m1 --plot capacity.png  capacity against context, paged vs padded
+"""
+
+
+class UserError(HybridKVError, ValueError):
+    """Bad command-line input: printed as one line, exit code 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (``prog: error: message (see prog --help)``), exit code 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+# ---- facts shown with every plan ---------------------------------------------------------------
+def model_dtypes(model: ModelSpec) -> dict[str, Any]:
+    """``{"kv": dtype or None, "state": {"<mixer>.<component>": dtype}}`` of a model's caches."""
+    kv = sorted({layer.dtype.value for layer in model.layers if isinstance(layer, AttentionLayerSpec)})
+    state: dict[str, str] = {}
+    for layer in model.layers:
+        if isinstance(layer, RecurrentLayerSpec):
+            for c in layer.components:
+                state.setdefault(f"{layer.mixer}.{c.name}", c.dtype.value)
+    return {"kv": ", ".join(kv) or None, "state": state}
+
+
+def _dtype_line(dtypes: dict[str, Any], source: str) -> str:
+    parts = []
+    if dtypes["kv"]:
+        parts.append(f"KV {dtypes['kv']}")
+    if dtypes["state"]:
+        parts.append("state " + ", ".join(f"{k} {v}" for k, v in dtypes["state"].items()))
+    return f"dtypes: {'; '.join(parts)} ({source})"
+
+
+def longest_context(layout: Layout, num_requests: int) -> int | None:
+    """Longest context (tokens) at which ``num_requests`` requests fit in ``layout``'s pool.
+
+    ``None``: any length fits (no KV: a request's blocks do not grow with its tokens);
+    ``0``: not even one token each fits.
+    """
+    if layout.capacity(1).max_requests < num_requests:
+        return 0
+    if layout.kv_group is None:
+        return None
+    lo, hi = 1, layout.num_usable_blocks * layout.block_size  # capacity(lo) >= n, capacity(hi + 1) < n
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if layout.capacity(mid).max_requests >= num_requests:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 def _layout_summary(layout: Layout, context: int) -> dict[str, Any]:
     cap = layout.capacity(context)
     fp = cap.footprint
+    has_kv = layout.kv_group is not None
     return {
         "layout": layout.kind.value,
-        "block_size": layout.block_size,
+        "context_tokens": context,
+        "block_size": layout.block_size if has_kv else None,
         "block_bytes": layout.block_bytes,
         "bytes_per_block": layout.bytes_per_block,
         "num_layer_slots": layout.num_layer_slots,
@@ -57,76 +137,344 @@ def _waste_total(s: dict[str, Any]) -> str:
     return f"{format_bytes(total)} ({_pct(total, s['allocated_bytes_per_request'])})"
 
 
-def _table(model_name: str, tp: int, budget: int, context: int, summaries: list[dict[str, Any]]) -> str:
-    def row(label: str, fn) -> list[str]:
-        return [label] + [fn(s) for s in summaries]
+def _context_text(value: int | None) -> str:
+    return "any (no KV)" if value is None else (f"{value:,}" if value else "0 (does not fit)")
 
-    rows = [
-        ["", *[s["layout"] for s in summaries]],
-        row("block size (tokens)", lambda s: f"{s['block_size']}"),
-        row("block bytes per layer slot", lambda s: format_bytes(s["block_bytes"])),
-        row(
+
+_Row = tuple[str, Callable[[dict[str, Any]], str], str]  # label, cell, which models show it
+
+
+def _rows(out: dict[str, Any]) -> list[list[str]]:
+    """The rows of the table / md / csv outputs: a header row, then one row per quantity."""
+    summaries = out["layouts"].values()
+    has_kv = out["kv_bytes_per_token"] > 0
+    waste = "waste_bytes_per_request"
+    spec: list[_Row] = [
+        ("context (tokens)", lambda s: f"{s['context_tokens']:,}", "kv"),
+        ("block size (tokens)", lambda s: f"{s['block_size']}", "kv"),
+        ("block bytes per layer slot", lambda s: format_bytes(s["block_bytes"]), "all"),
+        (
             "layer slots x groups (state)",
             lambda s: f"{s['num_layer_slots']} x {s['num_groups']} ({s['num_state_groups']})",
+            "all",
         ),
-        row("blocks per state", lambda s: ", ".join(str(b) for b in sorted(set(s["blocks_per_state"]))) or "-"),
-        row("blocks in pool", lambda s: f"{s['num_blocks']:,}"),
-        row("KV bytes / request", lambda s: format_bytes(s["kv_bytes_per_request"])),
-        row("state bytes / request", lambda s: format_bytes(s["state_bytes_per_request"])),
-        row(
+        ("blocks per state", lambda s: ", ".join(str(b) for b in sorted(set(s["blocks_per_state"]))) or "-", "all"),
+        ("blocks in pool", lambda s: f"{s['num_blocks']:,}", "all"),
+        ("KV bytes / request", lambda s: format_bytes(s["kv_bytes_per_request"]), "kv"),
+        ("state bytes / request", lambda s: format_bytes(s["state_bytes_per_request"]), "all"),
+        (
             "blocks / request (KV + state)",
             lambda s: (
                 f"{s['blocks_per_request']:,} ({s['kv_blocks_per_request']:,} + {s['state_blocks_per_request']:,})"
             ),
+            "kv",
         ),
-        row("allocated / request", lambda s: format_bytes(s["allocated_bytes_per_request"])),
-        row("  waste: state tail", lambda s: format_bytes(s["waste_bytes_per_request"]["state_tail_bytes"])),
-        row("  waste: padded slack", lambda s: format_bytes(s["waste_bytes_per_request"]["padded_slack_bytes"])),
-        row("  waste: padding layers", lambda s: format_bytes(s["waste_bytes_per_request"]["padding_layer_bytes"])),
-        row("  waste: KV last-block tail", lambda s: format_bytes(s["waste_bytes_per_request"]["kv_tail_bytes"])),
-        row("  waste total", _waste_total),
-        row("max concurrent requests", lambda s: f"{s['max_requests']:,}"),
+        ("blocks / request (state)", lambda s: f"{s['state_blocks_per_request']:,}", "nokv"),
+        ("allocated / request", lambda s: format_bytes(s["allocated_bytes_per_request"]), "all"),
+        ("  waste: state tail", lambda s: format_bytes(s[waste]["state_tail_bytes"]), "all"),
+        ("  waste: padded slack", lambda s: format_bytes(s[waste]["padded_slack_bytes"]), "all"),
+        ("  waste: padding layers", lambda s: format_bytes(s[waste]["padding_layer_bytes"]), "all"),
+        ("  waste: KV last-block tail", lambda s: format_bytes(s[waste]["kv_tail_bytes"]), "kv"),
+        ("  waste total", _waste_total, "all"),
+        ("max concurrent requests", lambda s: f"{s['max_requests']:,}", "all"),
     ]
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    if out.get("longest_context") is not None and not has_kv:  # with KV, the context row above is it
+        spec.append(
+            (
+                f"longest context, {out['num_requests']} requests",
+                lambda s: _context_text(s["longest_context_tokens"]),
+                "all",
+            )
+        )
+    if out.get("memory_for_requests") is not None:
+        n = out["num_requests"]
+        spec.append((f"cache for {n} requests", lambda s: format_bytes(s["memory_for_requests"]["cache_bytes"]), "all"))
+        spec.append((f"{n} requests fit", lambda s: "yes" if s["memory_for_requests"]["fits"] else "no", "all"))
+        if out.get("gpu"):
+            spec.append(
+                (
+                    f"GPU memory for {n} at {out['gpu']['utilization']:g}",
+                    lambda s: format_bytes(s["memory_for_requests"]["gpu_bytes_needed"]),
+                    "all",
+                )
+            )
+    show = {"all", "kv" if has_kv else "nokv"}
+    rows = [["", *(s["layout"] for s in summaries)]]
+    rows += [[label, *(cell(s) for s in summaries)] for label, cell, which in spec if which in show]
+    return rows
+
+
+def _header(out: dict[str, Any]) -> list[str]:
+    ctx = out["context_tokens"]
+    what = f"context {ctx:,} tokens" if ctx is not None else f"{out['num_requests']} requests"
     lines = [
-        f"{model_name}, TP{tp}, cache budget {format_bytes(budget)} per GPU, context {context:,} tokens",
-        "",
+        f"{out['model']}, TP{out['tp_size']}, cache budget {format_bytes(out['budget_bytes'])} per GPU, {what}",
+        _dtype_line(out["dtypes"], out["dtypes_source"]),
     ]
+    lines += out["explain"]
+    return lines
+
+
+def _format_table(out: dict[str, Any]) -> str:
+    rows = _rows(out)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = [*_header(out), ""]
     for i, r in enumerate(rows):
         lines.append(
             "  ".join(c.ljust(w) if j == 0 else c.rjust(w) for j, (c, w) in enumerate(zip(r, widths, strict=True)))
         )
         if i == 0:
             lines.append("  ".join("-" * w for w in widths))
-    notes = [n for s in summaries for n in s["notes"]]
-    if notes:
-        lines += ["", *(f"note: {n}" for n in dict.fromkeys(notes))]
+    if out["notes"]:
+        lines += ["", *(f"note: {n}" for n in out["notes"])]
     return "\n".join(lines)
 
 
-def cmd_plan(args: argparse.Namespace) -> int:
-    try:
-        budget = parse_bytes(args.gpu_memory)
-        context = parse_tokens(args.context)
-    except ValueError as e:
-        raise _UserError(str(e)) from None
-    model = resolve_model(args.model, args.state_dtype, args.tp)
-    kinds = [LayoutKind(args.layout)] if args.layout else [LayoutKind.PAGED, LayoutKind.PADDED]
-    summaries = [_layout_summary(plan(model, budget, args.block_size, k), context) for k in kinds]
-    if args.json:
-        out = {
-            "model": model.name,
-            "tp_size": model.tp_size,
-            "budget_bytes": budget,
-            "context_tokens": context,
-            "kv_bytes_per_token": model.kv_bytes_per_token,
-            "state_bytes_per_request": model.state_bytes,
-            **{k: summaries[0][k] for k in ("layout", "block_size", "blocks_per_state", "max_requests")},
-            "layouts": {s["layout"]: s for s in summaries},
-        }
-        print(json.dumps(out, indent=2))
+def _format_md(out: dict[str, Any]) -> str:
+    rows = _rows(out)
+    rows[0][0] = "quantity"
+    lines = [*(f"{line}  " for line in _header(out)), ""]
+    lines.append("| " + " | ".join(rows[0]) + " |")
+    lines.append("|" + "|".join("---" for _ in rows[0]) + "|")
+    lines += ["| " + " | ".join(c.strip() for c in r) + " |" for r in rows[1:]]
+    if out["notes"]:
+        lines += ["", *(f"- note: {n}" for n in out["notes"])]
+    return "\n".join(lines)
+
+
+def _format_csv(out: dict[str, Any]) -> str:
+    rows = _rows(out)
+    rows[0][0] = "quantity"
+    n = len(rows[0]) - 1
+    meta = [
+        ["model", *[out["model"]] * n],
+        ["tp_size", *[str(out["tp_size"])] * n],
+        ["cache budget per GPU", *[format_bytes(out["budget_bytes"])] * n],
+        ["dtypes", *[_dtype_line(out["dtypes"], out["dtypes_source"]).removeprefix("dtypes: ")] * n],
+    ]
+    buf = io.StringIO()
+    csv.writer(buf, lineterminator="\n").writerows([rows[0], *meta, *([c.strip() for c in r] for r in rows[1:])])
+    return buf.getvalue().rstrip("\n")
+
+
+# ---- the plan command ----------------------------------------------------------------------------
+def _budget(args: argparse.Namespace, model: ModelSpec, preset_name: str | None) -> tuple[int, dict | None, list]:
+    """Cache budget per GPU, the GPU facts (with ``--gpu``) and the lines that explain them."""
+    if args.gpu is None:
+        for flag in ("gpu_memory_utilization", "weights", "reserve"):
+            if getattr(args, flag) is not None:
+                raise UserError(f"--{flag.replace('_', '-')} needs --gpu NAME (or give the cache as --gpu-memory SIZE)")
+        return _size(args.gpu_memory or DEFAULT_BUDGET, "--gpu-memory"), None, []
+    if args.gpu_memory is not None:
+        raise UserError("give either --gpu NAME (a fraction of its memory) or --gpu-memory SIZE (the cache), not both")
+    util = DEFAULT_UTILIZATION if args.gpu_memory_utilization is None else args.gpu_memory_utilization
+    if not 0.0 < util <= 1.0:
+        raise UserError(f"--gpu-memory-utilization must be in (0, 1], got {util:g}")
+    total = P.gpu_memory_bytes(args.gpu)
+    if args.weights is not None:
+        weights = _size(args.weights, "--weights", allow_zero=True)
+        how = f"weights {format_bytes(weights)} (--weights)"
+    elif preset_name is not None:
+        weights = P.weight_bytes_per_gpu(preset_name, model.tp_size, args.weight_dtype)
+        per = P.WEIGHT_DTYPE_BYTES[args.weight_dtype]
+        how = (
+            f"weights {format_bytes(weights)} ({P.params_total(preset_name) / 1e9:g} B params x {per:g} bytes "
+            f"{args.weight_dtype} / TP{model.tp_size})"
+        )
     else:
-        print(_table(model.name, model.tp_size, budget, context, summaries))
+        raise UserError(f"the weights of {model.name!r} are unknown: give --weights SIZE (per GPU) with --gpu")
+    reserve = _size(args.reserve, "--reserve", allow_zero=True) if args.reserve is not None else 0
+    budget = int(util * total) - weights - reserve
+    line = (
+        f"cache budget = {args.gpu.upper()} {format_bytes(total)} x {util:g} - {how} - reserve {format_bytes(reserve)}"
+    )
+    if budget <= 0:
+        raise UserError(f"no memory left for the cache: {line} = {format_bytes(budget)}; raise --tp or the utilization")
+    gpu = {
+        "name": args.gpu.lower(),
+        "memory_bytes": total,
+        "utilization": util,
+        "weights_bytes": weights,
+        "reserve_bytes": reserve,
+    }
+    return budget, gpu, [line + " (activations and CUDA graphs are not subtracted: --reserve SIZE)"]
+
+
+def _size(text: str, flag: str, allow_zero: bool = False) -> int:
+    if allow_zero and text.strip() in ("0", "0B", "0b"):
+        return 0
+    try:
+        return parse_bytes(text)
+    except ValueError as e:
+        raise UserError(f"{flag}: {e}") from None
+
+
+def _preset_name(name: str) -> str | None:
+    try:
+        return P._canonical(name)
+    except HybridKVError:
+        return None
+
+
+def build_plan(args: argparse.Namespace) -> dict[str, Any]:
+    """Everything ``hybridkv plan`` prints, as one JSON-ready dict (``layouts``: per layout kind)."""
+    from_file = is_spec_path(args.model)
+    preset_name = None if from_file else _preset_name(args.model)
+    explain: list[str] = []
+    tp = args.tp
+    if tp is None:
+        if preset_name is None:
+            tp = 1
+            explain.append("TP1: spec files default to TP1 (give --tp)")
+        else:
+            ref_gpu = args.gpu or P.DEFAULT_TP_GPU
+            tp = P.default_tp(preset_name, ref_gpu, args.weight_dtype)
+            explain.append(
+                f"TP{tp}: default for {preset_name}, the smallest TP at which its {args.weight_dtype} weights "
+                f"({P.params_total(preset_name) / 1e9:g} B params) take <= "
+                f"{P.DEFAULT_TP_WEIGHT_FRACTION:.0%} of one {ref_gpu.upper()} (--tp to change)"
+            )
+    state_dtype = None if args.state_dtype in (None, "auto") else args.state_dtype
+    model = resolve_model(args.model, state_dtype, tp)
+    budget, gpu, lines = _budget(args, model, preset_name)
+    explain += lines
+    num_requests = args.max_requests
+    try:
+        context = parse_tokens(args.context) if args.context is not None else None
+    except ValueError as e:
+        raise UserError(f"--context: {e}") from None
+    if context is None and num_requests is None:
+        context = parse_tokens(DEFAULT_CONTEXT)
+    state_block = _size(args.state_block_bytes, "--state-block-bytes") if args.state_block_bytes else None
+    has_kv = bool(model.attention_layer_ids)
+    if state_block is not None and has_kv:
+        raise UserError("--state-block-bytes is for models without attention (with attention, use --block-size)")
+    kinds = [LayoutKind(args.layout)] if args.layout else [LayoutKind.PAGED, LayoutKind.PADDED]
+    layouts = [plan(model, budget, args.block_size, k, state_block_bytes=state_block) for k in kinds]
+
+    summaries = []
+    longest: dict[str, int | None] = {}
+    for layout in layouts:
+        ctx = context
+        if context is None:
+            longest[layout.kind.value] = best = longest_context(layout, num_requests)
+            ctx = best if best else parse_tokens(DEFAULT_CONTEXT) if best is None else 1
+        s = _layout_summary(layout, ctx)
+        if context is None:
+            s["longest_context_tokens"] = longest[layout.kind.value]
+        if context is not None and num_requests is not None:
+            cache = (num_requests * s["blocks_per_request"] + 1) * layout.bytes_per_block  # + the null block
+            need = {"requests": num_requests, "cache_bytes": cache, "fits": num_requests <= s["max_requests"]}
+            if gpu is not None:
+                need["gpu_bytes_needed"] = int(
+                    (cache + gpu["weights_bytes"] + gpu["reserve_bytes"]) / gpu["utilization"]
+                )
+            s["memory_for_requests"] = need
+        summaries.append(s)
+    notes = list(dict.fromkeys(n for s in summaries for n in s["notes"]))
+    if not has_kv and len(summaries) > 1:
+        summaries.sort(key=lambda s: (-s["max_requests"], s["waste_bytes_per_request"]["total_bytes"]))
+        paged = next(s for s in summaries if s["layout"] == "paged")
+        paged_waste = _pct(paged["waste_bytes_per_request"]["total_bytes"], paged["allocated_bytes_per_request"])
+        notes.append(
+            f"no attention: blocks hold only states. paged splits each state into {format_bytes(paged['block_bytes'])} "
+            f"blocks (waste {paged_waste}"
+            "; smaller blocks make checkpoints and swaps finer), padded gives each state one block of its own size. "
+            f"Shown first: {summaries[0]['layout']} (more requests, then less waste); "
+            "--state-block-bytes SIZE sets paged's block"
+        )
+    if num_requests is not None and context is None:
+        explain.append(
+            f"longest context for {num_requests} requests: "
+            + ", ".join(f"{k} {_context_text(v)}" for k, v in longest.items())
+            + " (table columns at that context)"
+        )
+    first = summaries[0]
+    return {
+        "model": model.name,
+        "tp_size": model.tp_size,
+        "budget_bytes": budget,
+        "gpu": gpu,
+        "context_tokens": context,
+        "num_requests": num_requests,
+        "longest_context": longest or None,
+        "memory_for_requests": first.get("memory_for_requests"),
+        "dtypes": model_dtypes(model),
+        "dtypes_source": "this model's defaults; --state-dtype to change"
+        if state_dtype is None or from_file
+        else "--state-dtype",
+        "kv_bytes_per_token": model.kv_bytes_per_token,
+        "state_bytes_per_request": model.state_bytes,
+        **{k: first[k] for k in ("layout", "block_size", "blocks_per_state", "max_requests")},
+        "layouts": {s["layout"]: s for s in summaries},
+        "explain": explain,
+        "notes": notes,
+    }
+
+
+def plot_capacity(out: dict[str, Any], layouts: dict[str, Layout], path: Path) -> None:
+    """Write one PNG or SVG: max concurrent requests against context length, one line per layout."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise UserError("--plot needs matplotlib: pip install 'hybridkv[reports]'") from None
+    contexts = sorted({int(512 * 2 ** (i / 4)) for i in range(0, 4 * 11 + 1)})  # 512 .. 1M tokens
+    caps = {kind: [layout.capacity(c).max_requests for c in contexts] for kind, layout in layouts.items()}
+    two = "paged" in caps and "padded" in caps
+    fig, axes = plt.subplots(2 if two else 1, 1, figsize=(7, 6 if two else 4), dpi=110, sharex=True, squeeze=False)
+    ax = axes[0][0]
+    for kind, ys in caps.items():
+        ax.plot(contexts, [y if y > 0 else float("nan") for y in ys], marker=".", label=kind)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_ylabel("max concurrent requests")
+    dt = _dtype_line(out["dtypes"], "").removeprefix("dtypes: ").removesuffix(" ()")
+    ax.set_title(
+        f"{out['model']} TP{out['tp_size']}, cache {format_bytes(out['budget_bytes'])} per GPU\n{dt}", fontsize=9
+    )
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    if two:
+        ratio = [p / q if q else float("nan") for p, q in zip(caps["paged"], caps["padded"], strict=True)]
+        ax2 = axes[1][0]
+        ax2.plot(contexts, ratio, marker=".", color="tab:green")
+        ax2.axhline(1.0, color="grey", lw=0.8)
+        ax2.set_ylabel("paged / padded requests")
+        ax2.grid(True, which="both", alpha=0.3)
+    axes[-1][0].set_xlabel("context per request (tokens)")
+    fig.tight_layout()
+    try:
+        fig.savefig(path)
+    except OSError as e:
+        raise UserError(f"--plot: cannot write {str(path)!r}: {e.strerror or e}") from None
+    finally:
+        plt.close(fig)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    if args.json:
+        args.format = "json"
+    if args.plot is not None and Path(args.plot).suffix.lower() not in (".png", ".svg"):
+        raise UserError(f"--plot {args.plot!r}: the file name must end in .png or .svg")
+    out = build_plan(args)
+    if args.format == "json":
+        text = json.dumps(out, indent=2)
+    else:
+        text = {"table": _format_table, "md": _format_md, "csv": _format_csv}[args.format](out)
+    print(text)
+    if args.plot is not None:
+        state_dtype = None if args.state_dtype in (None, "auto") else args.state_dtype
+        model = resolve_model(args.model, state_dtype, out["tp_size"])
+        state_block = _size(args.state_block_bytes, "--state-block-bytes") if args.state_block_bytes else None
+        layouts = {
+            k: plan(model, out["budget_bytes"], args.block_size, k, state_block_bytes=state_block)
+            for k in out["layouts"]
+        }
+        plot_capacity(out, layouts, Path(args.plot))
+        print(f"plot: {args.plot}", file=sys.stderr)
     return 0
 
 
@@ -140,43 +488,171 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="hybridkv", description="One paged memory manager for KV cache and recurrent state."
+def _fraction(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+
+
+def add_plan_parser(sub: Any) -> argparse.ArgumentParser:
+    p = sub.add_parser(
+        "plan",
+        help="capacity and waste of a model in one block pool, paged vs padded",
+        description="Capacity and waste of a model's KV cache and recurrent state in one block pool, "
+        "paged (this library) against padded (vLLM v1's one-state-per-page rule).",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("plan", help="capacity and waste of a model in one block pool, paged vs padded")
-    p.add_argument(
-        "--model", default="minimax-m1", help=f"preset ({', '.join(PRESET_NAMES)}) or spec file (.json/.toml)"
+    m = p.add_argument_group("model")
+    m.add_argument(
+        "--model",
+        default="minimax-m1",
+        help=f"preset ({', '.join(P.PRESET_NAMES)}), a spec file (.json/.toml), a HuggingFace config.json "
+        "or a model directory holding one (default minimax-m1)",
     )
-    p.add_argument("--tp", type=_positive_int, default=8, help="tensor-parallel size (default 8)")
-    p.add_argument("--gpu-memory", default="80GiB", help="cache budget per GPU, e.g. 80GiB, 141GB (default 80GiB)")
-    p.add_argument("--context", default="32k", help="tokens per request, e.g. 32k (default 32k)")
-    p.add_argument(
+    m.add_argument(
+        "--tp",
+        "--tensor-parallel-size",
+        "-tp",
+        dest="tp",
+        type=_positive_int,
+        default=None,
+        help="tensor-parallel size (default: per preset, shown; spec files: 1)",
+    )
+    m.add_argument(
+        "--state-dtype",
+        "--mamba-ssm-cache-dtype",
+        dest="state_dtype",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        default=None,
+        help="dtype of the main recurrent state (default/auto: the model's own, shown in the output)",
+    )
+    b = p.add_argument_group("memory: an absolute cache budget, or a fraction of a named GPU")
+    b.add_argument(
+        "--gpu-memory",
+        "--kv-cache-memory",
+        dest="gpu_memory",
+        default=None,
+        help=f"cache budget per GPU, e.g. 80GiB, 141GB (default {DEFAULT_BUDGET} when --gpu is not given)",
+    )
+    b.add_argument(
+        "--gpu",
+        default=None,
+        help=f"GPU ({', '.join(P.GPU_MEMORY_BYTES)}): cache = its memory x utilization - weights - reserve",
+    )
+    b.add_argument(
+        "--gpu-memory-utilization",
+        type=_fraction,
+        default=None,
+        help=f"fraction of the GPU's memory the engine may use (default {DEFAULT_UTILIZATION}, as vLLM)",
+    )
+    b.add_argument(
+        "--weight-dtype",
+        choices=list(P.WEIGHT_DTYPE_BYTES),
+        default="bfloat16",
+        help="bytes per weight for presets: total params x this / TP (default bfloat16)",
+    )
+    b.add_argument(
+        "--weights", default=None, help="weight bytes per GPU (overrides the preset's; needed for spec files)"
+    )
+    b.add_argument("--reserve", default=None, help="bytes per GPU kept for activations, CUDA graphs (default 0)")
+    q = p.add_argument_group("question: capacity at a context, or the longest context / memory for N requests")
+    q.add_argument(
+        "--context",
+        "--max-model-len",
+        dest="context",
+        default=None,
+        help=f"tokens per request, e.g. 32k (default {DEFAULT_CONTEXT}; with --max-requests only: "
+        "the longest context is computed)",
+    )
+    q.add_argument(
+        "--max-requests",
+        "--max-num-seqs",
+        dest="max_requests",
+        type=_positive_int,
+        default=None,
+        help="N concurrent requests: alone, the longest context they can have; with --context, the cache they need",
+    )
+    lay = p.add_argument_group("layout")
+    lay.add_argument(
         "--block-size", type=_positive_int, default=None, help="tokens per KV block (default 64; padded: minimum)"
     )
-    p.add_argument(
-        "--state-dtype",
-        choices=["float32", "bfloat16", "float16"],
+    lay.add_argument(
+        "--state-block-bytes",
         default=None,
-        help="dtype of the main recurrent state (default per model)",
+        help="models without attention: paged block bytes per layer slot, e.g. 64KiB "
+        "(default: largest power of two from 256 KiB with < 1%% state tail)",
     )
-    p.add_argument(
+    lay.add_argument(
         "--layout", choices=["paged", "padded"], default=None, help="show one layout (default: both side by side)"
     )
-    p.add_argument("--json", action="store_true", help="machine-readable output")
+    o = p.add_argument_group("output")
+    o.add_argument("--format", choices=["table", "json", "csv", "md"], default="table", help="default table")
+    o.add_argument("--json", action="store_true", help="same as --format json")
+    o.add_argument(
+        "--plot",
+        default=None,
+        metavar="FILE",
+        help="also write capacity against context, paged vs padded, as FILE (.png or .svg; needs matplotlib)",
+    )
     p.set_defaults(func=cmd_plan)
+    return p
+
+
+def _add_plugins(sub: Any) -> None:
+    for name in PLUGIN_MODULES:
+        try:
+            mod = importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if e.name is not None and name.startswith(e.name):
+                continue  # that package has not added its command yet
+            raise
+        p = mod.add_parser(sub)
+        if p is not None and p.get_default("func") is None:
+            p.set_defaults(func=mod.run)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from hybridkv import __version__
+
+    parser = _Parser(
+        prog="hybridkv",
+        description="One paged memory manager for attention KV cache and recurrent (linear-attention / SSM) "
+        "state. Commands below; 'hybridkv COMMAND --help' for each.",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"hybridkv {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    add_plan_parser(sub)
+    _add_plugins(sub)
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def _run(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if getattr(args, "func", None) is None:
+        parser.print_help()
+        return 0
     try:
         return args.func(args)
-    except (HybridKVError, _UserError) as e:
-        print(f"hybridkv: error: {e}", file=sys.stderr)
+    except (HybridKVError, ValueError) as e:  # HybridKVError: every error hybridkv raises on purpose
+        print(f"hybridkv: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``hybridkv`` console script and ``python -m hybridkv``; returns the exit code."""
+    try:
+        code = _run(argv)
+        sys.stdout.flush()
+        return code
+    except BrokenPipeError:  # `hybridkv plan --json | head`: the reader left; say nothing more
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
 
 
 if __name__ == "__main__":

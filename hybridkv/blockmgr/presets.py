@@ -262,3 +262,67 @@ def preset(name: str, state_dtype: DType | str | None = None, tp_size: int = 1) 
     builder, default = _PRESETS[key]
     dtype = default if state_dtype is None else DType.parse(state_dtype)
     return builder(dtype).shard(tp_size)
+
+
+# ---- deployment facts the planner uses: total parameters, GPU memory, default TP -----------------
+PARAMS_TOTAL: dict[str, float] = {
+    # total parameters (all MoE experts), as the model cards publish them; weights on a GPU are
+    # params_total * bytes per weight / tp (experts and embeddings are divided like everything else)
+    "minimax-m1": 456e9,
+    "qwen3-next-80b-a3b": 80e9,
+    "nemotron-h-8b": 8e9,
+    "jamba-1.5-mini": 52e9,
+    "mamba2-2.7b": 2.7e9,
+    "rwkv7-1.5b": 1.5e9,
+    "gla-1.3b": 1.3e9,
+    "retnet-7b": 6.7e9,
+}
+
+GPU_MEMORY_BYTES: dict[str, int] = {
+    # total device memory as nvidia-smi / torch.cuda.mem_get_info report it (what vLLM's
+    # --gpu-memory-utilization multiplies); the marketed "141 GB" / "80 GB" are these, rounded
+    "h200": 143771 * 2**20,
+    "h100": 81559 * 2**20,
+    "a100": 81920 * 2**20,
+}
+
+WEIGHT_DTYPE_BYTES: dict[str, float] = {"bfloat16": 2.0, "float16": 2.0, "fp8": 1.0, "int8": 1.0, "int4": 0.5}
+DEFAULT_TP_GPU = "h200"
+DEFAULT_TP_WEIGHT_FRACTION = 0.8
+TP_CHOICES = (1, 2, 4, 8, 16, 32, 64)
+
+
+def params_total(name: str) -> float:
+    """Total parameters of a preset (all experts): the weights a deployment holds."""
+    return PARAMS_TOTAL[_canonical(name)]
+
+
+def gpu_memory_bytes(gpu: str) -> int:
+    """Total memory of a named GPU (``h200``, ``h100``, ``a100``); :class:`SpecError` otherwise."""
+    key = gpu.strip().lower()
+    if key not in GPU_MEMORY_BYTES:
+        raise SpecError(f"unknown GPU {gpu!r}: use one of {', '.join(GPU_MEMORY_BYTES)} (or give --gpu-memory SIZE)")
+    return GPU_MEMORY_BYTES[key]
+
+
+def weight_bytes_per_gpu(name: str, tp_size: int, weight_dtype: str = "bfloat16") -> int:
+    """Weight bytes one of ``tp_size`` GPUs holds: ``params_total * bytes per weight / tp_size``."""
+    if weight_dtype not in WEIGHT_DTYPE_BYTES:
+        raise SpecError(f"unknown weight dtype {weight_dtype!r}: use one of {', '.join(WEIGHT_DTYPE_BYTES)}")
+    return int(params_total(name) * WEIGHT_DTYPE_BYTES[weight_dtype] / tp_size)
+
+
+def default_tp(name: str, gpu: str = DEFAULT_TP_GPU, weight_dtype: str = "bfloat16") -> int:
+    """The smallest TP (1, 2, 4, ... 64) that divides the preset and at which its weights take at most
+    80% of one ``gpu``'s memory, leaving the rest for cache and activations (MiniMax-M1 on H200: 8,
+    Qwen3-Next-80B-A3B: 2, the 1-8 B models: 1)."""
+    limit = DEFAULT_TP_WEIGHT_FRACTION * gpu_memory_bytes(gpu)
+    for tp in TP_CHOICES:
+        if weight_bytes_per_gpu(name, tp, weight_dtype) > limit:
+            continue
+        try:
+            preset(name, None, tp)
+        except SpecError:
+            continue
+        return tp
+    raise SpecError(f"{name}: no TP up to {TP_CHOICES[-1]} fits its weights on one {gpu}")
