@@ -1,0 +1,306 @@
+"""Lightning attention through the paged state: decode in place, prefill by gather -> block-wise -> scatter.
+
+A lightning layer's state is one component ``[H, d_k, d_v]`` of a recurrent layer in the layout (state
+group ``group``, layer slot ``slot``). Its bytes are found through the state table exactly as
+:mod:`hybridkv.ops.addressing` lays them out (``state_byte_addresses`` for the reference paths, the
+same rule in element units inside the Triton kernel). ``state_dtype`` may reinterpret the component's
+bytes (e.g. float64 states stored in a component declared as float32 with twice the elements).
+
+- :func:`lightning_decode`: one token per row, reading the state set of ``state_table`` and writing
+  the updated state to ``out_table`` (default: the same set, in place). One Triton launch per call
+  on CUDA (or with ``backend="triton"`` under ``TRITON_INTERPRET=1``); reference: gather the rows'
+  states with the addressing rule, :func:`~.naive.lightning_decode_naive`, write them back.
+- :func:`lightning_prefill`: packed sequences (``cu_seqlens``) with ``has_initial_state``: gather the
+  rows' states, the block-wise prefill (:func:`~.naive.lightning_prefill_varlen_naive`), scatter.
+
+Rows whose (output) set starts with the null block are padding: nothing is read or written, their
+outputs are zero. Torch or Paddle tensors (Paddle through DLPack views, as the other ops).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+
+from hybridkv.blockmgr.layout import NULL_BLOCK
+from hybridkv.ops._framework import (
+    Backend,
+    Framework,
+    from_torch,
+    is_paddle_tensor,
+    resolve_backend,
+    to_torch,
+    torch_dtype,
+)
+from hybridkv.ops.addressing import state_byte_addresses
+from hybridkv.ops.lightning.naive import (
+    decay_factors,
+    lightning_decode_naive,
+    lightning_prefill_naive,
+    lightning_prefill_varlen_naive,
+    lightning_recurrent_naive,
+    lightning_slopes,
+)
+from hybridkv.ops.pools import BlockPools
+
+
+class LightningLayer(NamedTuple):
+    """Where one lightning layer's state lives: state group, layer slot, component, and how to read it."""
+
+    group: int
+    slot: int
+    component_offset: int  # bytes, inside the layer's flat state
+    num_heads: int
+    dk: int
+    dv: int
+    dtype: torch.dtype
+    state_bytes: int  # the whole layer state (all components)
+
+
+def lightning_layer(
+    pools: BlockPools,
+    group: int,
+    slot: int,
+    component: str | None = None,
+    state_dtype: torch.dtype | None = None,
+    head_dims: tuple[int, int, int] | None = None,
+) -> LightningLayer:
+    """Geometry of the state component ``component`` (default: its only 3-D one) of the layer in (``group``, ``slot``).
+
+    Without ``state_dtype`` the component's dtype and shape ``[H, d_k, d_v]`` are used; with it, ``head_dims``
+    ``(H, d_k, d_v)`` (default: the component's shape with ``d_v`` rescaled to the new item size) must
+    cover the component's bytes exactly. Raises ``ValueError`` otherwise.
+    """
+    layout = pools.layout
+    if not 0 <= group < layout.num_state_groups:
+        raise ValueError(f"state group {group} does not exist: the layout has {layout.num_state_groups}")
+    entry = layout.state_layer(group, slot)
+    if entry is None:
+        raise ValueError(f"state group {group} has no layer in slot {slot}")
+    spec = entry[1]
+    if component is None:
+        three_d = [c for c in spec.components if len(c.shape) == 3]
+        if len(three_d) != 1:
+            raise ValueError(f"layer in slot {slot} has {len(three_d)} [H, d_k, d_v] components: name one")
+        c = three_d[0]
+    else:
+        c = spec.component(component)
+    if len(c.shape) != 3:
+        raise ValueError(f"a lightning state is [H, d_k, d_v], component {c.name!r} has shape {c.shape}")
+    dtype = torch_dtype(c.dtype) if state_dtype is None else state_dtype
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    h, dk, dv = c.shape
+    if head_dims is not None:
+        h, dk, dv = head_dims
+    elif state_dtype is not None:
+        dv = c.shape[2] * c.dtype.itemsize // itemsize
+    off = spec.component_offsets()[c.name]
+    if h * dk * dv * itemsize != c.nbytes:
+        raise ValueError(f"[{h}, {dk}, {dv}] of {dtype} does not cover component {c.name!r} ({c.nbytes} bytes)")
+    if off % itemsize or layout.segment_bytes % itemsize:
+        raise ValueError(f"component offset {off} and segment bytes must be multiples of the {itemsize}-byte item")
+    return LightningLayer(group, slot, off, h, dk, dv, dtype, spec.state_bytes)
+
+
+def _table(state_table: Any, group: int) -> torch.Tensor:
+    t = to_torch(state_table)
+    if t.dim() == 3:
+        t = t[group]
+    if t.dim() != 2:
+        raise ValueError(f"state table must be [num_state_groups, B, W] or [B, W], got shape {tuple(t.shape)}")
+    return t
+
+
+def _layer_addresses(pools: BlockPools, layer: LightningLayer, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Byte addresses ``[B, component bytes]`` in the layer slot and null flags, by :func:`state_byte_addresses`."""
+    address, null = state_byte_addresses(pools.layout, pools.num_blocks, rows, layer.state_bytes)
+    nbytes = layer.num_heads * layer.dk * layer.dv * torch.empty(0, dtype=layer.dtype).element_size()
+    cut = slice(layer.component_offset, layer.component_offset + nbytes)
+    return address[:, cut], null[:, cut]
+
+
+def read_layer_states(pools: BlockPools, layer: LightningLayer, rows: torch.Tensor) -> torch.Tensor:
+    """States ``[B, H, d_k, d_v]`` (new tensor) of the sets in ``rows`` (int ``[B, >= blocks_per_state]``);
+    null-block bytes read as zeros."""
+    address, null = _layer_addresses(pools, layer, rows.to(pools.device, torch.int64))
+    flat = pools.torch_data[layer.slot].reshape(-1)[address].masked_fill(null, 0)
+    return flat.contiguous().view(layer.dtype).view(rows.shape[0], layer.num_heads, layer.dk, layer.dv)
+
+
+def write_layer_states(pools: BlockPools, layer: LightningLayer, rows: torch.Tensor, states: torch.Tensor) -> None:
+    """Write ``states`` ``[B, H, d_k, d_v]`` into the sets in ``rows``; null-block bytes are skipped."""
+    address, null = _layer_addresses(pools, layer, rows.to(pools.device, torch.int64))
+    data = states.to(layer.dtype).contiguous().view(rows.shape[0], -1).view(torch.uint8)
+    keep = ~null
+    pools.torch_data[layer.slot].view(-1)[address[keep]] = data[keep]
+
+
+def _live_rows(table: torch.Tensor) -> torch.Tensor:
+    return table[:, 0] != NULL_BLOCK
+
+
+def _check_distinct_outputs(table: torch.Tensor, width: int) -> None:
+    ids = table[:, :width].cpu().numpy().astype(np.int64).ravel()
+    ids = ids[ids != NULL_BLOCK]
+    uniq, counts = np.unique(ids, return_counts=True)
+    if (counts > 1).any():
+        raise ValueError(
+            f"block {int(uniq[counts > 1][0])} is written by two rows: every output set must own its blocks"
+        )
+
+
+def _framework_of(x: Any) -> Framework:
+    return Framework.PADDLE if is_paddle_tensor(x) else Framework.TORCH
+
+
+def lightning_decode(
+    pools: BlockPools,
+    state_table: Any,
+    group: int,
+    slot: int,
+    q: Any,
+    k: Any,
+    v: Any,
+    slopes: Any,
+    out_table: Any | None = None,
+    has_initial_state: Any | None = None,
+    component: str | None = None,
+    state_dtype: torch.dtype | None = None,
+    backend: Backend | str = "auto",
+    validate: bool | None = None,
+) -> Any:
+    """One decode token per row through the paged state; returns ``o`` ``[B, H, d_v]`` (``v``'s dtype and framework).
+
+    ``state_table``: int32 ``[num_state_groups, B, W]`` or ``[B, W]`` (``W >= blocks_per_state``): the set
+    each row reads. ``out_table`` (same shape; default ``state_table``): the set each row writes; a row
+    whose output set starts with the null block is skipped (output zero). ``has_initial_state`` bool
+    ``[B]`` (default all True): False reads zeros. ``q``, ``k`` ``[B, H, d_k]``, ``v`` ``[B, H, d_v]``;
+    ``slopes`` ``[H]`` (:func:`lightning_slopes`). ``validate`` (default: tables on the host) checks ids
+    and that no block is written by two rows. Raises ``ValueError``.
+    """
+    pools.require_slot_major("lightning_decode")
+    layer = lightning_layer(pools, group, slot, component, state_dtype)
+    fw = _framework_of(v)
+    qt, kt, vt = to_torch(q), to_torch(k), to_torch(v)
+    b = qt.shape[0]
+    if qt.shape != (b, layer.num_heads, layer.dk) or kt.shape != qt.shape or vt.shape != (b, layer.num_heads, layer.dv):
+        raise ValueError(
+            f"q, k {tuple(qt.shape)}, {tuple(kt.shape)} and v {tuple(vt.shape)} do not match the state "
+            f"[{layer.num_heads}, {layer.dk}, {layer.dv}] for batch {b}"
+        )
+    t_in = _table(state_table, group)
+    t_out = t_in if out_table is None else _table(out_table, group)
+    bps = pools.layout.blocks_per_state[group]
+    for t in (t_in, t_out):
+        if t.shape[0] != b or t.shape[1] < bps:
+            raise ValueError(f"state table rows {tuple(t.shape)}: expected [{b}, >= {bps}]")
+    if validate or (validate is None and t_out.device.type == "cpu"):
+        for t in (t_in, t_out):
+            bad = t[:, :bps][(t[:, :bps] < 0) | (t[:, :bps] >= pools.num_blocks)]
+            if bad.numel():
+                raise ValueError(
+                    f"state table holds block id {int(bad[0])}, outside the pool's 0..{pools.num_blocks - 1}"
+                )
+        _check_distinct_outputs(t_out, bps)
+    init = (
+        torch.ones(b, dtype=torch.bool, device=pools.device)
+        if has_initial_state is None
+        else to_torch(has_initial_state).to(pools.device, torch.bool)
+    )
+    slopes_t = to_torch(slopes)
+    if resolve_backend(backend, pools.device) is Backend.NAIVE:
+        live = _live_rows(t_out).to(pools.device)
+        states = read_layer_states(pools, layer, t_in)
+        states[~(init & live)] = 0
+        o = lightning_decode_naive(qt, kt, vt, states, slopes_t)
+        o[~live] = 0
+        write_layer_states(pools, layer, torch.where(live[:, None], t_out.to(pools.device), NULL_BLOCK), states)
+        return from_torch(o, fw)
+    from hybridkv.ops.lightning import kernel
+
+    dev = pools.device
+    itemsize = torch.empty(0, dtype=layer.dtype).element_size()
+    lay = pools.layout
+    pool = pools.torch_data.view(-1).view(layer.dtype)
+    slot_elems = lay.num_segments * pools.num_blocks * lay.segment_bytes // itemsize
+    o = torch.empty(b, layer.num_heads, layer.dv, dtype=vt.dtype, device=dev)
+    cdt = torch.float64 if layer.dtype == torch.float64 else torch.float32
+    kernel.launch_decode(
+        pool,
+        t_in.to(dev, torch.int32).contiguous(),
+        t_out.to(dev, torch.int32).contiguous(),
+        init.to(torch.int8).contiguous(),
+        qt.contiguous(),
+        kt.contiguous(),
+        vt.contiguous(),
+        o,
+        decay_factors(slopes_t, cdt).to(dev),
+        slot_base=layer.slot * slot_elems,
+        component_base=layer.component_offset // itemsize,
+        block_elems=lay.block_bytes // itemsize,
+        segment_elems=lay.segment_bytes // itemsize,
+        num_blocks=pools.num_blocks,
+    )
+    return from_torch(o, fw)
+
+
+def lightning_prefill(
+    pools: BlockPools,
+    state_table: Any,
+    group: int,
+    slot: int,
+    q: Any,
+    k: Any,
+    v: Any,
+    cu_seqlens: Any,
+    has_initial_state: Any,
+    slopes: Any,
+    block_size: int = 64,
+    component: str | None = None,
+    state_dtype: torch.dtype | None = None,
+    validate: bool | None = None,
+) -> Any:
+    """Chunked prefill of ``B`` packed rows through the paged state: gather -> block-wise -> scatter.
+
+    ``q``, ``k`` ``[T, H, d_k]``, ``v`` ``[T, H, d_v]`` packed by ``cu_seqlens`` (int ``[B + 1]``);
+    ``state_table`` as in :func:`lightning_decode` (read, then written: the state after each row's last
+    token); ``has_initial_state`` bool ``[B]``: False starts from zeros (the set's old bytes are ignored).
+    Null rows and rows of length 0 write nothing. Returns ``o`` ``[T, H, d_v]``. The block-wise step is
+    the torch reference (also on CUDA); see ``docs/ops.md`` for why flash-linear-attention is not used.
+    """
+    pools.require_slot_major("lightning_prefill")
+    layer = lightning_layer(pools, group, slot, component, state_dtype)
+    fw = _framework_of(v)
+    qt, kt, vt = to_torch(q), to_torch(k), to_torch(v)
+    cu = to_torch(cu_seqlens).to(torch.int64).cpu()
+    table = _table(state_table, group).to(pools.device, torch.int64)
+    b = cu.numel() - 1
+    if table.shape[0] != b:
+        raise ValueError(f"state table has {table.shape[0]} rows, cu_seqlens {b}")
+    if validate or (validate is None and to_torch(state_table).device.type == "cpu"):
+        _check_distinct_outputs(table, pools.layout.blocks_per_state[group])
+    lengths = (cu[1:] - cu[:-1]).to(pools.device)
+    live = _live_rows(table) & (lengths > 0)
+    init = to_torch(has_initial_state).to(pools.device, torch.bool) & live
+    states = read_layer_states(pools, layer, table)
+    o = lightning_prefill_varlen_naive(qt, kt, vt, cu, states, init.cpu(), to_torch(slopes), block_size)
+    write_layer_states(pools, layer, torch.where(live[:, None], table, NULL_BLOCK), states)
+    return from_torch(o, fw)
+
+
+__all__ = [
+    "LightningLayer",
+    "decay_factors",
+    "lightning_decode",
+    "lightning_decode_naive",
+    "lightning_layer",
+    "lightning_prefill",
+    "lightning_prefill_naive",
+    "lightning_prefill_varlen_naive",
+    "lightning_recurrent_naive",
+    "lightning_slopes",
+    "read_layer_states",
+    "write_layer_states",
+]

@@ -1,0 +1,271 @@
+"""Lightning attention: the block-wise prefill equals the recurrence; the paged in-place decode kernel equals
+the reference, touches no byte outside the batch's output states, and skips null rows.
+
+Triton tests run in Triton's interpreter: ``TRITON_INTERPRET=1 python -m pytest``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from hybridkv.blockmgr.layout import NULL_BLOCK
+from hybridkv.ops import allocate_pools
+from hybridkv.ops.addressing import state_byte_addresses
+from hybridkv.ops.lightning import (
+    lightning_decode,
+    lightning_decode_naive,
+    lightning_layer,
+    lightning_prefill,
+    lightning_prefill_naive,
+    lightning_recurrent_naive,
+    lightning_slopes,
+    read_layer_states,
+    write_layer_states,
+)
+from hybridkv.ops.testing import interpreter_enabled, random_state_table, small_layout
+
+BACKENDS = [
+    "naive",
+    pytest.param(
+        "triton",
+        marks=pytest.mark.skipif(
+            not interpreter_enabled(),
+            reason="Triton kernels run on CPU only in Triton's interpreter: set TRITON_INTERPRET=1",
+        ),
+    ),
+]
+
+# name -> (small_layout kwargs, state_dtype, (H, d_k, d_v)); each a shape fact of the paged layout
+CASES = {
+    # a 256-byte head tile over 128-byte blocks of two 64-byte segments: each head spans 2 blocks, 4 segments
+    "head_spans_blocks": (
+        dict(
+            components=(("kv", (2, 8, 8), "float32"),),
+            pattern="RARR",
+            kv_heads=1,
+            head_dim=8,
+            block_size=4,
+            num_blocks=128,
+        ),
+        None,
+        (2, 8, 8),
+    ),
+    # 16 heads of 64 B in one 4 KiB block (blocks holding several heads); a component before kv
+    "heads_share_block": (
+        dict(
+            components=(("pad", (4,), "float32"), ("kv", (16, 4, 4), "float32")),
+            pattern="RAR",
+            kv_heads=2,
+            head_dim=16,
+            kv_dtype="float32",
+            block_size=16,
+            num_blocks=40,
+        ),
+        None,
+        (16, 4, 4),
+    ),
+    # odd shapes (3 heads, d_k 5, d_v 7: masked tiles) over 48-byte segments: rows cross segment edges
+    "odd_shapes": (
+        dict(
+            components=(("kv", (3, 5, 7), "float32"),),
+            pattern="RAR",
+            kv_heads=3,
+            head_dim=4,
+            block_size=2,
+            num_blocks=140,
+        ),
+        None,
+        (3, 5, 7),
+    ),
+    # fp64 states in a component declared fp32 [2, 6, 12] (the bytes of [2, 6, 6] fp64), no attention
+    "fp64_bytes_no_attention": (
+        dict(components=(("kv", (2, 6, 12), "float32"),), pattern="RRR", state_block_bytes=200, num_blocks=80),
+        torch.float64,
+        (2, 6, 6),
+    ),
+}
+
+
+def _layers(layout):
+    """(group, slot) of every state layer."""
+    return [
+        (g, s) for g in range(layout.num_state_groups) for s in range(layout.group_size) if layout.state_layer(g, s)
+    ]
+
+
+def _setup(case, batch, seed, null_rows=()):
+    kwargs, dtype, dims = CASES[case]
+    layout = small_layout(**kwargs)
+    pools = allocate_pools(layout, "cpu", fill="nan")
+    table = torch.from_numpy(random_state_table(layout, batch, seed, null_rows=null_rows, extra_columns=1))
+    return layout, pools, table, dtype, dims
+
+
+def _random_states(pools, table, group, slot, dtype, seed):
+    layer = lightning_layer(pools, group, slot, state_dtype=dtype)
+    g = torch.Generator().manual_seed(seed)
+    s = torch.randn(table.shape[1], layer.num_heads, layer.dk, layer.dv, generator=g, dtype=torch.float64)
+    write_layer_states(pools, layer, table[group], s.to(layer.dtype))
+    return layer
+
+
+def _qkv(b, h, dk, dv, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(b, h, d, generator=g, dtype=torch.float64).to(dtype) for d in (dk, dk, dv)]
+
+
+def _written_mask(pools, layer, rows):
+    """bool over the layer slot's bytes: the component bytes of the (non-null) sets in ``rows``."""
+    address, null = state_byte_addresses(pools.layout, pools.num_blocks, rows.to(torch.int64), layer.state_bytes)
+    nbytes = layer.num_heads * layer.dk * layer.dv * torch.empty(0, dtype=layer.dtype).element_size()
+    cut = slice(layer.component_offset, layer.component_offset + nbytes)
+    mask = torch.zeros(pools.torch_data[layer.slot].numel(), dtype=torch.bool)
+    mask[address[:, cut][~null[:, cut]]] = True
+    return mask.view(pools.torch_data[layer.slot].shape)
+
+
+# ---- the reference itself ----------------------------------------------------------------------------
+
+
+def test_slopes_follow_the_alibi_rule_scaled_per_layer():
+    s = lightning_slopes(8, 0, 80)
+    assert torch.allclose(s, torch.tensor([2.0 ** (-h) for h in range(1, 9)], dtype=torch.float64) * (1 + 1e-5))
+    last = lightning_slopes(8, 79, 80)
+    assert torch.allclose(last, torch.tensor([2.0 ** (-h) for h in range(1, 9)], dtype=torch.float64) * 1e-5)
+    three = lightning_slopes(3, 1, 3)  # H not a power of two: plain 2^(-8h/H), h = 1..H
+    assert torch.allclose(
+        three, torch.tensor([2 ** (-8 / 3), 2 ** (-16 / 3), 2.0**-8], dtype=torch.float64) * (0.5 + 1e-5)
+    )
+    assert torch.allclose(lightning_slopes(4, 0, 1), lightning_slopes(4, 0, 2))  # L = 1: 1 + 1e-5
+    hf, mm = lightning_slopes(64, 40, 80, rule="hf"), lightning_slopes(64, 40, 80)
+    assert 0 < ((hf - mm).abs() / mm).max() < 1e-5
+    with pytest.raises(ValueError):
+        lightning_slopes(8, 0, 80, rule="alibi")
+
+
+@pytest.mark.parametrize("block_size", [1, 3, 4, 64])
+@pytest.mark.parametrize("initial", [False, True])
+def test_blockwise_prefill_equals_the_recurrence(block_size, initial):
+    g = torch.Generator().manual_seed(block_size)
+    t, h, dk, dv = 11, 3, 5, 4  # 11 tokens: the last block is shorter for block sizes 3 and 4
+    q, k = (torch.randn(t, h, dk, generator=g, dtype=torch.float64) for _ in range(2))
+    v = torch.randn(t, h, dv, generator=g, dtype=torch.float64)
+    s0 = torch.randn(h, dk, dv, generator=g, dtype=torch.float64) if initial else None
+    slopes = lightning_slopes(h, 2, 5)
+    o_ref, s_ref = lightning_recurrent_naive(q, k, v, slopes, s0)
+    o, s = lightning_prefill_naive(q, k, v, slopes, s0, block_size=block_size)
+    assert torch.allclose(o, o_ref, rtol=0, atol=1e-12) and torch.allclose(s, s_ref, rtol=0, atol=1e-12)
+
+
+def test_decode_decays_first_then_adds_the_token_undecayed():
+    s = torch.ones(1, 1, 1, 1, dtype=torch.float64)
+    one = torch.ones(1, 1, 1, dtype=torch.float64)
+    o = lightning_decode_naive(one, 2 * one, 3 * one, s, torch.tensor([0.5], dtype=torch.float64))
+    expected = np.exp(-0.5) + 6.0
+    assert abs(s.item() - expected) < 1e-15 and abs(o.item() - expected) < 1e-15
+
+
+# ---- paged decode -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("batch", [1, 3, 5])
+def test_paged_decode_in_place_equals_the_reference(backend, case, batch):
+    null_rows = (1,) if batch > 2 else ()
+    layout, pools, table, dtype, (h, dk, dv) = _setup(case, batch, seed=batch, null_rows=null_rows)
+    for i, (g, s) in enumerate(_layers(layout)):
+        layer = _random_states(pools, table, g, s, dtype, seed=10 * batch + i)
+        assert (layer.num_heads, layer.dk, layer.dv) == (h, dk, dv)
+    before = pools.torch_data.clone()
+    g, s = _layers(layout)[-1]
+    layer = lightning_layer(pools, g, s, state_dtype=dtype)
+    q, k, v = _qkv(batch, h, dk, dv, layer.dtype, seed=batch)
+    slopes = lightning_slopes(h, 3, 4)
+    expected_states = read_layer_states(pools, layer, table[g]).clone()
+    expected_o = lightning_decode_naive(q, k, v, expected_states, slopes)
+    o = lightning_decode(pools, table, g, s, q, k, v, slopes, state_dtype=dtype, backend=backend)
+
+    tol = dict(rtol=1e-12, atol=1e-12) if layer.dtype == torch.float64 else dict(rtol=1e-5, atol=1e-5)
+    live = [b for b in range(batch) if b not in null_rows]
+    assert torch.allclose(o[live], expected_o[live], **tol)
+    assert (o[list(null_rows)] == 0).all()  # null rows: zero output
+    after = read_layer_states(pools, layer, table[g])
+    assert torch.allclose(after[live], expected_states[live], **tol)
+    # every other byte of the pool is untouched (NaN bytes compare as bytes)
+    written = _written_mask(pools, layer, table[g])
+    changed = pools.torch_data != before
+    assert not changed[:s].any() and not changed[s + 1 :].any()
+    assert not (changed[s] & ~written).any()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_decode_from_one_set_into_another_skips_rows_without_an_output_set(backend):
+    """The speculative shape: read the live sets, write draft sets; rows with a null output set write nothing."""
+    layout, pools, table, dtype, (h, dk, dv) = _setup("head_spans_blocks", 7, seed=3)
+    g, s = _layers(layout)[0]
+    bps = layout.blocks_per_state[g]
+    live_rows, draft_rows = table[:, :4], table[:, 4:]  # 4 live sets; 3 fresh sets as draft outputs
+    layer = _random_states(pools, live_rows, g, s, dtype, seed=5)
+    out = torch.full_like(live_rows, NULL_BLOCK)
+    out[:, [0, 2, 3]] = draft_rows  # row 1 has no draft: padding
+    before = pools.torch_data.clone()
+    q, k, v = _qkv(4, h, dk, dv, layer.dtype, seed=6)
+    slopes = lightning_slopes(h, 1, 4)
+    init = torch.tensor([True, True, False, True])
+    ref = read_layer_states(pools, layer, live_rows[g]).clone()
+    ref[2] = 0  # no initial state: zeros, whatever the set holds
+    o_ref = lightning_decode_naive(q, k, v, ref, slopes)
+    o = lightning_decode(pools, live_rows, g, s, q, k, v, slopes, out_table=out, has_initial_state=init,
+                         backend=backend)  # fmt: skip
+    rows = [0, 2, 3]
+    assert torch.allclose(o[rows], o_ref[rows], rtol=1e-5, atol=1e-5) and (o[1] == 0).all()
+    assert torch.allclose(read_layer_states(pools, layer, out[g])[rows], ref[rows], rtol=1e-5, atol=1e-5)
+    changed = pools.torch_data != before
+    assert not (changed[s] & ~_written_mask(pools, layer, out[g])).any()  # the live sets stay as they were
+    assert not changed[:s].any() and not changed[s + 1 :].any()
+    assert out[g, 1, :bps].eq(NULL_BLOCK).all()
+
+
+def test_decode_rejects_two_rows_writing_one_block():
+    layout, pools, table, dtype, (h, dk, dv) = _setup("head_spans_blocks", 2, seed=1)
+    shared = table.clone()
+    shared[:, 1] = shared[:, 0]
+    q, k, v = _qkv(2, h, dk, dv, torch.float32, seed=0)
+    with pytest.raises(ValueError, match="written by two rows"):
+        lightning_decode(pools, shared, 0, _layers(layout)[0][1], q, k, v, lightning_slopes(h, 0, 2))
+
+
+# ---- paged prefill ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", ["head_spans_blocks", "fp64_bytes_no_attention"])
+def test_paged_prefill_equals_the_contiguous_recurrence_and_writes_only_its_rows(case):
+    layout, pools, table, dtype, (h, dk, dv) = _setup(case, 4, seed=7, null_rows=(3,))
+    g, s = _layers(layout)[0]
+    layer = _random_states(pools, table, g, s, dtype, seed=8)
+    before_states = read_layer_states(pools, layer, table[g]).clone()
+    before = pools.torch_data.clone()
+    lengths = [5, 0, 9, 2]  # row 1: no tokens (keeps its state); row 3: a null row
+    cu = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]))
+    init = torch.tensor([True, True, False, True])
+    gen = torch.Generator().manual_seed(9)
+    q, k = (torch.randn(int(cu[-1]), h, dk, generator=gen, dtype=torch.float64).to(layer.dtype) for _ in range(2))
+    v = torch.randn(int(cu[-1]), h, dv, generator=gen, dtype=torch.float64).to(layer.dtype)
+    slopes = lightning_slopes(h, 0, 3)
+    o = lightning_prefill(pools, table, g, s, q, k, v, cu, init, slopes, block_size=4, state_dtype=dtype)
+    tol = dict(rtol=1e-12, atol=1e-12) if layer.dtype == torch.float64 else dict(rtol=1e-5, atol=1e-5)
+    after = read_layer_states(pools, layer, table[g])
+    for row in (0, 2):
+        a, b = int(cu[row]), int(cu[row + 1])
+        o_ref, s_ref = lightning_recurrent_naive(
+            q[a:b], k[a:b], v[a:b], slopes, before_states[row] if init[row] else None
+        )
+        assert torch.allclose(o[a:b], o_ref, **tol) and torch.allclose(after[row], s_ref.to(layer.dtype), **tol)
+    assert torch.equal(after[1].view(torch.uint8), before_states[1].view(torch.uint8))
+    live = table.clone()
+    live[:, [1, 3]] = NULL_BLOCK
+    changed = pools.torch_data != before
+    assert not (changed[s] & ~_written_mask(pools, layer, live[g])).any()
