@@ -33,12 +33,15 @@ def _copy_blocks_kernel(
     i_t = tl.program_id(2).to(tl.int64) + t_start
     b_src = tl.load(src_ptr + i_pair).to(tl.int64)
     b_dst = tl.load(dst_ptr + i_pair).to(tl.int64)
-    n_seg = tl.multiple_of(segment_words, ALIGN)
-    o_w = i_t * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
-    m_w = o_w < n_seg
+    n_seg = tl.multiple_of(segment_words.to(tl.int64), ALIGN)
+    o_tile = tl.multiple_of(i_t * BLOCK, BLOCK)
+    o_w = tl.arange(0, BLOCK).to(tl.int64)
+    # the mask compares the bare arange with a length that is a multiple of ALIGN, as the state
+    # kernels do: that is the form Triton's alignment analysis turns into 16-byte accesses
+    m_w = o_w < tl.multiple_of(n_seg - o_tile, ALIGN)
     o_seg = i_ss * num_blocks * n_seg
-    o_src = tl.multiple_of(o_seg + b_src * n_seg, ALIGN) + o_w
-    o_dst = tl.multiple_of(o_seg + b_dst * n_seg, ALIGN) + o_w
+    o_src = tl.multiple_of(o_seg + b_src * n_seg + o_tile, ALIGN) + o_w
+    o_dst = tl.multiple_of(o_seg + b_dst * n_seg + o_tile, ALIGN) + o_w
     b_x = tl.load(pool_ptr + o_src, mask=m_w)
     tl.store(pool_ptr + o_dst, b_x, mask=m_w)
 
