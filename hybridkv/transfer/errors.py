@@ -6,7 +6,15 @@ from hybridkv.blockmgr.errors import HybridKVError
 
 
 class TransferError(HybridKVError):
-    """A transfer could not be described, started or finished; the caller aborts its plans."""
+    """A transfer could not be described, started or finished; the caller aborts its plans.
+
+    ``in_flight``: the engine could not cancel a transfer that may still write into the destination's
+    blocks; they must not be reused until the connection is dropped (do not abort the import plan).
+    """
+
+    def __init__(self, message: str, in_flight: bool = False) -> None:
+        super().__init__(message)
+        self.in_flight = in_flight
 
 
 class TransferTimeoutError(TransferError, TimeoutError):

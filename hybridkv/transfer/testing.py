@@ -3,13 +3,33 @@ request's bytes that follows the layout's addressing rule, not the descriptors i
 
 from __future__ import annotations
 
+import hashlib
+import time
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from typing import Any
+
 import numpy as np
 
 from hybridkv.blockmgr.layout import Layout, plan
+from hybridkv.blockmgr.manager import HybridBlockManager
+from hybridkv.blockmgr.pool import runs
 from hybridkv.blockmgr.presets import layers_from_pattern, lightning_layer, mamba2_layer
 from hybridkv.blockmgr.spec import AttentionLayerSpec, DType, ModelSpec, RecurrentLayerSpec
 from hybridkv.blockmgr.transfer_plans import RequestBlocks
-from hybridkv.transfer.loopback import pool_array
+from hybridkv.transfer.descriptors import DescriptorPairs, Descriptors, PoolRegions, request_descriptors
+from hybridkv.transfer.engine import TransferEngine
+from hybridkv.transfer.errors import TransferError, TransferTimeoutError
+from hybridkv.transfer.handoff import (
+    finish_export,
+    finish_import,
+    offer_request,
+    pull_request,
+    push_pairs,
+    push_request,
+    reserve_request,
+)
+from hybridkv.transfer.loopback import covered_mask, pool_array, regions_of_array
 
 
 def mini_minimax() -> ModelSpec:
@@ -62,3 +82,188 @@ def reference_bytes(pool: np.ndarray, layout: Layout, blocks: RequestBlocks) -> 
             within = o % blk_b
             out.append(pool[slot][within // seg_b, ids[o // blk_b], within % seg_b].tobytes())
     return b"".join(out)
+
+
+MODELS = {"mini-minimax": mini_minimax, "mini-mamba2": mini_mamba2}
+
+
+def scattered_request(m: HybridBlockManager, request_id: str, num_tokens: int, neighbour: str) -> None:
+    """Admit ``request_id`` with its state sets in place and its KV blocks scattered between the
+    blocks of ``neighbour`` (appended to in turn), as a decode-heavy pool leaves them."""
+    layout = m.layout
+    m.allocate(request_id, 1)
+    m.allocate(neighbour, 1)
+    for i in range(layout.num_kv_blocks(num_tokens) - 1):
+        m.append(request_id, layout.block_size)
+        m.append(neighbour, layout.block_size if i % 2 else 0)
+    m.append(request_id, num_tokens - m.requests[request_id].num_tokens)
+
+
+# ---- two-process workers (multiprocessing "spawn" targets) ------------------------------------------
+def make_engine(kind: str, name: str, pool: PoolRegions) -> TransferEngine:
+    if kind == "nixl":
+        from hybridkv.transfer.nixl_engine import NixlEngine
+
+        return NixlEngine(name, pool)
+    raise ValueError(f"unknown engine kind {kind!r}")
+
+
+def _recv(conn: Connection, timeout_s: float) -> Any:
+    if not conn.poll(timeout_s):
+        raise TransferTimeoutError(f"no message from the peer process in {timeout_s} s")
+    return conn.recv()
+
+
+def _exchange(conn: Connection, timeout_s: float) -> Callable[[bytes], bytes]:
+    def exchange(data: bytes) -> bytes:
+        conn.send(data)
+        return _recv(conn, timeout_s)
+
+    return exchange
+
+
+def _check(m: HybridBlockManager) -> str:
+    try:
+        m.check_integrity()
+    except AssertionError as e:
+        return str(e)
+    return "ok"
+
+
+def _owned_mask(m: HybridBlockManager) -> np.ndarray:
+    """Blocks whose bytes the manager vouches for: not free (the null block included)."""
+    return ~m.pool.free_mask()
+
+
+def happy_worker(role: str, peer: Connection, parent: Connection, kind: str, num_tokens: int, timeout_s: float) -> None:
+    """For each miniature model, one decode-side READ and one prefill-side WRITE of a request with
+    scattered KV; reports SHA-256 of the request's bytes, the notification, integrity and leaks."""
+    results: dict[str, Any] = {}
+    try:
+        for model_name, model in MODELS.items():
+            layout = mini_layout(model(), 200)
+            for mode in ("read", "write"):
+                key, rid = f"{model_name}/{mode}", f"{model_name}-{mode}"
+                m = HybridBlockManager(layout)
+                pool = seeded_pool(layout, 1 if role == "src" else 2)
+                before = pool.copy()
+                engine = make_engine(kind, f"{role}-{rid}", regions_of_array(layout, pool))
+                other = engine.connect(_exchange(peer, timeout_s))
+                out: dict[str, Any] = {}
+                if role == "src":
+                    scattered_request(m, rid, num_tokens, "neighbour")
+                    blocks = m.request_blocks(rid)
+                    out["sha256"] = hashlib.sha256(reference_bytes(pool, layout, blocks)).hexdigest()
+                    out["kv_runs"] = len(runs(np.sort(blocks.kv_blocks)))
+                    if mode == "read":
+                        plan, offer = offer_request(m, engine.pool, rid)
+                        peer.send(offer)
+                        finish_export(engine, other, plan, timeout_s)
+                        out["notified"] = True
+                    else:
+                        plan = m.export_request(rid)
+                        peer.send(num_tokens)
+                        push_request(m, engine, other, plan, _recv(peer, timeout_s), timeout_s)
+                    out["freed"] = rid not in m.requests
+                    m.free("neighbour")
+                else:
+                    m.allocate("resident", 3 * layout.block_size)  # the import gets other ids
+                    if mode == "read":
+                        plan = pull_request(m, engine, other, _recv(peer, timeout_s), timeout_s)
+                    else:
+                        plan, accept = reserve_request(m, engine.pool, rid, _recv(peer, timeout_s))
+                        peer.send(accept)
+                        finish_import(engine, other, plan, timeout_s)
+                        out["notified"] = True
+                    blocks = m.request_blocks(rid)  # running: committed
+                    out["sha256"] = hashlib.sha256(reference_bytes(pool, layout, blocks)).hexdigest()
+                    covered = covered_mask(engine.pool, request_descriptors(engine.pool, blocks))[0]
+                    flat, old = pool.reshape(-1), before.reshape(-1)
+                    out["others_untouched"] = bool(np.array_equal(flat[~covered], old[~covered]))
+                    out["covered_bytes"] = int(covered.sum())
+                    m.free(rid)
+                    m.free("resident")
+                out["integrity"] = _check(m)
+                out["leaked"] = m.pool.free_extents() != [(1, layout.num_blocks)] or bool(m.requests)
+                peer.send("next")  # lockstep: neither side closes its agent before the other is done
+                _recv(peer, timeout_s)
+                engine.close()
+                results[key] = out
+    except Exception as e:  # noqa: BLE001 - reported to the parent, which fails the test with it
+        results["error"] = f"{type(e).__name__}: {e}"
+    parent.send(results)
+
+
+def failing_source(
+    peer: Connection, parent: Connection, kind: str, mode: str, num_tokens: int, timeout_s: float
+) -> None:
+    """Source that dies half-way (the parent kills it after 'ready'): ``read`` offers the request and
+    waits to be killed; ``write`` WRITEs half the descriptors without a notification, then waits."""
+    layout = mini_layout(mini_minimax(), 200)
+    m = HybridBlockManager(layout)
+    pool = seeded_pool(layout, 1)
+    engine = make_engine(kind, f"src-{mode}", regions_of_array(layout, pool))
+    other = engine.connect(_exchange(peer, timeout_s))
+    scattered_request(m, "r", num_tokens, "neighbour")
+    if mode == "read":
+        _, offer = offer_request(m, engine.pool, "r")
+        peer.send(offer)
+    else:
+        plan = m.export_request("r")
+        pairs, remote = push_pairs(m, engine, plan, _recv(peer, timeout_s))
+        half = len(pairs) // 2
+        cut = DescriptorPairs(*(Descriptors(*(a[:half] for a in side)) for side in pairs))
+        engine.write(other, cut, remote, b"", timeout_s)
+    parent.send("ready")
+    time.sleep(3600)
+
+
+def aborted_destination(
+    peer: Connection, parent: Connection, kind: str, mode: str, num_tokens: int, timeout_s: float
+) -> None:
+    """Destination whose source dies: the READ or the wait for the WRITE's notification fails; reports
+    whether the import was aborted with the books and every owned byte as before."""
+    out: dict[str, Any] = {}
+    try:
+        layout = mini_layout(mini_minimax(), 200)
+        m = HybridBlockManager(layout)
+        m.allocate("resident", 3 * layout.block_size)
+        pool = seeded_pool(layout, 2)
+        before = pool.copy()
+        engine = make_engine(kind, f"dst-{mode}", regions_of_array(layout, pool))
+        other = engine.connect(_exchange(peer, timeout_s))
+        books = (m.pool.free_extents(), m.use.tolist(), m.pool.ref_counts.tolist(), sorted(m.requests))
+        owned = _owned_mask(m)
+        t0 = time.monotonic()
+        try:
+            if mode == "read":
+                offer = _recv(peer, timeout_s)
+                _recv(parent, 60)  # 'go': the source is dead now
+                t0 = time.monotonic()
+                pull_request(m, engine, other, offer, timeout_s)
+            else:
+                plan, accept = reserve_request(m, engine.pool, "r", num_tokens)
+                peer.send(accept)
+                reserved = np.zeros(layout.num_blocks, dtype=bool)
+                reserved[plan.blocks.ids()] = True
+                _recv(parent, 60)  # 'go': half written, the source is dead now
+                t0 = time.monotonic()
+                finish_import(engine, other, plan, timeout_s)
+            out["error"] = None
+        except TransferError as e:
+            out["error"] = f"{type(e).__name__}: {e}"
+        out["seconds"] = time.monotonic() - t0
+        out["books_as_before"] = books == (
+            m.pool.free_extents(),
+            m.use.tolist(),
+            m.pool.ref_counts.tolist(),
+            sorted(m.requests),
+        )
+        out["owned_bytes_untouched"] = bool(np.array_equal(pool[:, :, owned], before[:, :, owned]))
+        if mode == "write":
+            out["reserved_bytes_written"] = int((pool[:, :, reserved] != before[:, :, reserved]).sum())
+        out["integrity"] = _check(m)
+        engine.close()
+    except Exception as e:  # noqa: BLE001 - reported to the parent
+        out["crash"] = f"{type(e).__name__}: {e}"
+    parent.send(out)

@@ -1,0 +1,71 @@
+"""The interface every transfer engine adapter implements (NIXL first, Mooncake Transfer Engine second).
+
+An engine is one side: it registers its pool's regions once, learns peers through a metadata
+exchange the serving engine provides (``exchange(local_metadata) -> peer_metadata``: a pipe, a
+ZMQ socket, an etcd key...), and moves :class:`~hybridkv.transfer.descriptors.DescriptorPairs`
+one-sided, with a notification the other side can wait for.
+
+Contract (what raises, what is left behind):
+
+- ``read`` / ``write`` return once every byte moved, or raise :class:`TransferError` (the engine
+  reported a failure; a dead peer) or :class:`TransferTimeoutError` (``timeout_s`` passed). Either
+  way the engine released the transfer's handles; ``error.in_flight`` is True only when the engine
+  could not cancel a transfer that may still write: then the destination's blocks must not be
+  reused (do not abort the import plan; drop the connection first).
+- ``wait_notification`` returns when the peer's message arrived, or raises
+  :class:`TransferTimeoutError`. The message is consumed.
+- ``close`` releases everything (registrations, peers); an engine is a context manager.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable
+
+from hybridkv.transfer.descriptors import DescriptorPairs, PoolRegions
+
+Exchange = Callable[[bytes], bytes]
+"""Sends this side's metadata to the peer and returns the peer's (both sides call it once)."""
+
+
+class TransferEngine(abc.ABC):
+    """One side of a transfer: ``pool`` (this side's registered regions), peers by name."""
+
+    pool: PoolRegions
+    name: str
+
+    @abc.abstractmethod
+    def connect(self, exchange: Exchange) -> str:
+        """Swap metadata with a peer through ``exchange``; returns the peer's name."""
+
+    @abc.abstractmethod
+    def read(
+        self, peer: str, pairs: DescriptorPairs, remote: PoolRegions, notification: bytes, timeout_s: float
+    ) -> None:
+        """Pull ``pairs.src`` (the peer's pool ``remote``) into ``pairs.dst`` (this pool); the peer
+        receives ``notification`` once the bytes are here (empty: none)."""
+
+    @abc.abstractmethod
+    def write(
+        self, peer: str, pairs: DescriptorPairs, remote: PoolRegions, notification: bytes, timeout_s: float
+    ) -> None:
+        """Push ``pairs.src`` (this pool) into ``pairs.dst`` (the peer's pool ``remote``); the peer
+        receives ``notification`` once the bytes are there (empty: none)."""
+
+    @abc.abstractmethod
+    def wait_notification(self, peer: str, notification: bytes, timeout_s: float) -> None:
+        """Block until ``peer`` sent exactly ``notification``."""
+
+    @abc.abstractmethod
+    def disconnect(self, peer: str) -> None:
+        """Forget ``peer`` (its metadata, connections); later transfers to it fail."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Deregister the pool and drop every peer; idempotent."""
+
+    def __enter__(self) -> TransferEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
