@@ -8,6 +8,10 @@ Everything (running requests, cached KV, checkpoints) shares one block budget.
 
     python benchmarks/bench_prefix.py              # both models, 3 budgets, 4 policy pairs (minutes)
     python benchmarks/bench_prefix.py --quick      # first 400 requests, one budget per model
+
+``--quick`` is a sample for checking that the replay runs, not a result: 400 requests barely fill the
+cache, so eviction (where the policies differ) hardly happens, and its ranking of the policy pairs
+can be the opposite of the full run's. Quote only the full run (about 22 minutes on 2 cores).
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ from collections import deque
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tqdm import tqdm  # noqa: E402
 
 from benchmarks._common import save  # noqa: E402
 from hybridkv.blockmgr.errors import AllocationError  # noqa: E402
@@ -57,7 +63,10 @@ def replay(model_key, budget_gib, checkpoint, eviction, trace, tokens, concurren
         m.free(running.popleft())
         return True
 
-    for req, toks in zip(trace, tokens, strict=True):
+    label = f"{model_key} {budget_gib} GiB {checkpoint}+{eviction}"
+    progress = tqdm(zip(trace, tokens, strict=True), total=len(trace), desc=label, unit="req", leave=False,
+                    position=1, mininterval=1.0)
+    for req, toks in progress:
         rid = req.index
         total += req.input_length
         try:
@@ -144,6 +153,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     args = ap.parse_args(argv)
     limit = 400 if args.quick and args.limit is None else args.limit
+    quick_note = (
+        "--quick: a sample (the first 400 requests, one budget per model), not a result. Too few requests "
+        "to fill the cache, so it cannot show how the policies behave under eviction, and its ranking may be "
+        "the opposite of the full run's (python benchmarks/bench_prefix.py, about 22 min on 2 cores)."
+    )
+    if args.quick:
+        print(quick_note, flush=True)
     try:
         trace = load_trace(args.trace, limit)
     except FileNotFoundError as e:
@@ -157,18 +173,22 @@ def main(argv: list[str] | None = None) -> int:
         f"{'ckpt GiB (mean/max)':>20s} {'skipped':>7s} {'s':>6s}",
         flush=True,
     )
-    for model_key in args.models:
-        budgets = MODELS[model_key][3]
-        for budget in budgets[1:2] if args.quick else budgets:
-            for checkpoint, eviction in PAIRS:
-                r = replay(model_key, budget, checkpoint, eviction, trace, tokens, args.concurrency, args.every_n)
-                rows.append(r)
-                print(
-                    f"{model_key:20s} {budget:4d} {checkpoint:16s} {eviction:11s} {r['token_hit_rate']:8.1%} "
-                    f"{r['checkpoint_bytes_mean'] / GiB:9.2f} / {r['checkpoint_bytes_max'] / GiB:7.2f} "
-                    f"{r['skipped']:7d} {r['seconds']:6.1f}",
-                    flush=True,
-                )
+    runs = [
+        (model_key, budget, checkpoint, eviction)
+        for model_key in args.models
+        for budget in (MODELS[model_key][3][1:2] if args.quick else MODELS[model_key][3])
+        for checkpoint, eviction in PAIRS
+    ]
+    overall = tqdm(runs, desc="all runs", unit="run", position=0)
+    for model_key, budget, checkpoint, eviction in overall:
+        r = replay(model_key, budget, checkpoint, eviction, trace, tokens, args.concurrency, args.every_n)
+        rows.append(r)
+        tqdm.write(
+            f"{model_key:20s} {budget:4d} {checkpoint:16s} {eviction:11s} {r['token_hit_rate']:8.1%} "
+            f"{r['checkpoint_bytes_mean'] / GiB:9.2f} / {r['checkpoint_bytes_max'] / GiB:7.2f} "
+            f"{r['skipped']:7d} {r['seconds']:6.1f}"
+        )
+    overall.close()
     gains = []
     for model_key in args.models:
         for budget in {r["budget_gib"] for r in rows if r["model"] == model_key}:
@@ -206,6 +226,8 @@ def main(argv: list[str] | None = None) -> int:
         },
     )
     print(f"saved {path}")
+    if args.quick:
+        print(quick_note)
     return 0
 
 

@@ -65,7 +65,16 @@ _OPS = ("allocate_pools", "gather_states", "scatter_states", "copy_blocks", "swa
 
 # the ops names are listed only where torch is installed, so `from hybridkv import *` and help(hybridkv)
 # work on a numpy-only install; hybridkv.gather_states there raises an ImportError that says what to install
-_HAS_TORCH = importlib.util.find_spec("torch") is not None
+
+
+def _has_torch() -> bool:
+    try:
+        return importlib.util.find_spec("torch") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+_HAS_TORCH = _has_torch()
 __all__ = ["__version__", *_LAZY, *(_OPS if _HAS_TORCH else ())]
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only

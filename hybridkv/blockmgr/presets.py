@@ -1,4 +1,4 @@
-"""Layer builders and the model presets of ``shared/MODELS.md``.
+"""Layer builders and the model presets of ``docs/models.md``.
 
 Builders turn published hyper-parameters into :class:`RecurrentLayerSpec` objects so that presets,
 spec files and HuggingFace configs share one derivation (e.g. the Mamba2 conv width
