@@ -107,6 +107,9 @@ class Layout:
     num_blocks: int  # including the null block
     budget_bytes: int
     notes: tuple[str, ...] = ()
+    # block_wise_fp8 KV: bytes of one block's K scales (and as many of V scales) per layer slot, kept
+    # in their own tensors beside the segments; state blocks leave them unused
+    scale_segment_bytes: int = 0
 
     # ---- shape facts -------------------------------------------------------------------------
     @property
@@ -116,8 +119,8 @@ class Layout:
 
     @property
     def bytes_per_block(self) -> int:
-        """Bytes one block id names across all layer slots."""
-        return self.block_bytes * self.group_size
+        """Bytes one block id names across all layer slots (KV scales included)."""
+        return (self.block_bytes + 2 * self.scale_segment_bytes) * self.group_size
 
     @property
     def num_layer_slots(self) -> int:
@@ -183,13 +186,14 @@ class Layout:
         padding = 0
         for g in self.groups:
             used = kv_blocks if g.kind is GroupKind.KV else g.blocks_per_state
-            padding += g.num_padding_layers * used * self.block_bytes
+            padding += g.num_padding_layers * used * (self.block_bytes + 2 * self.scale_segment_bytes)
             if g.kind is GroupKind.STATE:
                 for layer_id in g.layer_ids:
                     if layer_id is not None:
                         layer = self.model.layers[layer_id]
                         assert isinstance(layer, RecurrentLayerSpec)
                         state_waste += g.blocks_per_state * self.block_bytes - layer.state_bytes
+                        state_waste += g.blocks_per_state * 2 * self.scale_segment_bytes  # scales unused
         paged = self.kind is LayoutKind.PAGED
         waste = Waste(state_waste if paged else 0, 0 if paged else state_waste, padding, kv_tail)
         num_blocks = kv_blocks + state_blocks
@@ -327,6 +331,7 @@ def plan(
     notes: list[str] = []
     state_max = _state_bytes_max(model)
 
+    scale_segment_bytes = 0
     if attn is not None:
         per_token_segment = attn.num_kv_heads * attn.head_dim * attn.dtype.itemsize
         num_segments = 2
@@ -343,6 +348,7 @@ def plan(
         elif block_size is None:
             block_size = DEFAULT_BLOCK_SIZE
         segment_bytes = block_size * per_token_segment
+        scale_segment_bytes = block_size * attn.scale_bytes_per_token // 2
     else:
         num_segments = 1
         block_size = block_size or DEFAULT_BLOCK_SIZE
@@ -362,7 +368,7 @@ def plan(
     if state_chunks:
         notes.extend(_head_tile_notes(model, block_bytes, segment_bytes))
 
-    bytes_per_block = block_bytes * group_size
+    bytes_per_block = (block_bytes + 2 * scale_segment_bytes) * group_size
     num_blocks = budget_bytes // bytes_per_block
     if num_blocks < 2:
         raise LayoutError(
@@ -380,4 +386,5 @@ def plan(
         num_blocks,
         budget_bytes,
         tuple(notes),
+        scale_segment_bytes,
     )

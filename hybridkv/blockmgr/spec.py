@@ -28,14 +28,17 @@ class DType(enum.Enum):
     FLOAT32 = "float32"
     BFLOAT16 = "bfloat16"
     FLOAT16 = "float16"
+    INT8 = "int8"  # quantized KV (FastDeploy cache_int8; stored as uint8)
+    FLOAT8_E4M3 = "float8_e4m3fn"  # quantized KV (cache_fp8, block_wise_fp8; stored as uint8)
 
     @property
     def itemsize(self) -> int:
-        return 4 if self is DType.FLOAT32 else 2
+        return {DType.FLOAT32: 4, DType.INT8: 1, DType.FLOAT8_E4M3: 1}.get(self, 2)
 
     @classmethod
-    def parse(cls, value: DType | str) -> DType:
-        """Accept a :class:`DType` or a name (``float32``/``fp32``, ``bfloat16``/``bf16``, ``float16``/``fp16``)."""
+    def parse(cls, value: DType | str, quantized: bool = False) -> DType:
+        """Accept a :class:`DType` or a name (``float32``/``fp32``, ``bfloat16``/``bf16``, ``float16``/``fp16``;
+        with ``quantized``, the KV cache names ``int8`` and ``fp8``/``float8_e4m3fn`` too)."""
         if isinstance(value, DType):
             return value
         key = str(value).strip().lower().removeprefix("torch.").removeprefix("paddle.")
@@ -49,8 +52,11 @@ class DType(enum.Enum):
             "fp16": cls.FLOAT16,
             "half": cls.FLOAT16,
         }
+        if quantized:
+            aliases |= {"int8": cls.INT8, "float8_e4m3fn": cls.FLOAT8_E4M3, "fp8": cls.FLOAT8_E4M3}
         if key not in aliases:
-            raise SpecError(f"unknown dtype {value!r}: use float32, bfloat16 or float16")
+            more = ", int8 or fp8" if quantized else " or float16 (int8 / fp8: KV caches only, see --kv-dtype)"
+            raise SpecError(f"unknown dtype {value!r}: use float32, bfloat16{', float16' if quantized else ''}{more}")
         return aliases[key]
 
 
@@ -116,25 +122,41 @@ class StateComponent:
 
 @dataclass(frozen=True, slots=True)
 class AttentionLayerSpec:
-    """Softmax attention with a paged KV cache: K and V of ``num_kv_heads x head_dim`` per token."""
+    """Softmax attention with a paged KV cache: K and V of ``num_kv_heads x head_dim`` per token.
+
+    ``kv_scale_dtype``: with a quantized ``dtype``, the dtype of a per-token, per-head scale kept
+    for K and for V beside the cache (FastDeploy's ``block_wise_fp8``: float32 tensors
+    ``[num_blocks, kv_heads, block_size]``); None when scales are per layer (``cache_int8``,
+    ``cache_fp8``) or the cache is not quantized.
+    """
 
     num_kv_heads: int
     head_dim: int
     dtype: DType = DType.BFLOAT16
     num_q_heads: int | None = None
+    kv_scale_dtype: DType | None = None
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "dtype", DType.parse(self.dtype))
+        object.__setattr__(self, "dtype", DType.parse(self.dtype, quantized=True))
         _check_positive("attention num_kv_heads/head_dim", (self.num_kv_heads, self.head_dim))
         if self.num_q_heads is not None:
             _check_positive("attention num_q_heads", (self.num_q_heads,))
+        if self.kv_scale_dtype is not None:
+            object.__setattr__(self, "kv_scale_dtype", DType.parse(self.kv_scale_dtype))
+            if self.dtype.itemsize != 1:
+                raise SpecError(f"KV scales go with a quantized (1-byte) KV dtype, not {self.dtype.value}")
 
     kind = "attention"
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """K plus V bytes of one token in this layer."""
-        return 2 * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+        """K plus V bytes of one token in this layer (their scales included)."""
+        return 2 * self.num_kv_heads * self.head_dim * self.dtype.itemsize + self.scale_bytes_per_token
+
+    @property
+    def scale_bytes_per_token(self) -> int:
+        """K plus V scale bytes of one token (0 without per-token scales)."""
+        return 2 * self.num_kv_heads * self.kv_scale_dtype.itemsize if self.kv_scale_dtype is not None else 0
 
     def shard(self, tp_size: int, layer: str) -> AttentionLayerSpec:
         if tp_size == 1:
@@ -272,3 +294,28 @@ class ModelSpec:
             return self
         layers = tuple(l.shard(tp_size, f"layer {i}") for i, l in enumerate(self.layers))
         return replace(self, layers=layers, tp_size=tp_size)
+
+
+KV_CACHE_DTYPES: dict[str, tuple[DType, DType | None]] = {
+    "bfloat16": (DType.BFLOAT16, None),
+    "float16": (DType.FLOAT16, None),
+    "float32": (DType.FLOAT32, None),
+    "int8": (DType.INT8, None),  # FastDeploy cache_int8: uint8 storage, per-layer scales
+    "fp8": (DType.FLOAT8_E4M3, None),  # FastDeploy cache_fp8: uint8 storage, per-layer scales
+    "block_wise_fp8": (DType.FLOAT8_E4M3, DType.FLOAT32),  # per-token, per-head float32 scales
+}
+"""KV cache dtypes FastDeploy serves with: name -> (element dtype, per-token scale dtype)."""
+
+
+def with_kv_dtype(model: ModelSpec, kv_dtype: str) -> ModelSpec:
+    """``model`` with every attention layer's KV cache in ``kv_dtype`` (a :data:`KV_CACHE_DTYPES` name,
+    or ``bf16`` / ``fp16`` / ``fp32`` / ``cache_int8`` / ``cache_fp8``); recurrent states keep their dtype."""
+    key = str(kv_dtype).strip().lower().removeprefix("cache_")
+    key = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}.get(key, key)
+    if key not in KV_CACHE_DTYPES:
+        raise SpecError(f"unknown KV cache dtype {kv_dtype!r}: use one of {', '.join(KV_CACHE_DTYPES)}")
+    dtype, scale = KV_CACHE_DTYPES[key]
+    layers = tuple(
+        replace(l, dtype=dtype, kv_scale_dtype=scale) if isinstance(l, AttentionLayerSpec) else l for l in model.layers
+    )
+    return replace(model, layers=layers)

@@ -48,6 +48,8 @@ class BlockPools:
     torch_data: torch.Tensor
     framework: Framework
     block_major: bool = False
+    # block_wise_fp8 KV scales: uint8 [group_size, 2 (K, V), num_blocks, scale_segment_bytes], else None
+    scales: Any = None
     cache: dict = field(default_factory=dict, repr=False)  # run tables of the kernels, by key
 
     @property
@@ -88,7 +90,11 @@ def _new_pools(
         t.fill_(byte)
         if not host:
             t[:, :, NULL_BLOCK].zero_()
-    return BlockPools(layout, data, t, framework, block_major=host)
+    scales = None
+    if layout.scale_segment_bytes and not host:
+        shape = [layout.group_size, 2, num_blocks, layout.scale_segment_bytes]
+        scales = torch.zeros(shape, dtype=torch.uint8, device=device)
+    return BlockPools(layout, data, t, framework, block_major=host, scales=scales)
 
 
 def allocate_pools(
@@ -131,7 +137,10 @@ def allocate_host_pools(
 
 
 def kv_cache_views(pools: BlockPools) -> list[Any]:
-    """``[k0, v0, k1, v1, ...]`` for the attention layers in slot order (FastDeploy's ``caches``).
+    """``[k0, v0, k1, v1, ...]`` for the attention layers in slot order: views of the one backing
+    allocation, so not FastDeploy's ``caches`` (those are built by
+    ``hybridkv.scheduler_adapter.fastdeploy_worker.kv_cache_list``, one allocation per tensor).
+    Quantized (1-byte) KV is seen as uint8, as FastDeploy stores it.
 
     Each is ``[num_blocks, kv_heads, block_size, head_dim]`` of the attention dtype, a view of the
     pool memory in the pool's framework. Empty for models without attention.
@@ -147,7 +156,8 @@ def kv_cache_views(pools: BlockPools) -> list[Any]:
         spec = layout.model.layers[layer_id]
         assert isinstance(spec, AttentionLayerSpec)
         for seg in range(2):
-            t = pools.torch_data[slot, seg].view(torch_dtype(spec.dtype))
+            t = pools.torch_data[slot, seg]
+            t = t if spec.dtype.itemsize == 1 else t.view(torch_dtype(spec.dtype))
             t = t.view(pools.num_blocks, spec.num_kv_heads, layout.block_size, spec.head_dim)
             views.append(from_torch(t, pools.framework))
     return views

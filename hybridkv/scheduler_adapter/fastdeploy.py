@@ -1,354 +1,468 @@
-"""FastDeploy drop-in: the cache manager surface its resource manager calls, and ``ForwardMeta`` filling.
+"""FastDeploy drop-in, engine side: the cache-manager surface ``ResourceManagerV1`` calls.
 
-:class:`FastDeployBlockManager` answers the calls ``ResourceManager`` / ``ResourceManagerV1`` make on
-``PrefixCacheManager`` (``can_allocate_gpu_blocks``, ``allocate_gpu_blocks``, ``recycle_gpu_blocks``,
-``release_block_ids``, ``gpu_free_block_list``, ``num_gpu_blocks``) and the resource manager's own
-``available_block_num`` / ``_free_blocks`` / ``_trigger_preempt`` path, from one
-:class:`HybridBlockManager`, so state sets are counted with the KV blocks. FastDeploy's calls are
-per block list; the manager's are per request: the first ``allocate_gpu_blocks(n, req_id)`` of a
-request admits it (KV for ``n`` blocks plus its state sets), later ones append ``n`` KV blocks,
-and once every KV block of a request has been recycled its state sets go back too.
+:class:`FastDeployBlockManager` stands where FastDeploy builds its cache manager and answers, with
+their signatures and return shapes, both name sets ``ResourceManagerV1`` uses:
 
-:func:`attach` sets ``ForwardMeta.caches`` (the attention K/V views of the layer slot tensors, in
-FastDeploy's ``[k0, v0, k1, v1, ...]`` order by model layer id), ``block_tables`` and the new
-fields ``state_block_tables``, ``state_layer_slots``, ``has_initial_state``. torch and paddle are
-imported lazily, from the type of the pool tensors.
+- legacy ``PrefixCacheManager``: ``can_allocate_gpu_blocks(n)``, ``allocate_gpu_blocks(n, req_id)``,
+  ``recycle_gpu_blocks(ids, req_id)``, ``release_block_ids(task)``, ``request_match_blocks(task,
+  block_size)`` -> ``(common_block_ids, matched_token_num, hit_info)``, ``update_cache_blocks``,
+  ``get_required_block_num``, ``write_cache_to_storage``, ``update_cache_config``,
+  ``gpu_free_block_list`` / ``num_gpu_blocks`` / ``num_cpu_blocks`` / ``available_gpu_resource``;
+- v1 ``CacheManager`` (``enable_cache_manager_v1``): ``match_prefix(request)`` (sets
+  ``request.match_result``), ``allocate_gpu_blocks(request, n)`` (``[]`` on failure),
+  ``request_finish(request)``, ``can_allocate_device_blocks``, ``num_free_device_blocks``.
+
+Counting is exact: a query for ``n`` blocks is ``n`` blocks (plus the blocks a pending prefix hit
+pins). A request's state sets are charged once, where FastDeploy charges a new request: the
+``get_new_block_nums`` call of ``schedule()``'s WAITING branch adds
+:attr:`FastDeployBlockManager.num_state_blocks_per_request` (the patch in docs/fastdeploy.md), so the
+first ``allocate_gpu_blocks`` of a request takes ``n`` blocks of which the state sets are the first
+``num_state_blocks_per_request`` and returns the ``n - num_state_blocks_per_request`` KV ids.
+
+Prefix caching goes through hybridkv's prefix cache (KV hash chain + state checkpoints): a hit
+shares cached KV blocks and fills the live state sets from a checkpoint. The state copies and
+tables a worker needs travel in the task (:meth:`FastDeployBlockManager.task_fields`); the worker
+side is :mod:`hybridkv.scheduler_adapter.fastdeploy_worker`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, MutableSequence, Sequence
-from typing import Any, NamedTuple
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
-from hybridkv.blockmgr.errors import RequestStateError
-from hybridkv.blockmgr.layout import Layout
+from hybridkv.blockmgr.errors import NoFreeBlocksError, RequestStateError
 from hybridkv.blockmgr.manager import HybridBlockManager
-from hybridkv.blockmgr.records import RequestId
-from hybridkv.blockmgr.spec import AttentionLayerSpec, DType
+from hybridkv.blockmgr.records import BlockCopies, RequestId
 from hybridkv.blockmgr.units import cdiv
+from hybridkv.scheduler_adapter.fastdeploy_worker import (
+    FastDeployCaches,
+    StateLayerSlot,
+    StateTables,
+    kv_cache_list,
+    state_layer_slots,
+)
 from hybridkv.scheduler_adapter.metadata import StepMetadata
+
+HYBRID_TASK_FIELDS = ("state_block_tables", "state_copies", "checkpoint_copies")
+"""Fields :meth:`FastDeployBlockManager.task_fields` adds to a prefill ``Request`` / ``ScheduledDecodeTask``."""
 
 
 class _FreeBlocks:
     """Stands in for ``gpu_free_block_list``: FastDeploy only takes its ``len``."""
 
-    __slots__ = ("_manager",)
+    __slots__ = ("_owner",)
 
-    def __init__(self, manager: HybridBlockManager) -> None:
-        self._manager = manager
+    def __init__(self, owner: FastDeployBlockManager) -> None:
+        self._owner = owner
 
     def __len__(self) -> int:
-        return self._manager.num_available_blocks
+        return self._owner.num_free_device_blocks
+
+
+@dataclass(frozen=True)
+class _Node:
+    block_id: int
+
+
+@dataclass
+class MatchResult:
+    """``fastdeploy.cache_manager.v1.metadata.MatchResult``'s fields, filled from a hybridkv hit."""
+
+    device_nodes: list[_Node] = field(default_factory=list)
+    host_nodes: list[_Node] = field(default_factory=list)
+    storage_nodes: list[Any] = field(default_factory=list)
+    uncached_block_ids: list[int] = field(default_factory=list)
+
+    @property
+    def matched_device_nums(self) -> int:
+        return len(self.device_nodes)
+
+    @property
+    def matched_host_nums(self) -> int:
+        return 0
+
+    @property
+    def matched_storage_nums(self) -> int:
+        return 0
+
+    @property
+    def total_matched_blocks(self) -> int:
+        return len(self.device_nodes)
+
+    @property
+    def device_block_ids(self) -> list[int]:
+        return [n.block_id for n in self.device_nodes]
+
+
+@dataclass
+class _Pending:
+    """A prefix match handed to FastDeploy, not yet admitted: its input and the hit it was told."""
+
+    token_ids: list[int]
+    num_cached_tokens: int
+    block_ids: list[int]
+    num_pinned: int
+    branch_tokens: int = 0  # where the input leaves the cached prefixes (checkpoint policy input)
+
+
+def _token_ids(task: Any) -> list[int]:
+    prompt = task.prompt_token_ids
+    prompt = prompt.tolist() if isinstance(prompt, np.ndarray) else list(prompt)
+    return prompt + list(getattr(task, "output_token_ids", None) or [])
 
 
 class FastDeployBlockManager:
-    """``PrefixCacheManager``'s block surface plus the resource manager's preemption path.
+    """FastDeploy's cache manager over one :class:`HybridBlockManager` (KV and state in one pool).
 
-    Block ids handed out are the manager's; the caller keeps them in ``request.block_tables``
-    exactly as with FastDeploy's own heap. Ownership: the manager owns the blocks; a request's
-    blocks (KV and state) return when all its KV ids were recycled, or on :meth:`release_block_ids`
-    / :meth:`free_request`.
+    Block ids are the manager's; FastDeploy keeps the KV ids in ``request.block_tables`` as with its
+    own heap. Ownership: the manager owns every block; a request's KV and state go back on
+    ``release_block_ids`` / ``request_finish``, or once ``recycle_gpu_blocks`` got all its KV ids.
+    Raises ``ValueError`` for a manager with a watermark (FastDeploy reserves decode blocks itself)
+    or without attention layers.
     """
 
-    def __init__(self, manager: HybridBlockManager) -> None:
+    def __init__(self, manager: HybridBlockManager, cache_config: Any = None) -> None:
+        if manager.watermark_blocks:
+            raise ValueError("use watermark=0 under FastDeploy: its scheduler keeps its own decode reservation")
+        if manager.layout.kv_group is None:
+            raise ValueError("FastDeploy's scheduler needs a KV block table: the model has no attention layer")
         self.manager = manager
         self.block_size = manager.block_size
-        self._owner: dict[int, RequestId] = {}  # KV block id -> request, for recycles without req_id
+        self.cache_config = cache_config
+        self.enable_prefix_caching = manager.prefix_cache is not None
+        self._pending: dict[RequestId, _Pending] = {}
         self._recycled: dict[RequestId, set[int]] = {}
+        self._copies: dict[RequestId, BlockCopies] = {}  # run before the request's next forward
+        self._checkpoints: dict[RequestId, BlockCopies] = {}  # run right after its next forward
 
-    # ---- PrefixCacheManager surface ------------------------------------------------------------
+    # ---- counts ---------------------------------------------------------------------------------
     @property
     def num_gpu_blocks(self) -> int:
         return self.manager.pool.num_usable
 
     @property
-    def gpu_free_block_list(self) -> _FreeBlocks:
-        return _FreeBlocks(self.manager)
-
-    @property
     def num_cpu_blocks(self) -> int:
-        return self.manager.host_pool.num_usable if self.manager.host_pool is not None else 0
-
-    @property
-    def available_gpu_resource(self) -> float:
-        return self.manager.num_available_blocks / self.num_gpu_blocks
+        """0: FastDeploy's hierarchical (CPU) cache is not behind this facade; swap is the manager's."""
+        return 0
 
     @property
     def num_state_blocks_per_request(self) -> int:
+        """Blocks of one request's state sets: what the WAITING branch adds to ``get_new_block_nums``."""
         return self.manager.num_state_blocks
 
+    @property
+    def num_free_device_blocks(self) -> int:
+        """Blocks an allocation can take now (free plus evictable), less what a pending hit pins."""
+        return self.manager.num_available_blocks - sum(p.num_pinned for p in self._pending.values())
+
+    @property
+    def gpu_free_block_list(self) -> _FreeBlocks:
+        return _FreeBlocks(self)
+
+    @property
+    def available_gpu_resource(self) -> float:
+        return self.num_free_device_blocks / self.num_gpu_blocks
+
     def can_allocate_gpu_blocks(self, num_blocks: int, try_free_gpu_blocks: bool = True) -> bool:
-        """True if ``num_blocks`` KV blocks plus one request's state sets (and the watermark) are free.
+        """True if ``num_blocks`` blocks can be taken now (evicting cached blocks as needed)."""
+        return num_blocks <= self.num_free_device_blocks
 
-        FastDeploy does not say which request asks, so this reserves state sets for a new request
-        every time: conservative for appends by ``num_state_blocks_per_request`` blocks, never
-        over-admitting. :meth:`blocks_needed` is the exact count for a known request.
+    can_allocate_device_blocks = can_allocate_gpu_blocks
+
+    @staticmethod
+    def get_required_block_num(input_token_num: int, block_size: int) -> int:
+        return cdiv(input_token_num, block_size)
+
+    # ---- allocation -----------------------------------------------------------------------------
+    def allocate_gpu_blocks(self, *args: Any, **kwargs: Any) -> list[int]:
+        """Legacy ``allocate_gpu_blocks(num_blocks, req_id)`` or v1 ``allocate_gpu_blocks(request, num_blocks)``.
+
+        Returns the new KV block ids for ``request.block_tables``. The first call of a request admits
+        it: ``num_blocks`` includes its state sets (:attr:`num_state_blocks_per_request`). Legacy
+        raises :class:`NoFreeBlocksError` (nothing changes); v1 returns ``[]`` on failure, as
+        FastDeploy's ``CacheManager`` does.
         """
-        need = num_blocks + self.manager.num_state_blocks + self.manager.watermark_blocks
-        return need <= self.manager.num_available_blocks
-
-    def blocks_needed(self, request_id: RequestId, num_blocks: int) -> int:
-        """Exact blocks ``allocate_gpu_blocks(num_blocks, request_id)`` takes (state sets on admission)."""
-        if request_id in self.manager.requests:
-            return num_blocks
-        return self.manager.blocks_to_admit(num_blocks * self.block_size) + self.manager.watermark_blocks
-
-    def allocate_gpu_blocks(self, num_blocks: int, req_id: RequestId | None = None) -> list[int]:
-        """``num_blocks`` new KV block ids of request ``req_id`` (admitting it with its state sets first).
-
-        Raises :class:`RequestStateError` without ``req_id`` (the manager allocates per request),
-        :class:`NoFreeBlocksError` / :class:`RequestTooLargeError` when the blocks are not there;
-        nothing changes then (FastDeploy asserts instead).
-        """
+        if args and not isinstance(args[0], int | np.integer):
+            request = args[0]
+            num_blocks = args[1] if len(args) > 1 else kwargs["num_blocks"]
+            try:
+                return self._allocate(request.request_id, int(num_blocks))
+            except (NoFreeBlocksError, RequestStateError):
+                return []
+        num_blocks = args[0] if args else kwargs["num_blocks"]
+        req_id = args[1] if len(args) > 1 else kwargs.get("req_id")
         if req_id is None:
             raise RequestStateError(
-                "allocate_gpu_blocks needs req_id: state sets are allocated per request. FastDeploy's newer "
-                "ResourceManagerV1._allocate_gpu_blocks passes it; older ones need the one-line patch in "
-                "docs/fastdeploy.md"
+                "allocate_gpu_blocks needs req_id: blocks belong to a request here. FastDeploy's "
+                "ResourceManagerV1 passes request.request_id; see docs/fastdeploy.md"
             )
-        tokens = num_blocks * self.block_size
-        if req_id in self.manager.requests:
-            self.manager.append(req_id, tokens)  # whole blocks: never a copy-on-write
-        else:
-            self.manager.allocate(req_id, tokens)
-        rec = self.manager.requests[req_id]
-        ids = rec.kv_blocks[rec.num_kv_blocks - num_blocks :].tolist() if num_blocks else []
-        for b in ids:
-            self._owner[b] = req_id
-        return ids
+        return self._allocate(req_id, int(num_blocks))
 
+    allocate_device_blocks = allocate_gpu_blocks
+
+    def _allocate(self, rid: RequestId, num_blocks: int) -> list[int]:
+        m, bs = self.manager, self.block_size
+        if num_blocks > self.num_free_device_blocks + self._own_pins(rid):
+            raise NoFreeBlocksError(f"allocate_gpu_blocks for {rid!r}", num_blocks, self.num_free_device_blocks)
+        rec = m.requests.get(rid)
+        if rec is not None:  # running: grow by whole blocks (the manager counts allocated token slots)
+            if num_blocks:
+                self._copies[rid] = self._copies.get(rid, BlockCopies.empty()).concat(m.append(rid, num_blocks * bs))
+            return rec.kv_blocks[rec.num_kv_blocks - num_blocks :].tolist()
+        num_kv = num_blocks - m.num_state_blocks
+        if num_kv < 0:
+            raise RequestStateError(
+                f"first allocate_gpu_blocks of {rid!r} asks {num_blocks} blocks, fewer than its "
+                f"{m.num_state_blocks} state blocks: add num_state_blocks_per_request where the WAITING branch "
+                "computes get_new_block_nums (docs/fastdeploy.md)"
+            )
+        pending = self._pending.get(rid)
+        shared = len(pending.block_ids) if pending else 0
+        tokens = pending.token_ids if pending else None
+        alloc = m.allocate(rid, (shared + num_kv) * bs, token_ids=tokens)
+        del_pending = self._pending.pop(rid, None)
+        rec = m.requests[rid]
+        if del_pending is not None and rec.kv_blocks[:shared].tolist() != del_pending.block_ids:
+            m.free(rid)  # the hit changed since request_match_blocks: refuse rather than mix blocks
+            raise RequestStateError(f"prefix hit of {rid!r} changed between match and allocation: match again")
+        if len(alloc.copies):
+            self._copies[rid] = alloc.copies
+        return rec.kv_blocks[shared:].tolist()
+
+    def _own_pins(self, rid: RequestId) -> int:
+        p = self._pending.get(rid)
+        return p.num_pinned if p else 0
+
+    # ---- release --------------------------------------------------------------------------------
     def recycle_gpu_blocks(self, gpu_block_ids: Iterable[int] | int, req_id: RequestId | None = None) -> None:
-        """Give KV ids back; when all of a request's KV ids are back, free the request (state too).
+        """Give KV ids back; once all of a request's KV ids are back, the request (state too) is freed.
 
-        Ids of requests already released (:meth:`release_block_ids`) are ignored, which is what
-        FastDeploy's ``_free_blocks`` does after ``release_block_ids`` with prefix caching on.
+        Ids of a request already released (``release_block_ids`` runs first under prefix caching) are
+        ignored. Without ``req_id`` the owner is the request holding all the ids.
         """
-        ids = [gpu_block_ids] if isinstance(gpu_block_ids, int | np.integer) else [int(b) for b in gpu_block_ids]
-        by_request: dict[RequestId, list[int]] = {}
-        for b in ids:
-            owner = self._owner.get(b)
-            if owner is not None and (req_id is None or owner == req_id):
-                by_request.setdefault(owner, []).append(b)
-        for rid, blocks in by_request.items():
-            back = self._recycled.setdefault(rid, set())
-            back.update(blocks)
-            if back.issuperset(self.manager.requests[rid].kv_blocks.tolist()):
-                self._free(rid)
+        ids = [int(gpu_block_ids)] if isinstance(gpu_block_ids, int | np.integer) else [int(b) for b in gpu_block_ids]
+        if not ids:
+            return
+        rid = req_id if req_id is not None else self._owner_of(ids)
+        rec = self.manager.requests.get(rid) if rid is not None else None
+        if rec is None:
+            return
+        back = self._recycled.setdefault(rid, set())
+        back.update(ids)
+        if back.issuperset(rec.kv_blocks.tolist()):
+            self._free(rid)
+
+    def _owner_of(self, ids: list[int]) -> RequestId | None:
+        want = set(ids)
+        for rid, rec in self.manager.requests.items():
+            if want.issubset(rec.kv_blocks.tolist()):
+                return rid
+        return None
 
     def release_block_ids(self, task: Any) -> None:
-        """Free everything ``task`` holds (KV and state sets)."""
-        if task.request_id in self.manager.requests:
-            self._free(task.request_id)
+        """Free everything ``task`` holds (KV, state sets, a pending prefix match)."""
+        self._free(task.request_id)
 
     release_block_ids_async = release_block_ids
 
-    @staticmethod
-    def get_required_block_num(token_num: int, block_size: int) -> int:
-        return cdiv(token_num, block_size)
+    def request_finish(self, request: Any) -> None:
+        """v1 ``CacheManager.request_finish``: cached KV blocks stay in the prefix cache, the rest is freed."""
+        self._free(request.request_id)
 
-    def update_cache_blocks(self, task: Any, block_size: int, num_computed_tokens: int) -> None:
-        """No prefix cache behind this facade yet: nothing is cached."""
-        task.num_cached_blocks = 0
+    def free_block_ids(self, need_block_num: int) -> None:
+        """Cached blocks are evicted on allocation (they count as available already): nothing to do."""
 
-    def request_match_blocks(self, task: Any, block_size: int) -> tuple[list[int], int, dict]:
-        return [], 0, {}
+    free_block_ids_async = free_block_ids
 
-    # ---- ResourceManager surface ---------------------------------------------------------------
-    def available_block_num(self) -> int:
-        return self.manager.num_available_blocks
-
-    def total_block_number(self) -> int:
-        return self.num_gpu_blocks
-
-    def get_gpu_cache_usage_perc(self) -> float:
-        return 1.0 - self.available_gpu_resource
-
-    def allocate_request(self, request: Any, num_new_tokens: int) -> list[int]:
-        """Request-level path: grow ``request.block_tables`` to cover ``num_computed_tokens + num_new_tokens``
-        (admitting the request with its state sets on first use); returns the new ids."""
-        total = cdiv(request.num_computed_tokens + num_new_tokens, self.block_size)
-        new = self.allocate_gpu_blocks(max(total - len(request.block_tables), 0), request.request_id)
-        request.block_tables.extend(new)
-        return new
-
-    def free_request(self, request: Any) -> None:
-        """``ResourceManagerV1._free_blocks``: KV and state sets back, ``block_tables`` emptied."""
-        if request.request_id in self.manager.requests:
-            self._free(request.request_id)
-        request.block_tables = []
-        request.num_cached_blocks = 0
-
-    def trigger_preempt(
-        self,
-        running: MutableSequence[Any],
-        request: Any,
-        num_new_blocks: int,
-        preempted_reqs: list[Any],
-        scheduled_reqs: list[Any],
-        preempt_task: Callable[[Any], Any] | None = None,
-    ) -> bool:
-        """``ResourceManagerV1._trigger_preempt`` with the exact count: pop the newest running request
-        (recompute: blocks freed, ``num_computed_tokens = 0``) until ``request`` can get its
-        ``num_new_blocks``. Returns False if ``request`` itself had to go. ``preempt_task(req)``
-        builds the task appended to ``scheduled_reqs`` (default: the request)."""
-        while self.blocks_needed(request.request_id, num_new_blocks) > self.manager.num_available_blocks:
-            if not running:
-                return False
-            victim = running.pop()
-            self.free_request(victim)
-            victim.num_computed_tokens = 0
-            preempted_reqs.append(victim)
-            scheduled_reqs.append(preempt_task(victim) if preempt_task else victim)
-            if victim is request:
-                return False
-        return True
-
-    def state_block_tables(self, request_ids_by_slot: Sequence[RequestId | None]) -> np.ndarray:
-        """``[num_state_groups, num_slots, blocks_per_state]`` int32 in FastDeploy's batch-slot order
-        (``request.idx``): row ``i`` holds the live state sets of the request in slot ``i``; empty
-        slots (None) are null rows."""
-        m = self.manager
-        table = np.zeros((m.num_state_groups, len(request_ids_by_slot), m.blocks_per_state), dtype=np.int32)
-        live = [(i, rid) for i, rid in enumerate(request_ids_by_slot) if rid is not None]
-        if live:
-            rows, rids = zip(*live, strict=True)
-            table[:, list(rows)] = m.state_table(list(rids))
-        return table
-
-    def attach_slots(
-        self,
-        forward_meta: Any,
-        pools: Any,
-        request_ids_by_slot: Sequence[RequestId | None],
-        num_layers: int | None = None,
-    ) -> Any:
-        """For FastDeploy's own scheduler and runner (rows = batch slots, ``block_tables`` and sequence
-        lengths filled by the runner): set ``caches``, ``state_block_tables``, ``state_layer_slots`` and
-        ``has_initial_state`` (``seq_lens_decoder > 0``). Returns ``forward_meta``."""
-        slots = _slot_tensors(pools)
-        layout = self.manager.layout
-        forward_meta.caches = kv_cache_list(layout, slots, num_layers)
-        forward_meta.state_block_tables = _like(self.state_block_tables(request_ids_by_slot), slots[0])
-        forward_meta.state_layer_slots = state_layer_slots(layout, slots)
-        if forward_meta.seq_lens_decoder is not None:
-            forward_meta.has_initial_state = forward_meta.seq_lens_decoder.reshape([-1]) > 0
-        return forward_meta
-
-    def attach(self, forward_meta: Any, metadata: StepMetadata, pools: Any, **kwargs: Any) -> Any:
-        """:func:`attach` (rows in the order of a :class:`~hybridkv.scheduler_adapter.Scheduler` plan)."""
-        return attach(forward_meta, metadata, pools, **kwargs)
+    def write_cache_to_storage(self, req: Any) -> None:
+        """No storage backend behind this facade: nothing to write (FastDeploy calls it on every finish)."""
 
     def _free(self, rid: RequestId) -> None:
-        for b in self.manager.requests[rid].kv_blocks.tolist():
-            self._owner.pop(b, None)
+        self._pending.pop(rid, None)
         self._recycled.pop(rid, None)
-        self.manager.free(rid)
+        self._copies.pop(rid, None)
+        self._checkpoints.pop(rid, None)
+        rec = self.manager.requests.get(rid)
+        if rec is not None:
+            self.manager.free(rid)
+
+    # ---- prefix caching -------------------------------------------------------------------------
+    def request_match_blocks(self, task: Any, block_size: int, *args: Any) -> tuple[list[int], int, dict]:
+        """Legacy match: ``(common_block_ids, matched_token_num, hit_info)``; the request is admitted by
+        the next ``allocate_gpu_blocks`` (which shares these blocks and copies the checkpoint)."""
+        if block_size != self.block_size:
+            raise ValueError(f"block_size {block_size} differs from the layout's {self.block_size}")
+        p = self._match(task)
+        hit = p.num_cached_tokens
+        task.num_cached_blocks = task.cached_block_num = len(p.block_ids)
+        hit_info = {
+            "gpu_cache_blocks": len(p.block_ids),
+            "cpu_cache_blocks": 0,
+            "gpu_match_token_num": hit,
+            "cpu_match_token_num": 0,
+            "storage_match_token_num": 0,
+            "match_gpu_block_ids": list(p.block_ids),
+            "gpu_recv_block_ids": [],
+            "match_storage_block_ids": [],
+            "cpu_cache_prepare_time": 0.0,
+            "storage_cache_prepare_time": 0.0,
+        }
+        return list(p.block_ids), hit, hit_info
+
+    def match_prefix(self, request: Any, skip_storage: bool = True) -> None:
+        """v1 match: sets ``request.match_result`` (device nodes = the hit's KV blocks)."""
+        p = self._match(request)
+        result = MatchResult([_Node(b) for b in p.block_ids])
+        request._match_result = result
+        try:
+            request.match_result = result
+        except AttributeError:  # FastDeploy's Request exposes it as a read-only property
+            pass
+
+    def _match(self, task: Any) -> _Pending:
+        rid = task.request_id
+        self._pending.pop(rid, None)
+        tokens = _token_ids(task)
+        m, cache = self.manager, self.manager.prefix_cache
+        if cache is None or rid in m.requests:
+            p = _Pending(tokens, 0, [], 0)
+        else:
+            need = int(getattr(task, "need_prefill_tokens", None) or len(tokens))
+            plan = m.plan_admission(need, token_ids=tokens)
+            hit = cache.match(tokens, need)
+            if plan.num_cached_tokens and hit.num_tokens == plan.num_cached_tokens:
+                p = _Pending(
+                    tokens,
+                    hit.num_tokens,
+                    [n.kv_block for n in hit.nodes],
+                    cache.num_pinned(hit),
+                    hit.num_matched_tokens,
+                )
+            else:
+                p = _Pending(tokens, 0, [], 0, hit.num_matched_tokens)
+        self._pending[rid] = p
+        return p
+
+    def update_cache_blocks(self, task: Any, block_size: int, num_computed_tokens: int) -> None:
+        """After a prefill chunk is scheduled: record its full blocks as cached, and if the chunk ends
+        where the checkpoint policy wants the state, reserve the checkpoint; its copy runs right after
+        the chunk's forward (``checkpoint_copies`` of the task)."""
+        task.num_cached_blocks = task.cached_block_num = num_computed_tokens // self.block_size
+        rid = task.request_id
+        rec = self.manager.requests.get(rid)
+        if rec is None or self.manager.prefix_cache is None or rec.num_tokens != num_computed_tokens:
+            return  # a speculative look-ahead block or a chunk ending mid-block: no exact state position
+        copies = self.manager.checkpoint(rid)
+        if len(copies):
+            self._checkpoints[rid] = self._checkpoints.get(rid, BlockCopies.empty()).concat(copies)
+
+    def next_checkpoint_position(self, request: Any) -> int | None:
+        """Input position where the next prefill chunk of ``request`` should end so that the state
+        there can be checkpointed (``_get_num_new_tokens`` caps the chunk at it), or None."""
+        cache, rid, bs = self.manager.prefix_cache, request.request_id, self.block_size
+        rec = self.manager.requests.get(rid)
+        if cache is None:
+            return None
+        if rec is not None:
+            tokens, branch = rec.token_ids, rec.branch_tokens
+        else:
+            pending = self._pending.get(rid)
+            tokens, branch = (pending.token_ids, pending.branch_tokens) if pending else (None, 0)
+        if tokens is None:
+            return None
+        for pos in range((request.num_computed_tokens // bs + 1) * bs, len(tokens) + 1, bs):
+            if cache.wants_checkpoint(pos, len(tokens), branch):
+                return pos
+        return None
+
+    def cache_output_blocks(self, request: Any, block_size: int) -> None:
+        """Output tokens are not cached (their KV has no checkpoint to pair with): nothing to do."""
+
+    def begin_step(self) -> None:
+        """Call at the start of ``schedule()``: the copies that pinned checkpoints were sent in earlier
+        steps, so those checkpoints may be evicted again."""
+        self.manager.release_pins()
+
+    # ---- configuration --------------------------------------------------------------------------
+    def update_cache_config(self, cache_config: Any) -> None:
+        """``ResourceManager.reset_cache_config`` after the worker's profiling run: the pool is the
+        layout's, so ``total_block_num`` must equal it (the worker patch computes it from the layout)."""
+        self.cache_config = cache_config
+        total = getattr(cache_config, "total_block_num", None)
+        if total is not None and int(total) != self.manager.layout.num_blocks:
+            raise ValueError(
+                f"cache_config.total_block_num={total} but the hybrid layout has {self.manager.layout.num_blocks} "
+                "blocks: compute num_gpu_blocks from plan(...).num_blocks in the worker (docs/fastdeploy.md)"
+            )
+
+    def issue_pending_backup_to_batch_request(self) -> None:
+        return None
+
+    def get_pending_backup_count(self) -> int:
+        return 0
+
+    # ---- task payload -------------------------------------------------------------------------------
+    def state_block_table(self, request_id: RequestId) -> list[list[int]]:
+        """The request's live state sets, one list of ``blocks_per_state[g]`` ids per state group."""
+        rec = self.manager.requests[request_id]
+        return [rec.state[g, :n].tolist() for g, n in enumerate(self.manager.layout.blocks_per_state)]
+
+    def task_fields(self, request_id: RequestId) -> dict[str, Any]:
+        """What the prefill ``Request`` / ``ScheduledDecodeTask`` of this step carries to the worker
+        (:data:`HYBRID_TASK_FIELDS`): the state sets, ``[[src], [dst]]`` block copies to run before
+        the forward (prefix-hit checkpoint -> live, copy-on-write) and after it (live -> checkpoint).
+        Taking them clears the pending copies."""
+        pre = self._copies.pop(request_id, BlockCopies.empty())
+        post = self._checkpoints.pop(request_id, BlockCopies.empty())
+        return {
+            "state_block_tables": self.state_block_table(request_id),
+            "state_copies": [pre.src.tolist(), pre.dst.tolist()],
+            "checkpoint_copies": [post.src.tolist(), post.dst.tolist()],
+        }
+
+    # ---- step metadata (hybridkv Scheduler path) ------------------------------------------------
+    def attach(self, forward_meta: Any, metadata: StepMetadata, caches: FastDeployCaches, **kw: Any) -> Any:
+        return attach(forward_meta, metadata, caches, **kw)
 
 
-# ---- ForwardMeta --------------------------------------------------------------------------------
-class StateLayerSlot(NamedTuple):
-    """Where a recurrent layer's state lives: state group (row of ``state_block_tables``), layer slot,
-    and that slot's tensor ``[num_segments, num_blocks, segment_bytes]`` uint8 (the same memory the
-    attention layer of that slot sees through ``caches``)."""
+def attach(forward_meta: Any, metadata: StepMetadata, caches: FastDeployCaches, set_seq_lens: bool = False) -> Any:
+    """Fill ``forward_meta`` for one step planned by hybridkv's own :class:`Scheduler` (rows = plan order).
 
-    layer_id: int
-    group: int
-    slot: int
-    pool: Any
-
-
-def _slot_tensors(pools: Any) -> list[Any]:
-    if hasattr(pools, "slots"):
-        return list(pools.slots())
-    return list(pools)
-
-
-def _is_paddle(t: Any) -> bool:
-    return type(t).__module__.startswith("paddle")
-
-
-def _view(t: Any, dtype: DType, shape: Sequence[int]) -> Any:
-    if _is_paddle(t):
-        import paddle
-
-        return t.view(getattr(paddle, dtype.value)).reshape(list(shape))
-    import torch
-
-    return t.view(getattr(torch, dtype.value)).view(*shape)
-
-
-def _like(arr: np.ndarray, like: Any) -> Any:
-    """``arr`` as a tensor of ``like``'s framework, on its device."""
-    if _is_paddle(like):
-        import paddle
-
-        return paddle.to_tensor(arr, place=like.place)
-    import torch
-
-    return torch.from_numpy(np.ascontiguousarray(arr)).to(like.device)
-
-
-def kv_cache_list(layout: Layout, slots: Sequence[Any], num_layers: int | None = None) -> list[Any]:
-    """FastDeploy's ``caches``: entry ``2*l`` / ``2*l+1`` is attention layer ``l``'s K / V view,
-    ``[num_blocks, kv_heads, block_size, head_dim]`` of the layer slot holding it; entries of layers
-    without KV are None (FastDeploy allocates a pair for every layer; no backend reads those).
-    ``num_layers`` defaults to the model's layer count."""
-    n = len(layout.model.layers) if num_layers is None else num_layers
-    caches: list[Any] = [None] * (2 * n)
-    kv = layout.kv_group
-    if kv is None:
-        return caches
-    for slot, layer_id in enumerate(kv.layer_ids):
-        if layer_id is None:
-            continue
-        spec = layout.model.layers[layer_id]
-        assert isinstance(spec, AttentionLayerSpec)
-        t = slots[slot]
-        shape = (t.shape[1], spec.num_kv_heads, layout.block_size, spec.head_dim)
-        caches[2 * layer_id] = _view(t[0], spec.dtype, shape)
-        caches[2 * layer_id + 1] = _view(t[1], spec.dtype, shape)
-    return caches
-
-
-def state_layer_slots(layout: Layout, slots: Sequence[Any]) -> dict[int, StateLayerSlot]:
-    """Model layer id -> :class:`StateLayerSlot` for every recurrent layer."""
-    out = {}
-    for g, group in enumerate(layout.state_groups):
-        for slot, layer_id in enumerate(group.layer_ids):
-            if layer_id is not None:
-                out[layer_id] = StateLayerSlot(layer_id, g, slot, slots[slot])
-    return out
-
-
-def attach(
-    forward_meta: Any, metadata: StepMetadata, pools: Any, num_layers: int | None = None, set_seq_lens: bool = False
-) -> Any:
-    """Fill ``forward_meta`` (FastDeploy's ``ForwardMeta`` or anything with its field names) for one step.
-
-    ``pools``: a :class:`hybridkv.ops.pools.BlockPools` or a list of layer slot tensors
-    ``[num_segments, num_blocks, segment_bytes]`` uint8 (torch or paddle). Sets ``caches``,
-    ``block_tables`` int32 ``[B, W]``, ``state_block_tables`` int32 ``[G, B, blocks_per_state]``,
-    ``speculative_state_block_tables`` int32 ``[K, G, B, blocks_per_state]``, ``state_layer_slots``,
+    Sets ``caches`` (:func:`kv_cache_list`), ``block_tables`` int32 ``[B, W]``, ``state_block_tables``
+    int32 ``[G, B, blocks_per_state]``, ``speculative_state_block_tables``, ``state_layer_slots``,
     ``has_initial_state`` bool ``[B]``, ``hybridkv_metadata``; with ``set_seq_lens`` also the
-    sequence lengths, ``cu_seqlens_q/k`` and ``batch_id_per_token`` (FastDeploy's runner normally
-    fills those itself). Returns ``forward_meta``.
+    sequence lengths, ``cu_seqlens_q/k`` and ``batch_id_per_token``. Under FastDeploy's own
+    scheduler use :class:`StateTables` instead (persistent buffers indexed by ``request.idx``).
+    These tensors are new each call: this path is for tests and the simulator, not CUDA graphs.
     """
-    slots = _slot_tensors(pools)
     layout = metadata.layout
-    if len(slots) != layout.num_layer_slots:
-        raise ValueError(f"pools have {len(slots)} layer slots, the layout has {layout.num_layer_slots}")
-    like = slots[0]
-    forward_meta.caches = kv_cache_list(layout, slots, num_layers)
-    forward_meta.block_tables = _like(metadata.block_tables, like)
-    forward_meta.state_block_tables = _like(metadata.state_tables, like)
-    forward_meta.speculative_state_block_tables = _like(metadata.speculative_state_tables, like)
-    forward_meta.state_layer_slots = state_layer_slots(layout, slots)
-    forward_meta.has_initial_state = _like(metadata.has_initial_state, like)
+    if caches.layout is not layout:
+        raise ValueError("the caches were allocated for a different layout than the step metadata")
+    forward_meta.caches = caches.caches
+    forward_meta.block_tables = caches.to_tensor(metadata.block_tables)
+    forward_meta.state_block_tables = caches.to_tensor(metadata.state_tables)
+    forward_meta.speculative_state_block_tables = caches.to_tensor(metadata.speculative_state_tables)
+    forward_meta.state_layer_slots = state_layer_slots(caches)
+    forward_meta.has_initial_state = caches.to_tensor(metadata.has_initial_state)
     forward_meta.hybridkv_metadata = metadata
     if set_seq_lens:
         for name in ("seq_lens_encoder", "seq_lens_decoder", "seq_lens_this_time", "cu_seqlens_q", "cu_seqlens_k"):
-            setattr(forward_meta, name, _like(getattr(metadata, name), like))
-        forward_meta.batch_id_per_token = _like(metadata.batch_id_per_token, like)
+            setattr(forward_meta, name, caches.to_tensor(getattr(metadata, name)))
+        forward_meta.batch_id_per_token = caches.to_tensor(metadata.batch_id_per_token)
     return forward_meta
+
+
+__all__ = [
+    "HYBRID_TASK_FIELDS",
+    "FastDeployBlockManager",
+    "FastDeployCaches",
+    "MatchResult",
+    "StateLayerSlot",
+    "StateTables",
+    "attach",
+    "kv_cache_list",
+    "state_layer_slots",
+]

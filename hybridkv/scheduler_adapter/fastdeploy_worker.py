@@ -1,0 +1,347 @@
+"""FastDeploy drop-in, worker side: the cache tensors and the persistent state tables of a batch.
+
+FastDeploy's cache manager lives in the engine process and its model runner in the worker process.
+What crosses between them is the task list (``Request`` for prefill, ``ScheduledDecodeTask``,
+``ScheduledPreemptTask``). The engine facade adds three fields to the prefill and decode tasks
+(:data:`~hybridkv.scheduler_adapter.fastdeploy.HYBRID_TASK_FIELDS`); here they land in buffers
+indexed by the batch slot ``request.idx``:
+
+- :class:`FastDeployCaches`: every tensor FastDeploy sees in ``caches`` is its own allocation
+  starting at offset 0 (FastDeploy shares caches with the cache-transfer process by name through
+  ``set_data_ipc``, a CUDA IPC handle of the allocation, so a view at an offset would map the wrong
+  memory there). A layer slot is ``num_segments`` allocations ``[num_blocks, segment_bytes]``
+  uint8 (K, V) plus, for ``block_wise_fp8``, two scale allocations. Recurrent state lives in the
+  same K/V allocations, addressed per segment base pointer (:func:`read_state_bytes`).
+- :func:`kv_cache_list`: the one function that builds FastDeploy's ``caches``:
+  ``caches[2*l]`` / ``[2*l+1]`` (``[4*l .. 4*l+3]`` with scales) for attention layer ``l``.
+- :class:`StateTables`: ``state_block_tables`` int32 ``[num_state_groups, max_num_seqs,
+  blocks_per_state]``, allocated once and updated in place from the tasks, like FastDeploy's
+  ``share_inputs["block_tables"]``; rows without a live request are -1, FastDeploy's padding.
+
+torch and paddle are imported lazily.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from hybridkv.blockmgr.layout import Layout
+from hybridkv.blockmgr.spec import AttentionLayerSpec, DType
+
+PAD_BLOCK = -1
+"""FastDeploy pads ``block_tables`` rows with -1; state tables use the same value."""
+
+
+def _framework_of(t: Any) -> str:
+    return "paddle" if type(t).__module__.startswith("paddle") else "torch"
+
+
+def _dtype(framework: str, dtype: DType | str) -> Any:
+    name = dtype.value if isinstance(dtype, DType) else dtype
+    if framework == "paddle":
+        import paddle
+
+        return getattr(paddle, name)
+    import torch
+
+    return getattr(torch, name)
+
+
+def _zeros(framework: str, shape: Sequence[int], dtype: str, device: str) -> Any:
+    if framework == "paddle":
+        import paddle
+
+        place = paddle.CPUPlace() if device == "cpu" else paddle.CUDAPlace(int(device.split(":")[-1] or 0))
+        return (
+            paddle.zeros(list(shape), dtype=dtype).to(place)
+            if device != "cpu"
+            else paddle.zeros(list(shape), dtype=dtype)
+        )
+    import torch
+
+    return torch.zeros(tuple(shape), dtype=getattr(torch, dtype), device=device)
+
+
+def _view(t: Any, dtype: str, shape: Sequence[int]) -> Any:
+    """``t`` (uint8, offset 0) seen as ``dtype`` of ``shape``: same memory, same start."""
+    if _framework_of(t) == "paddle":
+        import paddle
+
+        v = t if dtype == "uint8" else t.view(getattr(paddle, dtype))
+        return v.reshape(list(shape))
+    import torch
+
+    v = t if dtype == "uint8" else t.view(getattr(torch, dtype))
+    return v.view(*shape)
+
+
+def allocation_start(t: Any) -> int:
+    """Address of the start of the allocation ``t`` lives in (torch storage / paddle holder)."""
+    if _framework_of(t) == "paddle":
+        return t.data_ptr() - t._offset()
+    return t.untyped_storage().data_ptr()
+
+
+def is_own_allocation(t: Any) -> bool:
+    """``t`` starts at its allocation's start and spans all of it (what ``set_data_ipc`` needs)."""
+    if _framework_of(t) == "paddle":
+        nbytes = int(np.prod(t.shape)) * t.element_size()
+        return t._offset() == 0 and t._holder_size() == nbytes
+    return t.data_ptr() == t.untyped_storage().data_ptr() and t.untyped_storage().nbytes() == t.nbytes
+
+
+@dataclass(frozen=True, eq=False)
+class FastDeployCaches:
+    """The cache tensors of one worker: one allocation per (layer slot, segment), plus scales.
+
+    ``segments[s][k]``: uint8 ``[num_blocks, segment_bytes]``, segment ``k`` (K, V) of layer slot ``s``.
+    ``scales[s]``: ``(k_scale, v_scale)`` float32 ``[num_blocks, kv_heads, block_size]`` when the KV
+    cache is ``block_wise_fp8``, else None. ``caches`` is FastDeploy's list, built once by
+    :func:`kv_cache_list`. The object owns the memory; keep it alive as long as the runner runs.
+    """
+
+    layout: Layout
+    num_layers: int
+    framework: str
+    device: str
+    segments: tuple[tuple[Any, ...], ...]
+    scales: tuple[tuple[Any, Any] | None, ...]
+    caches: list[Any] = field(default_factory=list)
+
+    @property
+    def stride(self) -> int:
+        """Entries of ``caches`` per model layer: 4 with ``block_wise_fp8`` scales, else 2."""
+        return 4 if any(s is not None for s in self.scales) else 2
+
+    def to_tensor(self, arr: np.ndarray) -> Any:
+        """A new tensor of the caches' framework and device holding ``arr``."""
+        if self.framework == "paddle":
+            import paddle
+
+            return paddle.to_tensor(np.ascontiguousarray(arr), place=self.segments[0][0].place)
+        import torch
+
+        return torch.from_numpy(np.ascontiguousarray(arr)).to(self.device)
+
+    def names(self, rank: int = 0, device_id: int = 0) -> list[str | None]:
+        """The names FastDeploy shares ``caches`` under (``key_caches_{l}_rank{r}.device{d}`` ...), None
+        where ``caches`` has no tensor."""
+        kinds = ("key_caches", "value_caches", "key_cache_scales", "value_cache_scales")[: self.stride]
+        out: list[str | None] = []
+        for i, t in enumerate(self.caches):
+            kind = kinds[i % self.stride]
+            out.append(None if t is None else f"{kind}_{i // self.stride}_rank{rank}.device{device_id}")
+        return out
+
+
+def allocate_caches(
+    layout: Layout, num_layers: int | None = None, framework: str = "paddle", device: str = "cpu"
+) -> FastDeployCaches:
+    """Allocate a worker's caches for ``layout``: ``num_segments`` uint8 ``[num_blocks, segment_bytes]``
+    tensors per layer slot (each its own allocation, zero-filled), scale tensors for
+    ``block_wise_fp8`` attention, and FastDeploy's ``caches`` list over them. ``num_layers`` defaults
+    to the model's layer count (FastDeploy's ``num_hidden_layers``)."""
+    n = len(layout.model.layers) if num_layers is None else num_layers
+    kv = layout.kv_group
+    attn = _attention_spec(layout)
+    segments, scales = [], []
+    for slot in range(layout.num_layer_slots):
+        segs = tuple(
+            _zeros(framework, (layout.num_blocks, layout.segment_bytes), "uint8", device)
+            for _ in range(layout.num_segments)
+        )
+        segments.append(segs)
+        has_attn = kv is not None and kv.layer_ids[slot] is not None
+        if has_attn and attn is not None and attn.kv_scale_dtype is not None:
+            shape = (layout.num_blocks, attn.num_kv_heads, layout.block_size)
+            dt = attn.kv_scale_dtype.value
+            scales.append((_zeros(framework, shape, dt, device), _zeros(framework, shape, dt, device)))
+        else:
+            scales.append(None)
+    out = FastDeployCaches(layout, n, framework, device, tuple(segments), tuple(scales))
+    out.caches.extend(kv_cache_list(out))
+    return out
+
+
+def _attention_spec(layout: Layout) -> AttentionLayerSpec | None:
+    kv = layout.kv_group
+    if kv is None:
+        return None
+    layer_id = next(i for i in kv.layer_ids if i is not None)
+    spec = layout.model.layers[layer_id]
+    assert isinstance(spec, AttentionLayerSpec)
+    return spec
+
+
+def kv_cache_list(caches: FastDeployCaches) -> list[Any]:
+    """FastDeploy's ``caches`` over ``caches.segments``: for attention layer ``l`` in slot ``s``,
+    entry ``stride*l`` is K ``[num_blocks, kv_heads, block_size, head_dim]`` (the attention dtype,
+    uint8 for int8 / fp8 KV as FastDeploy stores them), ``stride*l+1`` V, and with
+    ``block_wise_fp8`` ``stride*l+2`` / ``+3`` the K / V scales ``[num_blocks, kv_heads, block_size]``.
+    Each entry starts at its own allocation's start. Layers without KV get None: FastDeploy's loops
+    over ``caches`` (``set_data_ipc``, cache transfer) skip them (docs/fastdeploy.md)."""
+    layout, stride = caches.layout, caches.stride
+    out: list[Any] = [None] * (stride * caches.num_layers)
+    kv = layout.kv_group
+    if kv is None:
+        return out
+    for slot, layer_id in enumerate(kv.layer_ids):
+        if layer_id is None:
+            continue
+        spec = layout.model.layers[layer_id]
+        assert isinstance(spec, AttentionLayerSpec)
+        dtype = "uint8" if spec.dtype.itemsize == 1 else spec.dtype.value
+        shape = (layout.num_blocks, spec.num_kv_heads, layout.block_size, spec.head_dim)
+        k, v = caches.segments[slot][:2]
+        out[stride * layer_id] = _view(k, dtype, shape)
+        out[stride * layer_id + 1] = _view(v, dtype, shape)
+        if stride == 4 and caches.scales[slot] is not None:
+            out[stride * layer_id + 2], out[stride * layer_id + 3] = caches.scales[slot]  # type: ignore[misc]
+    return out
+
+
+# ---- recurrent state through the same allocations ---------------------------------------------------
+class StateLayerSlot(NamedTuple):
+    """Where a recurrent layer's state lives: its state group (row of ``state_block_tables``), its
+    layer slot, and that slot's segment allocations (uint8 ``[num_blocks, segment_bytes]`` each, the
+    memory ``caches`` shows attention as K and V)."""
+
+    layer_id: int
+    group: int
+    slot: int
+    segments: tuple[Any, ...]
+
+
+def state_layer_slots(caches: FastDeployCaches) -> dict[int, StateLayerSlot]:
+    """Model layer id -> :class:`StateLayerSlot` for every recurrent layer."""
+    out = {}
+    for g, group in enumerate(caches.layout.state_groups):
+        for slot, layer_id in enumerate(group.layer_ids):
+            if layer_id is not None:
+                out[layer_id] = StateLayerSlot(layer_id, g, slot, caches.segments[slot])
+    return out
+
+
+def _state_spans(layout: Layout, blocks: Sequence[int], nbytes: int) -> list[tuple[int, int, int, int]]:
+    """``(segment, block, offset, length)`` pieces of a state's first ``nbytes`` flat bytes: block
+    ``j`` of the set holds bytes ``[j*block_bytes, (j+1)*block_bytes)``, segment by segment."""
+    spans, seg = [], layout.segment_bytes
+    for j, block in enumerate(blocks):
+        for k in range(layout.num_segments):
+            start = j * layout.block_bytes + k * seg
+            if start >= nbytes:
+                return spans
+            spans.append((k, int(block), start, min(seg, nbytes - start)))
+    return spans
+
+
+def read_state_bytes(slot: StateLayerSlot, layout: Layout, blocks: Sequence[int], nbytes: int) -> np.ndarray:
+    """Reference read of one state: ``nbytes`` uint8 from the state set ``blocks`` (per-segment base
+    pointers: byte ``o`` of segment ``k`` of block ``b`` is at ``segments[k] + b*segment_bytes + o``)."""
+    out = np.empty(nbytes, dtype=np.uint8)
+    for k, block, start, length in _state_spans(layout, blocks, nbytes):
+        out[start : start + length] = np.asarray(slot.segments[k][block, :length].numpy())
+    return out
+
+
+def write_state_bytes(slot: StateLayerSlot, layout: Layout, blocks: Sequence[int], data: np.ndarray) -> None:
+    """Reference write of one state's flat bytes into the state set ``blocks``, in place."""
+    for k, block, start, length in _state_spans(layout, blocks, data.size):
+        seg = slot.segments[k]
+        piece = data[start : start + length]
+        if _framework_of(seg) == "paddle":
+            import paddle
+
+            seg[block, :length] = paddle.to_tensor(piece, dtype="uint8", place=seg.place)
+        else:
+            import torch
+
+            seg[block, :length] = torch.from_numpy(np.ascontiguousarray(piece)).to(seg.device)
+
+
+# ---- state tables in persistent buffers ---------------------------------------------------------------
+def _task_kind(task: Any) -> str:
+    kind = getattr(task, "task_type", None)
+    return str(getattr(kind, "name", kind)).upper()
+
+
+class StateTables:
+    """``state_block_tables`` int32 ``[num_state_groups, max_num_seqs, blocks_per_state]`` of a worker,
+    allocated once, row ``i`` = the request in batch slot ``i`` (``request.idx``), updated in place.
+
+    :meth:`apply` takes the tasks of a step as FastDeploy's runner does in ``insert_tasks_v1``:
+    prefill and decode tasks carrying ``state_block_tables`` set their row; preempted tasks (and
+    :meth:`release`, for a slot the runner marks stopped) set it to -1. A group with fewer
+    ``blocks_per_state`` than the widest has its row tail -1 as well. The tensor object and its
+    memory never change, so CUDA graphs may capture it.
+    """
+
+    def __init__(self, layout: Layout, max_num_seqs: int, framework: str = "paddle", device: str = "cpu") -> None:
+        self.layout = layout
+        self.max_num_seqs = max_num_seqs
+        self.blocks_per_state = layout.blocks_per_state
+        width = max(self.blocks_per_state, default=0)
+        shape = (layout.num_state_groups, max_num_seqs, width)
+        self.framework = framework
+        self.state_block_tables = _zeros(framework, shape, "int32", device)
+        self.state_block_tables[...] = PAD_BLOCK
+        self.request_ids: list[Any] = [None] * max_num_seqs
+
+    def apply(self, tasks: Iterable[Any]) -> None:
+        """Update the rows the tasks of one step name (same tensor, same memory)."""
+        for task in tasks:
+            kind = _task_kind(task)
+            if kind == "PREEMPTED":
+                self.release(task.idx)
+            elif kind in ("PREFILL", "DECODE"):
+                tables = getattr(task, "state_block_tables", None)
+                if tables is not None:
+                    self.set_row(task.idx, tables, task.request_id)
+
+    def set_row(self, idx: int, tables: Sequence[Sequence[int]], request_id: Any = None) -> None:
+        if len(tables) != self.layout.num_state_groups:
+            raise ValueError(f"state_block_tables has {len(tables)} groups, the layout {self.layout.num_state_groups}")
+        row = np.full(self.state_block_tables.shape[::2], PAD_BLOCK, dtype=np.int32)
+        for g, ids in enumerate(tables):
+            if len(ids) != self.blocks_per_state[g]:
+                raise ValueError(f"state group {g} needs {self.blocks_per_state[g]} block ids, got {len(ids)}")
+            row[g, : len(ids)] = ids
+        self._write(idx, row)
+        self.request_ids[idx] = request_id
+
+    def release(self, idx: int) -> None:
+        """Slot ``idx`` holds no request: its row becomes -1 (kernels writing state in place skip it)."""
+        self._write(idx, np.full(self.state_block_tables.shape[::2], PAD_BLOCK, dtype=np.int32))
+        self.request_ids[idx] = None
+
+    def _write(self, idx: int, row: np.ndarray) -> None:
+        buf = self.state_block_tables
+        if self.framework == "paddle":
+            buf[:, idx, :] = row  # paddle's set_value: in place, as FastDeploy fills block_tables
+        else:
+            import torch
+
+            buf[:, idx, :] = torch.from_numpy(row)
+
+    def numpy(self) -> np.ndarray:
+        return np.asarray(
+            self.state_block_tables.cpu().numpy() if self.framework == "torch" else self.state_block_tables.numpy()
+        )
+
+
+def attach_worker(forward_meta: Any, caches: FastDeployCaches, tables: StateTables) -> Any:
+    """Set ``caches``, ``state_block_tables`` and ``state_layer_slots`` on ``forward_meta`` (after
+    ``initialize_forward_meta``). Always the same objects: nothing is allocated per step.
+    ``has_initial_state`` of a row is ``seq_lens_decoder[idx] > 0``, read by the kernel itself."""
+    forward_meta.caches = caches.caches
+    forward_meta.state_block_tables = tables.state_block_tables
+    slots = caches.__dict__.get("_state_layer_slots")
+    if slots is None:
+        slots = state_layer_slots(caches)
+        object.__setattr__(caches, "_state_layer_slots", slots)
+    forward_meta.state_layer_slots = slots
+    return forward_meta
