@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -28,26 +28,71 @@ class TraceRequest:
     hash_ids: tuple[int, ...]
 
 
-def load_trace(path: str | Path = DEFAULT_TRACE, limit: int | None = None) -> list[TraceRequest]:
-    """Read a Mooncake-style jsonl trace; raises ``FileNotFoundError`` naming the path."""
+class TraceError(ValueError):
+    """A trace line that is not a request; the message names the file and the line (1-based)."""
+
+
+def _parse_line(line: str, where: str, index: int) -> TraceRequest:
+    try:
+        d = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise TraceError(f"{where}: not JSON ({e.msg})") from None
+    if not isinstance(d, dict):
+        raise TraceError(f"{where}: expected an object with timestamp, input_length, output_length, hash_ids")
+    missing = [k for k in ("timestamp", "input_length", "output_length", "hash_ids") if k not in d]
+    if missing:
+        raise TraceError(f"{where}: missing {', '.join(missing)}")
+    try:
+        req = TraceRequest(
+            index,
+            int(d["timestamp"]),
+            int(d["input_length"]),
+            int(d["output_length"]),
+            tuple(int(h) for h in d["hash_ids"]),
+        )
+    except (TypeError, ValueError):
+        raise TraceError(f"{where}: timestamp, lengths and hash_ids must be integers") from None
+    if req.arrival_ms < 0 or req.input_length < 1 or req.output_length < 1:
+        raise TraceError(f"{where}: need timestamp >= 0, input_length >= 1 and output_length >= 1")
+    if len(req.hash_ids) != -(-req.input_length // MOONCAKE_BLOCK_TOKENS):
+        raise TraceError(
+            f"{where}: {len(req.hash_ids)} hash_ids for {req.input_length} input tokens "
+            f"(expect one per {MOONCAKE_BLOCK_TOKENS}-token block)"
+        )
+    return req
+
+
+def load_trace(
+    path: str | Path = DEFAULT_TRACE,
+    limit: int | None = None,
+    start_ms: int = 0,
+    end_ms: int | None = None,
+    rate_scale: float = 1.0,
+) -> list[TraceRequest]:
+    """Read a Mooncake-style jsonl trace.
+
+    ``start_ms`` / ``end_ms``: keep arrivals in ``[start_ms, end_ms)`` (trace time), shifted so the
+    window starts at 0. ``rate_scale``: arrival rate multiplier (2.0 = timestamps halved).
+    ``limit``: keep the first ``limit`` requests of the window. Blank lines are skipped. Raises
+    ``FileNotFoundError`` naming the path and :class:`TraceError` naming the first bad line.
+    """
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"trace {p} not found: pass --trace PATH (Mooncake jsonl)")
+    if rate_scale <= 0:
+        raise ValueError(f"rate_scale must be positive, got {rate_scale}")
     out: list[TraceRequest] = []
     with p.open() as f:
-        for i, line in enumerate(f):
-            if limit is not None and i >= limit:
+        for lineno, line in enumerate(f, start=1):
+            if limit is not None and len(out) >= limit:
                 break
-            d = json.loads(line)
-            out.append(
-                TraceRequest(
-                    i,
-                    int(d["timestamp"]),
-                    int(d["input_length"]),
-                    int(d["output_length"]),
-                    tuple(int(h) for h in d["hash_ids"]),
-                )
-            )
+            if not line.strip():
+                continue
+            req = _parse_line(line, f"{p}:{lineno}", len(out))
+            if req.arrival_ms < start_ms or (end_ms is not None and req.arrival_ms >= end_ms):
+                continue
+            arrival = round((req.arrival_ms - start_ms) / rate_scale)
+            out.append(req if arrival == req.arrival_ms else replace(req, arrival_ms=arrival))
     return out
 
 

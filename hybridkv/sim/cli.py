@@ -1,0 +1,172 @@
+"""``hybridkv simulate``: preemption and swap simulation runs and memory-pressure reports.
+
+Plugged into :mod:`hybridkv.cli` (``add_parser`` / ``run``). Imports of the simulator happen in
+:func:`run`, so other commands start without them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any
+
+EXAMPLES = """\
+examples:
+  hybridkv simulate                                   MiniMax-M1 TP8, H200, 14 GiB cache, synthetic workload
+  hybridkv simulate --compare layout=paged,padded preemption=recompute,swap,auto
+  hybridkv simulate --trace ../shared/traces/mooncake_synthetic_trace.jsonl --trace-limit 500 --rate-scale 0.5
+  hybridkv simulate --model qwen3-next --tp 2 --gpu-memory 40GiB --speculative 2 --out qwen-report
+"""
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {v}")
+    return v
+
+
+def _nonneg_int(text: str) -> int:
+    v = _positive_int(text) if text != "0" else 0
+    return v
+
+
+def _positive_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {v}")
+    return v
+
+
+def _fraction(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0.0 <= v <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {v}")
+    return v
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add ``simulate`` to ``subparsers``; returns its parser (``run`` is its function)."""
+    p = subparsers.add_parser(
+        "simulate",
+        help="replay a workload through the real scheduler and manager; memory-pressure reports",
+        description="Replay a workload (synthetic, or a Mooncake-style jsonl trace) through the real scheduler "
+        "and block manager on a roofline GPU cost model; writes report.json, report.md and report.html.",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    m = p.add_argument_group("model and GPU")
+    m.add_argument("--model", default="minimax-m1", help="preset or spec file (default minimax-m1)")
+    m.add_argument("--tp", type=_positive_int, default=8, help="tensor-parallel size (default 8)")
+    m.add_argument("--state-dtype", choices=["float32", "bfloat16", "float16"], default=None)
+    m.add_argument("--gpu", default="h200", help="h200, h100, a100 or a GPU JSON file (default h200)")
+    m.add_argument("--calibration", default=None, help="measured JSON replacing roofline figures (ops benchmark)")
+    m.add_argument("--gpu-memory", default="14GiB", help="cache budget per GPU (default 14GiB)")
+    m.add_argument("--host-memory", default="256GiB", help="host swap pool per GPU, 0 = none (default 256GiB)")
+    s = p.add_argument_group("layout and scheduler")
+    s.add_argument("--block-size", type=_positive_int, default=None, help="tokens per KV block (default 64)")
+    s.add_argument("--layout", choices=["paged", "padded"], default="paged")
+    s.add_argument("--preemption", choices=["recompute", "swap", "auto"], default="auto")
+    s.add_argument("--prefix", choices=["none", "lru", "flop_aware"], default="flop_aware", help="prefix cache")
+    s.add_argument("--checkpoint", choices=["none", "every_n_blocks", "branch_and_last"], default="branch_and_last")
+    s.add_argument("--speculative", type=_nonneg_int, default=0, help="draft tokens per decode step")
+    s.add_argument("--accept-rate", type=_fraction, default=0.7, help="draft acceptance probability")
+    s.add_argument("--max-num-seqs", type=_positive_int, default=256)
+    s.add_argument("--max-batched-tokens", type=_positive_int, default=8192)
+    s.add_argument("--watermark", type=_fraction, default=0.01)
+    w = p.add_argument_group("workload")
+    w.add_argument("--trace", default=None, help="Mooncake-style jsonl trace (default: the synthetic workload)")
+    w.add_argument("--trace-limit", type=_positive_int, default=None, help="first N requests of the window")
+    w.add_argument("--trace-start", type=float, default=0.0, help="window start, seconds of trace time")
+    w.add_argument("--trace-end", type=float, default=None, help="window end, seconds of trace time")
+    w.add_argument("--rate-scale", type=_positive_float, default=1.0, help="arrival rate multiplier")
+    w.add_argument("--max-output-tokens", type=_positive_int, default=None, help="truncate outputs")
+    w.add_argument("--requests", type=_positive_int, default=None, help="synthetic: number of requests")
+    w.add_argument("--rate", type=_positive_float, default=None, help="synthetic: requests per second")
+    w.add_argument("--arrivals", choices=["poisson", "gamma"], default=None, help="synthetic arrival process")
+    w.add_argument("--prompt-median", type=_positive_int, default=None, help="synthetic: median prompt tokens")
+    w.add_argument("--output-median", type=_positive_int, default=None, help="synthetic: median output tokens")
+    w.add_argument("--seed", type=int, default=0, help="workload and acceptance seed (default 0)")
+    r = p.add_argument_group("runs and reports")
+    r.add_argument("--compare", nargs="+", default=None, metavar="KEY=V1,V2", help="configurations to compare")
+    r.add_argument("--workers", type=_positive_int, default=None, help="processes for --compare (default: CPUs)")
+    r.add_argument("--ray", default=None, metavar="ADDRESS", help="run --compare on Ray ('local' starts one)")
+    r.add_argument("--out", default="hybridkv-report", help="report folder (default ./hybridkv-report)")
+    r.add_argument("--integrity-every", type=_positive_int, default=500, help="steps between integrity checks")
+    r.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=run)
+    return p
+
+
+def _workload(args: argparse.Namespace) -> Any:
+    from hybridkv.sim.workload import Arrivals, SyntheticConfig, from_trace, synthetic
+
+    if args.trace is not None:
+        return from_trace(
+            args.trace, args.trace_limit, args.trace_start, args.trace_end, args.rate_scale, args.max_output_tokens
+        )
+    changes: dict[str, Any] = {"seed": args.seed}
+    for flag, field in (("requests", "num_requests"), ("rate", "rate"), ("prompt_median", "prompt_median")):
+        if getattr(args, flag) is not None:
+            changes[field] = getattr(args, flag)
+    if args.output_median is not None:
+        changes["output_median"] = args.output_median
+    if args.arrivals is not None:
+        changes["arrivals"] = Arrivals(args.arrivals)
+    if args.max_output_tokens is not None:
+        changes["max_output_tokens"] = args.max_output_tokens
+    cfg = SyntheticConfig(**changes)
+    if args.rate_scale != 1.0:
+        cfg = SyntheticConfig(**(changes | {"rate": cfg.rate * args.rate_scale}))
+    return synthetic(cfg)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the simulation(s), write the reports, print where they are and the comparison table."""
+    from hybridkv.sim.compare import expand, run_all
+    from hybridkv.sim.config import SimConfig
+    from hybridkv.sim.report import comparison_table, write_reports
+
+    t0 = time.perf_counter()
+    base = SimConfig(
+        model=args.model,
+        tp=args.tp,
+        state_dtype=args.state_dtype,
+        gpu=args.gpu,
+        gpu_calibration=args.calibration,
+        gpu_memory=args.gpu_memory,
+        host_memory=args.host_memory,
+        block_size=args.block_size,
+        layout=args.layout,
+        preemption=args.preemption,
+        prefix=args.prefix,
+        checkpoint=args.checkpoint,
+        speculative=args.speculative,
+        accept_rate=args.accept_rate,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_batched_tokens,
+        watermark=args.watermark,
+        integrity_every=args.integrity_every,
+        seed=args.seed,
+    )
+    configs = expand(base, args.compare) if args.compare else [base]
+    from hybridkv.sim.config import build_layout
+
+    for c in configs:  # bad sizes and models fail here, in one line, before any run starts
+        build_layout(c)
+    workload = _workload(args)
+    summaries = run_all(configs, workload, args.workers, progress=not args.no_progress, ray_address=args.ray)
+    paths = write_reports(summaries, args.out)
+    for row in comparison_table(summaries):
+        print("  ".join(f"{c:<28}" if i == 0 else f"{c:>22}" for i, c in enumerate(row)))
+    print(f"\nreports ({time.perf_counter() - t0:.1f} s wall): {', '.join(str(p) for p in paths)}")
+    return 0

@@ -1,0 +1,105 @@
+"""Run several configurations on one workload: in this process, in worker processes, or on Ray.
+
+``--compare KEY=V1,V2 [KEY=V1,V2 ...]`` builds the cartesian product of the given values over a base
+:class:`~hybridkv.sim.config.SimConfig` (:func:`expand`). :func:`run_all` runs them in parallel
+processes (``concurrent.futures``), or as Ray tasks when given a Ray address (``ray`` is an
+optional extra: ``pip install 'hybridkv[ray]'``). Results come back in the order of the configs.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor
+from typing import Any
+
+from hybridkv.sim.config import SimConfig
+from hybridkv.sim.report import summarize
+from hybridkv.sim.simulator import simulate
+from hybridkv.sim.workload import Workload
+
+# --compare keys: flag-style spelling -> SimConfig field, and how to read a value
+_KEYS: dict[str, tuple[str, type]] = {
+    "layout": ("layout", str),
+    "preemption": ("preemption", str),
+    "prefix": ("prefix", str),
+    "checkpoint": ("checkpoint", str),
+    "gpu-memory": ("gpu_memory", str),
+    "budget": ("gpu_memory", str),
+    "host-memory": ("host_memory", str),
+    "block-size": ("block_size", int),
+    "speculative": ("speculative", int),
+    "max-num-seqs": ("max_num_seqs", int),
+    "max-batched-tokens": ("max_num_batched_tokens", int),
+    "model": ("model", str),
+    "tp": ("tp", int),
+    "gpu": ("gpu", str),
+    "watermark": ("watermark", float),
+}
+
+
+def expand(base: SimConfig, axes: Sequence[str]) -> list[SimConfig]:
+    """``["layout=paged,padded", "preemption=recompute,swap"]`` -> 4 configs (cartesian product).
+
+    Raises ``ValueError`` naming a bad key or value."""
+    fields: list[str] = []
+    values: list[list[Any]] = []
+    for axis in axes:
+        key, sep, text = axis.partition("=")
+        key = key.strip().replace("_", "-")
+        if not sep or not text.strip():
+            raise ValueError(f"--compare {axis!r}: use KEY=V1,V2 (keys: {', '.join(_KEYS)})")
+        if key not in _KEYS:
+            raise ValueError(f"--compare: unknown key {key!r}: use one of {', '.join(_KEYS)}")
+        field, kind = _KEYS[key]
+        try:
+            vals = [kind(v.strip()) for v in text.split(",") if v.strip()]
+        except ValueError:
+            raise ValueError(f"--compare {key}: {text!r} is not a list of {kind.__name__} values") from None
+        if field in fields:
+            raise ValueError(f"--compare: {key} given twice")
+        fields.append(field)
+        values.append(vals)
+    return [base.with_changes(**dict(zip(fields, combo, strict=True))) for combo in itertools.product(*values)]
+
+
+def _one(cfg: SimConfig, workload: Workload, progress: bool, position: int) -> dict[str, Any]:
+    return summarize(simulate(cfg, workload, progress=progress, position=position))
+
+
+def run_all(
+    configs: Sequence[SimConfig],
+    workload: Workload,
+    workers: int | None = None,
+    progress: bool = False,
+    ray_address: str | None = None,
+) -> list[dict[str, Any]]:
+    """Summaries of ``configs`` on ``workload``, in order. ``workers``: processes (default: the CPU
+    count, at most one per config; 1 runs in this process). ``ray_address``: run on a Ray cluster
+    (``"local"`` starts a local instance)."""
+    if ray_address is not None:
+        return _run_ray(configs, workload, ray_address)
+    n = min(len(configs), workers or os.cpu_count() or 1)
+    if n <= 1:
+        return [_one(c, workload, progress, 0) for c in configs]
+    with ProcessPoolExecutor(max_workers=n) as pool:
+        futures = [pool.submit(_one, c, workload, progress, i) for i, c in enumerate(configs)]
+        return [f.result() for f in futures]
+
+
+def _run_ray(configs: Sequence[SimConfig], workload: Workload, address: str) -> list[dict[str, Any]]:
+    try:
+        import ray
+    except ImportError:
+        raise ValueError("--ray needs Ray: pip install 'hybridkv[ray]'") from None
+    started = not ray.is_initialized()
+    if started:
+        ray.init(address=None if address == "local" else address, include_dashboard=False, log_to_driver=False)
+    try:
+        task = ray.remote(_one)
+        ref = ray.put(workload)
+        return ray.get([task.remote(c, ref, False, 0) for c in configs])
+    finally:
+        if started:
+            ray.shutdown()

@@ -1,0 +1,114 @@
+"""One simulated serving configuration: model, GPU, memory budget, layout and scheduler policies.
+
+:class:`SimConfig` holds only plain values (strings, numbers) so that it pickles into worker
+processes and prints into reports; :func:`build` turns it into the real objects: a
+:class:`~hybridkv.blockmgr.layout.Layout`, a :class:`~hybridkv.blockmgr.manager.HybridBlockManager`
+(with a host pool and a prefix cache as asked) and a :class:`~hybridkv.scheduler_adapter.Scheduler`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+from typing import Any, NamedTuple
+
+from hybridkv.blockmgr.layout import Layout, LayoutKind, plan
+from hybridkv.blockmgr.manager import HybridBlockManager
+from hybridkv.blockmgr.prefix import CheckpointPolicy, EvictionPolicy, PrefixCacheConfig
+from hybridkv.blockmgr.spec_io import resolve_model
+from hybridkv.blockmgr.units import parse_bytes
+from hybridkv.scheduler_adapter.cost import GpuSpec, PreemptionMode, StepCostModel, load_gpu
+from hybridkv.scheduler_adapter.scheduler import Scheduler, SchedulerConfig
+
+PREFIX_POLICIES = ("none", "lru", "flop_aware")
+
+# The embedded default: MiniMax-M1 TP8 on H200s. An H200 has 141 GB; at 0.92 utilisation and with
+# MiniMax-M1's 456 B parameters in bf16 over 8 GPUs (114 GB per GPU) about 15.7 GB (14.6 GiB) is
+# left for activations and the cache: 14 GiB of cache per GPU.
+DEFAULT_MODEL, DEFAULT_TP, DEFAULT_GPU, DEFAULT_BUDGET = "minimax-m1", 8, "h200", "14GiB"
+
+
+@dataclass(frozen=True, slots=True)
+class SimConfig:
+    """Everything that varies between simulated configurations (sizes as strings: ``14GiB``)."""
+
+    model: str = DEFAULT_MODEL
+    tp: int = DEFAULT_TP
+    state_dtype: str | None = None
+    gpu: str = DEFAULT_GPU  # preset or GPU JSON file
+    gpu_calibration: str | None = None  # measured JSON (see cost.calibrate)
+    gpu_memory: str = DEFAULT_BUDGET  # cache budget per GPU
+    host_memory: str = "256GiB"  # host swap pool per GPU ("0" = no swap)
+    block_size: int | None = None  # tokens per KV block (default 64; padded: minimum)
+    layout: str = "paged"
+    preemption: str = "auto"
+    prefix: str = "flop_aware"  # none | lru | flop_aware
+    checkpoint: str = "branch_and_last"  # checkpoint policy with a prefix cache
+    speculative: int = 0  # draft tokens per decode step
+    accept_rate: float = 0.7
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    watermark: float = 0.01
+    integrity_every: int = 500  # steps between check_integrity() calls (and one at the end)
+    seed: int = 0  # speculative acceptance draws
+    label: str = ""
+
+    def __post_init__(self) -> None:
+        LayoutKind(self.layout)
+        PreemptionMode(self.preemption)
+        CheckpointPolicy(self.checkpoint)
+        if self.prefix not in PREFIX_POLICIES:
+            raise ValueError(f"prefix policy {self.prefix!r}: use one of {', '.join(PREFIX_POLICIES)}")
+        if not 0.0 <= self.accept_rate <= 1.0:
+            raise ValueError(f"accept_rate must be in [0, 1], got {self.accept_rate}")
+        if self.integrity_every < 1:
+            raise ValueError("integrity_every must be >= 1")
+        if not self.label:
+            object.__setattr__(self, "label", self.default_label())
+
+    def default_label(self) -> str:
+        parts = [self.layout, self.preemption, f"prefix={self.prefix}"]
+        if self.block_size:
+            parts.append(f"bs={self.block_size}")
+        if self.speculative:
+            parts.append(f"k={self.speculative}")
+        return f"{self.model} TP{self.tp} " + " ".join(parts) + f" {self.gpu_memory}"
+
+    def with_changes(self, **changes: Any) -> SimConfig:
+        """A copy with ``changes``; the label is derived again unless given."""
+        return replace(self, **({"label": ""} | changes))
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class Built(NamedTuple):
+    layout: Layout
+    manager: HybridBlockManager
+    scheduler: Scheduler
+    gpu: GpuSpec
+    cost: StepCostModel
+
+
+def build_layout(cfg: SimConfig) -> Layout:
+    model = resolve_model(cfg.model, cfg.state_dtype, cfg.tp)
+    return plan(model, parse_bytes(cfg.gpu_memory), cfg.block_size, LayoutKind(cfg.layout))
+
+
+def build(cfg: SimConfig) -> Built:
+    """The real layout, manager and scheduler of ``cfg``. Raises ``ValueError`` / ``HybridKVError``
+    subclasses for bad values (one line each)."""
+    layout = build_layout(cfg)
+    gpu = load_gpu(cfg.gpu, cfg.gpu_calibration)
+    host_blocks = parse_bytes(cfg.host_memory) // layout.bytes_per_block if cfg.host_memory not in ("0", "") else 0
+    prefix = None
+    if cfg.prefix != "none":
+        prefix = PrefixCacheConfig(checkpoint=CheckpointPolicy(cfg.checkpoint), eviction=EvictionPolicy(cfg.prefix))
+    manager = HybridBlockManager(layout, num_host_blocks=host_blocks, watermark=cfg.watermark, prefix_cache=prefix)
+    sched_cfg = SchedulerConfig(
+        max_num_seqs=cfg.max_num_seqs,
+        max_num_batched_tokens=cfg.max_num_batched_tokens,
+        num_speculative_tokens=cfg.speculative,
+        preemption_mode=PreemptionMode(cfg.preemption),
+        gpu=gpu,
+    )
+    return Built(layout, manager, Scheduler(manager, sched_cfg), gpu, StepCostModel(layout, gpu))

@@ -1,0 +1,91 @@
+"""A simulated executor: runs a :class:`StepPlan` on the clock, moving no data.
+
+It honours the step plan contract of the scheduler (docs/scheduler.md "One step") and checks it:
+swap plans arrive settled (committed), device copies name real blocks, copies run in the contract's
+order (checkpoint copies, swap-outs, swap-ins, copies), and every swapped-in request runs in the
+step that resumed it. What a real executor would move is counted in blocks and priced by the one
+cost model (:class:`~hybridkv.scheduler_adapter.cost.StepCostModel`).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from hybridkv.blockmgr.errors import HybridKVError
+from hybridkv.blockmgr.layout import NULL_BLOCK
+from hybridkv.blockmgr.manager import HybridBlockManager
+from hybridkv.blockmgr.records import BlockCopies, SwapDirection, SwapPlan
+from hybridkv.scheduler_adapter.cost import StepCostModel, StepTime, StepWork
+from hybridkv.scheduler_adapter.requests import StepPlan
+
+
+class PlanContractError(HybridKVError, AssertionError):
+    """A step plan broke the executor contract (a scheduler bug, not a user error)."""
+
+
+class Executed(NamedTuple):
+    """What one plan moved (blocks, in contract order) and what it cost."""
+
+    checkpoint_copy_blocks: int
+    swap_out_blocks: int
+    swap_in_blocks: int
+    copy_blocks: int
+    work: StepWork
+    time: StepTime
+
+
+class SimExecutor:
+    """Checks and prices plans for one manager; keeps running totals of every block it "moved"."""
+
+    def __init__(self, manager: HybridBlockManager, cost: StepCostModel) -> None:
+        self.manager = manager
+        self.cost = cost
+        self.totals = {"checkpoint_copy_blocks": 0, "swap_out_blocks": 0, "swap_in_blocks": 0, "copy_blocks": 0}
+
+    def run(self, plan: StepPlan) -> Executed:
+        """Execute ``plan`` (before the forward, in contract order), then the forward; raises
+        :class:`PlanContractError` when the plan breaks the contract."""
+        ckpt = self._copies(plan.checkpoint_copies, "checkpoint_copies")
+        out = sum(self._swap(p, SwapDirection.OUT) for p in plan.swap_out)
+        rows = {r.request_id for r in plan.scheduled}
+        for p in plan.swap_in:
+            if p.request_id not in rows:
+                raise PlanContractError(f"step {plan.step}: {p.request_id!r} was swapped in but does not run")
+        swap_in = sum(self._swap(p, SwapDirection.IN) for p in plan.swap_in)
+        copies = self._copies(plan.copies, "copies")
+        t = self.totals
+        t["checkpoint_copy_blocks"] += ckpt
+        t["swap_out_blocks"] += out
+        t["swap_in_blocks"] += swap_in
+        t["copy_blocks"] += copies
+        work = self.cost.work(
+            [(r.num_computed_tokens, r.num_scheduled_tokens, r.num_drafts) for r in plan.scheduled],
+            ckpt + copies,
+            out,
+            swap_in,
+        )
+        return Executed(ckpt, out, swap_in, copies, work, self.cost.time(work))
+
+    def _copies(self, copies: BlockCopies, what: str) -> int:
+        n = len(copies)
+        if not n:
+            return 0
+        if copies.src.shape != copies.dst.shape:
+            raise PlanContractError(f"{what}: {copies.src.size} sources for {copies.dst.size} destinations")
+        ids = np.concatenate((copies.src, copies.dst))
+        if ids.min() <= NULL_BLOCK or ids.max() >= self.manager.layout.num_blocks:
+            raise PlanContractError(f"{what}: block ids outside 1..{self.manager.layout.num_blocks - 1}")
+        return n
+
+    def _swap(self, plan: SwapPlan, direction: SwapDirection) -> int:
+        if not plan.settled:
+            raise PlanContractError(f"swap plan of {plan.request_id!r} reached the executor unsettled")
+        if plan.direction is not direction:
+            raise PlanContractError(
+                f"swap plan of {plan.request_id!r} is {plan.direction.value}, listed as {direction}"
+            )
+        if plan.device_blocks.size != plan.host_blocks.size:
+            raise PlanContractError(f"swap plan of {plan.request_id!r}: device and host block counts differ")
+        return len(plan)

@@ -1,0 +1,247 @@
+"""The simulator: a workload through the real :class:`Scheduler` and :class:`HybridBlockManager`.
+
+Discrete steps on a simulated clock. Each step: submit the requests that have arrived, ``step()``,
+run the plan on :class:`~hybridkv.sim.executor.SimExecutor` (no data moves; the cost model prices
+it), advance the clock by the step time, sample tokens with the synthetic engine, ``update()``.
+When nothing is in flight the clock jumps to the next arrival. ``check_integrity()`` runs every
+``integrity_every`` steps and at the end.
+
+Arrived requests wait in a backlog and are submitted while the scheduler's waiting queue is shorter
+than ``max_num_seqs``: the scheduler admits FCFS and at most ``max_num_seqs`` per step, so this
+changes no decision, and it keeps the token ids of a long overloaded trace out of memory.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import asdict
+from typing import Any
+
+import numpy as np
+
+from hybridkv.blockmgr.errors import HybridKVError
+from hybridkv.scheduler_adapter.cost import PreemptionMode
+from hybridkv.scheduler_adapter.synthetic import SyntheticEngine
+from hybridkv.sim.config import SimConfig, build
+from hybridkv.sim.executor import SimExecutor
+from hybridkv.sim.workload import SimRequest, Workload
+
+# per-step series: stocks (sampled at the step's end) and flows (summed over the step)
+STOCKS = (
+    "free",
+    "kv_live",
+    "state_live",
+    "state_speculative",
+    "kv_cached",
+    "checkpoints",
+    "host_used",
+    "waiting",
+    "running",
+    "swapped",
+)
+FLOWS = (
+    "dt_s",
+    "batched_tokens",
+    "preempt_recompute",
+    "preempt_swap",
+    "swap_out_blocks",
+    "swap_in_blocks",
+    "copy_blocks",
+    "admitted",
+    "cached_tokens",
+    "finished",
+)
+
+
+class _Request:
+    """Per-request outcome the simulator tracks (the scheduler's record is popped when done)."""
+
+    __slots__ = (
+        "req",
+        "first_token_s",
+        "finish_s",
+        "num_outputs",
+        "num_preemptions",
+        "cached_tokens",
+        "status",
+        "reason",
+    )
+
+    def __init__(self, req: SimRequest) -> None:
+        self.req = req
+        self.first_token_s: float | None = None
+        self.finish_s: float | None = None
+        self.num_outputs = 0
+        self.num_preemptions = 0
+        self.cached_tokens = 0  # served from the prefix cache, summed over admissions
+        self.status = "pending"
+        self.reason = ""
+
+
+def simulate(cfg: SimConfig, workload: Workload, progress: bool = False, position: int = 0) -> dict[str, Any]:
+    """Run ``workload`` under ``cfg``; returns the raw result (see :func:`hybridkv.sim.report.summarize`).
+
+    Deterministic: the same config and workload give the same result. Raises ``HybridKVError``
+    subclasses for bad configurations and :class:`~hybridkv.blockmgr.errors.IntegrityError` if the
+    manager's books stop balancing.
+    """
+    built = build(cfg)
+    sched, manager = built.scheduler, built.manager
+    executor = SimExecutor(manager, built.cost)
+    engine = SyntheticEngine(cfg.accept_rate, cfg.seed)
+    with_ids = manager.prefix_cache is not None
+    arrivals = deque(workload.requests)
+    backlog: deque[SimRequest] = deque()
+    track: dict[str, _Request] = {r.request_id: _Request(r) for r in workload.requests}
+    series: dict[str, list[float]] = {k: [] for k in ("t_s", *STOCKS, *FLOWS)}
+    clock, integrity_checks, stalled = 0.0, 0, 0
+    bar = _progress(len(workload), cfg.label, progress, position)
+
+    def reject(rid: str, reason: str) -> None:
+        track[rid].status, track[rid].reason = "rejected", reason
+
+    while arrivals or backlog or sched.has_unfinished:
+        while arrivals and arrivals[0].arrival_s <= clock:
+            backlog.append(arrivals.popleft())
+        while backlog and len(sched.waiting) < cfg.max_num_seqs:
+            r = backlog.popleft()
+            prompt = workload.token_ids(r) if with_ids else r.num_prompt_tokens
+            try:
+                sched.add_request(r.request_id, prompt, r.max_new_tokens)
+            except (HybridKVError, ValueError) as e:
+                reject(r.request_id, f"{type(e).__name__}: {e}")
+                bar.update(1)
+        if not sched.has_unfinished:
+            if arrivals:
+                clock = max(clock, arrivals[0].arrival_s)
+            continue
+        plan = sched.step()
+        if plan.is_empty and not sched.running:
+            sched.update(engine.run(plan))
+            if arrivals:  # nothing fits now and nothing runs: wait for the next arrival
+                clock = max(clock, arrivals[0].arrival_s)
+                continue
+            stalled = len(sched.requests)  # cannot happen with a correct scheduler: report it, do not hang
+            for rid in list(sched.requests):
+                sched.abort(rid)
+                reject(rid, "stalled: nothing running and the next request cannot be admitted")
+            sched.pop_finished()
+            break
+        done = executor.run(plan)
+        clock += done.time.total_s
+        result = sched.update(engine.run(plan))
+        for row in plan.scheduled:
+            if row.samples:
+                t = track[row.request_id]
+                if t.first_token_s is None:
+                    t.first_token_s = clock
+        cached = 0
+        for rid in plan.admitted:
+            req = sched.requests.get(rid)
+            if req is not None:
+                track[rid].cached_tokens += req.num_cached_tokens
+                cached += req.num_cached_tokens
+        for rid, req in sched.pop_finished().items():
+            t = track[rid]
+            t.finish_s, t.status = clock, "finished"
+            t.num_outputs, t.num_preemptions = len(req.output_token_ids), req.num_preemptions
+        bar.update(len(result.finished))
+        u = manager.usage()
+        swaps = sum(1 for p in plan.preempted if p.mode is PreemptionMode.SWAP)
+        row_values = (
+            clock,
+            u.free,
+            u.kv_live,
+            u.state_live,
+            u.state_speculative,
+            u.kv_cached,
+            u.checkpoints,
+            u.host_used,
+            len(sched.waiting) + len(backlog),
+            len(sched.running),
+            len(sched.swapped),
+            done.time.total_s,
+            plan.num_batched_tokens,
+            len(plan.preempted) - swaps,
+            swaps,
+            done.swap_out_blocks,
+            done.swap_in_blocks,
+            done.copy_blocks + done.checkpoint_copy_blocks,
+            len(plan.admitted),
+            cached,
+            len(result.finished),
+        )
+        for key, value in zip(series, row_values, strict=True):
+            series[key].append(value)
+        if sched.num_steps % cfg.integrity_every == 0:
+            manager.check_integrity()
+            integrity_checks += 1
+    manager.check_integrity()
+    integrity_checks += 1
+    bar.close()
+    return {
+        "config": cfg.as_dict(),
+        "gpu": asdict(built.gpu),
+        "layout": _layout_dict(built.layout),
+        "workload": workload.summary(),
+        "num_steps": sched.num_steps,
+        "sim_time_s": clock,
+        "integrity_checks": integrity_checks,
+        "stalled": stalled,
+        "executor_totals": dict(executor.totals),
+        "series": {k: np.asarray(v) for k, v in series.items()},
+        "requests": [_request_dict(t) for t in track.values()],
+    }
+
+
+def _progress(total: int, label: str, enabled: bool, position: int) -> Any:
+    if not enabled:
+        return _NoBar()
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=label, unit="req", position=position, leave=True, mininterval=0.5, dynamic_ncols=True)
+
+
+class _NoBar:
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _layout_dict(layout: Any) -> dict[str, Any]:
+    return {
+        "kind": layout.kind.value,
+        "block_size": layout.block_size,
+        "bytes_per_block": layout.bytes_per_block,
+        "num_blocks": layout.num_blocks,
+        "blocks_per_state": list(layout.blocks_per_state),
+        "state_blocks_per_request": layout.num_state_blocks_per_request,
+        "kv_bytes_per_token": layout.kv_bytes_per_token,
+        "state_bytes_per_request": layout.model.state_bytes,
+        "budget_bytes": layout.budget_bytes,
+    }
+
+
+def _request_dict(t: _Request) -> dict[str, Any]:
+    r = t.req
+    d: dict[str, Any] = {
+        "id": r.request_id,
+        "status": t.status,
+        "arrival_s": r.arrival_s,
+        "prompt_tokens": r.num_prompt_tokens,
+        "max_new_tokens": r.max_new_tokens,
+        "outputs": t.num_outputs,
+        "preemptions": t.num_preemptions,
+        "cached_tokens": t.cached_tokens,
+    }
+    if t.first_token_s is not None:
+        d["ttft_s"] = t.first_token_s - r.arrival_s
+    if t.finish_s is not None:
+        d["e2e_s"] = t.finish_s - r.arrival_s
+        if t.num_outputs > 1 and t.first_token_s is not None:
+            d["tpot_s"] = (t.finish_s - t.first_token_s) / (t.num_outputs - 1)
+    if t.status == "rejected":
+        d["reason"] = t.reason
+    return d
