@@ -13,7 +13,7 @@ Contract (what raises, what is left behind):
   could not cancel a transfer that may still write: then the destination's blocks must not be
   reused (do not abort the import plan; drop the connection first).
 - ``wait_notification`` returns when the peer's message arrived, or raises
-  :class:`TransferTimeoutError`. The message is consumed.
+  :class:`TransferTimeoutError`; ``take_notification`` polls once. The message is consumed.
 - ``close`` releases everything (registrations, peers); an engine is a context manager.
 """
 
@@ -51,6 +51,11 @@ class TransferEngine(abc.ABC):
     ) -> None:
         """Push ``pairs.src`` (this pool) into ``pairs.dst`` (the peer's pool ``remote``); the peer
         receives ``notification`` once the bytes are there (empty: none)."""
+
+    @abc.abstractmethod
+    def take_notification(self, peer: str, notification: bytes) -> bool:
+        """Non-blocking: whether ``peer`` sent exactly ``notification`` (consumed if so). For serving
+        loops that poll once per step instead of waiting."""
 
     @abc.abstractmethod
     def wait_notification(self, peer: str, notification: bytes, timeout_s: float) -> None:

@@ -60,7 +60,12 @@ def _settle_failed(plan: TransferPlan, error: TransferError) -> None:
 def offer_request(manager: HybridBlockManager, pool: PoolRegions, request_id: RequestId) -> tuple[TransferPlan, bytes]:
     """Prefill side: pin the request (export plan) and describe it for the decode side."""
     plan = manager.export_request(request_id)
-    return plan, BlocksMessage(request_id, plan.blocks, pool.to_wire()).to_bytes()
+    return plan, offer_message(plan, pool)
+
+
+def offer_message(plan: TransferPlan, pool: PoolRegions) -> bytes:
+    """The offer of an export (or the accept of an import) plan: its blocks and this side's pool."""
+    return BlocksMessage(plan.request_id, plan.blocks, pool.to_wire()).to_bytes()
 
 
 def pull_request(
@@ -103,7 +108,7 @@ def reserve_request(
 ) -> tuple[TransferPlan, bytes]:
     """Decode side: allocate the request's blocks (import plan) and tell the prefill side where they are."""
     plan = manager.import_request(request_id, num_tokens)
-    return plan, BlocksMessage(request_id, plan.blocks, pool.to_wire()).to_bytes()
+    return plan, offer_message(plan, pool)
 
 
 def push_pairs(

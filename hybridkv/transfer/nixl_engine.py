@@ -173,16 +173,19 @@ class NixlEngine(TransferEngine):
         return cancelled
 
     # ---- notifications -------------------------------------------------------------------------
+    def take_notification(self, peer: str, notification: bytes) -> bool:
+        for name, msgs in self.agent.get_new_notifs().items():
+            key = name.decode() if isinstance(name, bytes) else str(name)
+            self._notifs.setdefault(key, []).extend(msgs)
+        got = self._notifs.get(peer, [])
+        if notification in got:
+            got.remove(notification)
+            return True
+        return False
+
     def wait_notification(self, peer: str, notification: bytes, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
-        while True:
-            for name, msgs in self.agent.get_new_notifs().items():
-                key = name.decode() if isinstance(name, bytes) else str(name)
-                self._notifs.setdefault(key, []).extend(msgs)
-            got = self._notifs.get(peer, [])
-            if notification in got:
-                got.remove(notification)
-                return
+        while not self.take_notification(peer, notification):
             if time.monotonic() > deadline:
                 raise TransferTimeoutError(
                     f"no notification {notification!r} from {peer!r} in {timeout_s} s: the peer's transfer failed "
