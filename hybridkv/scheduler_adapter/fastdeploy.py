@@ -35,7 +35,7 @@ import numpy as np
 
 from hybridkv.blockmgr.errors import NoFreeBlocksError, RequestStateError
 from hybridkv.blockmgr.manager import HybridBlockManager
-from hybridkv.blockmgr.records import BlockCopies, RequestId
+from hybridkv.blockmgr.records import BlockCopies, RequestId, SwapPlan
 from hybridkv.blockmgr.units import cdiv
 from hybridkv.scheduler_adapter.fastdeploy_worker import (
     FastDeployCaches,
@@ -403,6 +403,28 @@ class FastDeployBlockManager:
 
     def get_pending_backup_count(self) -> int:
         return 0
+
+    # ---- swap (hybridkv's host pool; FastDeploy itself preempts by recompute) -------------------
+    def can_swap_out(self, request: Any) -> bool:
+        return self.manager.can_swap_out(request.request_id)
+
+    def swap_out(self, request: Any) -> SwapPlan:
+        """Plan moving a running request's KV and live state to the host pool; run the plan's block
+        copies (every layer slot, like ``swap_cache_all_layers``), then ``plan.commit()``. The worker
+        row of the request then becomes -1 (a ``SWAP_OUT`` task)."""
+        return self.manager.swap_out(request.request_id)
+
+    def can_swap_in(self, request: Any) -> bool:
+        return self.manager.can_swap_in(request.request_id)
+
+    def swap_in(self, request: Any) -> SwapPlan:
+        """Plan bringing a swapped request back; after the copies and ``plan.commit()`` its block ids
+        are new: ``request.block_tables = kv_block_table(...)`` and a decode task with
+        :meth:`task_fields` carries the new state sets to the worker."""
+        return self.manager.swap_in(request.request_id)
+
+    def kv_block_table(self, request_id: RequestId) -> list[int]:
+        return self.manager.requests[request_id].kv_blocks.tolist()
 
     # ---- task payload -------------------------------------------------------------------------------
     def state_block_table(self, request_id: RequestId) -> list[list[int]]:

@@ -274,8 +274,9 @@ class StateTables:
     allocated once, row ``i`` = the request in batch slot ``i`` (``request.idx``), updated in place.
 
     :meth:`apply` takes the tasks of a step as FastDeploy's runner does in ``insert_tasks_v1``:
-    prefill and decode tasks carrying ``state_block_tables`` set their row; preempted tasks (and
-    :meth:`release`, for a slot the runner marks stopped) set it to -1. A group with fewer
+    prefill and decode tasks carrying ``state_block_tables`` set their row (a swap-in is a decode
+    task with the new sets); preempted and ``SWAP_OUT`` tasks, and :meth:`release` for a slot the
+    runner marks stopped, set it to -1. A group with fewer
     ``blocks_per_state`` than the widest has its row tail -1 as well. The tensor object and its
     memory never change, so CUDA graphs may capture it.
     """
@@ -295,7 +296,7 @@ class StateTables:
         """Update the rows the tasks of one step name (same tensor, same memory)."""
         for task in tasks:
             kind = _task_kind(task)
-            if kind == "PREEMPTED":
+            if kind in ("PREEMPTED", "SWAP_OUT"):
                 self.release(task.idx)
             elif kind in ("PREFILL", "DECODE"):
                 tables = getattr(task, "state_block_tables", None)
