@@ -21,7 +21,13 @@ from typing import Any
 from hybridkv.blockmgr import presets as P
 from hybridkv.blockmgr.errors import HybridKVError
 from hybridkv.blockmgr.layout import Layout, LayoutKind, plan
-from hybridkv.blockmgr.spec import AttentionLayerSpec, ModelSpec, RecurrentLayerSpec
+from hybridkv.blockmgr.spec import (
+    KV_CACHE_DTYPES,
+    AttentionLayerSpec,
+    ModelSpec,
+    RecurrentLayerSpec,
+    with_kv_dtype,
+)
 from hybridkv.blockmgr.spec_io import is_spec_path, resolve_model
 from hybridkv.blockmgr.units import format_bytes, parse_bytes, parse_tokens
 
@@ -336,6 +342,8 @@ def build_plan(args: argparse.Namespace) -> dict[str, Any]:
             )
     state_dtype = None if args.state_dtype in (None, "auto") else args.state_dtype
     model = resolve_model(args.model, state_dtype, tp)
+    if args.kv_dtype not in (None, "auto"):
+        model = with_kv_dtype(model, args.kv_dtype)  # attention only; states keep their dtype
     budget, gpu, lines = _budget(args, model, preset_name)
     explain += lines
     num_requests = args.max_requests
@@ -468,6 +476,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.plot is not None:
         state_dtype = None if args.state_dtype in (None, "auto") else args.state_dtype
         model = resolve_model(args.model, state_dtype, out["tp_size"])
+        if args.kv_dtype not in (None, "auto"):
+            model = with_kv_dtype(model, args.kv_dtype)
         state_block = _size(args.state_block_bytes, "--state-block-bytes") if args.state_block_bytes else None
         layouts = {
             k: plan(model, out["budget_bytes"], args.block_size, k, state_block_bytes=state_block)
@@ -527,6 +537,15 @@ def add_plan_parser(sub: Any) -> argparse.ArgumentParser:
         choices=["auto", "float32", "bfloat16", "float16"],
         default=None,
         help="dtype of the main recurrent state (default/auto: the model's own, shown in the output)",
+    )
+    m.add_argument(
+        "--kv-dtype",
+        "--kv-cache-dtype",
+        dest="kv_dtype",
+        choices=["auto", *KV_CACHE_DTYPES],
+        default=None,
+        help="KV cache dtype as FastDeploy serves it: int8 / fp8 (uint8 storage), block_wise_fp8 "
+        "(+ float32 scales per token and head); the recurrent state keeps its own dtype",
     )
     b = p.add_argument_group("memory: an absolute cache budget, or a fraction of a named GPU")
     b.add_argument(
