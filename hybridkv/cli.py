@@ -627,9 +627,10 @@ def _add_plugins(sub: Any) -> None:
             if e.name is not None and name.startswith(e.name):
                 continue  # that package has not added its command yet
             raise
-        p = mod.add_parser(sub)
-        if p is not None and p.get_default("func") is None:
-            p.set_defaults(func=mod.run)
+        mod.add_parser(sub)
+        for p in sub.choices.values():  # the command(s) it added run through its run(args)
+            if p.get_default("func") is None:
+                p.set_defaults(func=mod.run)
 
 
 def build_parser() -> argparse.ArgumentParser:
