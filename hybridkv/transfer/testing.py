@@ -105,6 +105,10 @@ def make_engine(kind: str, name: str, pool: PoolRegions) -> TransferEngine:
         from hybridkv.transfer.nixl_engine import NixlEngine
 
         return NixlEngine(name, pool)
+    if kind == "mooncake":
+        from hybridkv.transfer.mooncake_engine import MooncakeEngine
+
+        return MooncakeEngine(name, pool)
     raise ValueError(f"unknown engine kind {kind!r}")
 
 

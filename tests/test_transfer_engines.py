@@ -1,8 +1,10 @@
-"""Two spawned processes, each with its own pool and manager, move a request through NIXL (UCX over TCP
-on loopback): decode-side READ and prefill-side WRITE, and sources that die half-way.
+"""Two spawned processes, each with its own pool and manager, move a request through a transfer engine
+over TCP on loopback (NIXL with UCX, then Mooncake Transfer Engine): decode-side READ and
+prefill-side WRITE, and sources that die half-way. The same workers and assertions for both engines.
 
-Skips when nixl cannot be imported (``.ci/run`` installs it: ``pip install --no-deps nixl==1.5.1
-nixl-cu12==1.5.1``). Every wait is bounded; leftover processes are killed.
+Each engine's tests skip when it cannot be imported (``.ci/run`` installs both: ``pip install
+--no-deps nixl==1.5.1 nixl-cu12==1.5.1``; Mooncake: docs/transfer.md). Every wait is bounded;
+leftover processes are killed.
 """
 
 import multiprocessing as mp
@@ -10,10 +12,17 @@ import os
 
 import pytest
 
+from hybridkv.transfer.mooncake_engine import mooncake_available
 from hybridkv.transfer.nixl_engine import nixl_available
 from hybridkv.transfer.testing import aborted_destination, failing_source, happy_worker
 
-pytestmark = pytest.mark.skipif(not nixl_available(), reason="nixl is not installed (pip install 'hybridkv[transfer]')")
+ENGINES = [
+    pytest.param("nixl", marks=pytest.mark.skipif(not nixl_available(), reason="nixl is not installed")),
+    pytest.param(
+        "mooncake",
+        marks=pytest.mark.skipif(not mooncake_available(), reason="Mooncake Transfer Engine is not installed"),
+    ),
+]
 
 TIMEOUT_S = 30.0  # per wait inside the workers; process start-up (imports, agents) dominates on 2 cores
 JOIN_S = 180.0
@@ -21,7 +30,7 @@ JOIN_S = 180.0
 
 @pytest.fixture(autouse=True)
 def loopback_ucx(monkeypatch):
-    """Spawned children inherit the environment: UCX over TCP on the loopback interface."""
+    """Spawned children inherit the environment: NIXL's UCX over TCP on the loopback interface."""
     monkeypatch.setenv("UCX_TLS", "tcp")
     monkeypatch.setenv("UCX_NET_DEVICES", "lo")
     monkeypatch.setenv("NIXL_LOG_LEVEL", "WARN")
@@ -42,14 +51,15 @@ def _stop(procs):
             p.join(timeout=5)
 
 
-def test_read_and_write_move_both_models_byte_exact():
+@pytest.mark.parametrize("kind", ENGINES)
+def test_read_and_write_move_both_models_byte_exact(kind):
     ctx = mp.get_context("spawn")
     a, b = ctx.Pipe()
     (src_res, src_out), (dst_res, dst_out) = ctx.Pipe(duplex=False), ctx.Pipe(duplex=False)
     num_tokens = 9 * 4 + 3  # mini layouts: 4-token blocks, so 10 KV blocks, the last one partly filled
     procs = [
-        ctx.Process(target=happy_worker, args=("src", a, src_out, "nixl", num_tokens, TIMEOUT_S)),
-        ctx.Process(target=happy_worker, args=("dst", b, dst_out, "nixl", num_tokens, TIMEOUT_S)),
+        ctx.Process(target=happy_worker, args=("src", a, src_out, kind, num_tokens, TIMEOUT_S)),
+        ctx.Process(target=happy_worker, args=("dst", b, dst_out, kind, num_tokens, TIMEOUT_S)),
     ]
     try:
         for p in procs:
@@ -81,14 +91,15 @@ def test_read_and_write_move_both_models_byte_exact():
     assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
 
 
+@pytest.mark.parametrize("kind", ENGINES)
 @pytest.mark.parametrize("mode", ["read", "write"])
-def test_a_source_killed_half_way_leaves_the_destination_as_it_was(mode):
+def test_a_source_killed_half_way_leaves_the_destination_as_it_was(kind, mode):
     ctx = mp.get_context("spawn")
     a, b = ctx.Pipe()
     src_ctl, src_side = ctx.Pipe()
     dst_ctl, dst_side = ctx.Pipe()
     timeout_s = 3.0
-    args = ("nixl", mode, 9 * 4 + 3, timeout_s)
+    args = (kind, mode, 9 * 4 + 3, timeout_s)
     src = ctx.Process(target=failing_source, args=(a, src_side, *args))
     dst = ctx.Process(target=aborted_destination, args=(b, dst_side, *args))
     procs = [src, dst]
