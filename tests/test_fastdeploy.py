@@ -151,3 +151,24 @@ def test_attach_for_hybridkv_scheduler_uses_the_same_caches():
     assert fm.state_layer_slots[78].slot == 9 and fm.state_layer_slots[78].group == 6
     with pytest.raises(ValueError, match="different layout"):
         attach(FakeForwardMeta(), md, allocate_caches(minimax_layout(), framework="torch"))
+
+
+def test_plan_kv_dtype_cli(capsys):
+    import json
+
+    from hybridkv.cli import main
+
+    sizes = {}
+    for kv in ("bfloat16", "int8", "block_wise_fp8"):
+        args = ["plan", "--model", "minimax-m1", "--tp", "8", "--gpu-memory", "10GiB", "--layout", "paged"]
+        assert main([*args, "--context", "32k", "--kv-dtype", kv, "--format", "json"]) == 0
+        out = json.loads(capsys.readouterr().out)
+        sizes[kv] = out["layouts"]["paged"]["kv_bytes_per_request"]
+    # 32k tokens x 10 layers x 2 (K, V) x 128: 2 bytes, 1 byte, 1 byte + 4-byte scale per 128
+    assert sizes == {
+        "bfloat16": 32768 * 10 * 2 * 256,
+        "int8": 32768 * 10 * 2 * 128,
+        "block_wise_fp8": 32768 * 10 * 2 * 132,
+    }
+    with pytest.raises(SystemExit):  # argparse names the choices
+        main(["plan", "--model", "minimax-m1", "--kv-dtype", "int4"])
