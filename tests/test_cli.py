@@ -324,3 +324,16 @@ def test_a_plugin_module_adds_a_subcommand(monkeypatch, capsys):
     assert main(["hello", "--who", "you"]) == 0
     assert capsys.readouterr().out.strip() == "hello you"
     assert importlib.import_module("hybridkv.cli") is cli
+
+
+def test_console_script_with_no_arguments_prints_help():
+    import shutil
+
+    script = shutil.which("hybridkv") or str(Path(sys.executable).with_name("hybridkv"))
+    if not Path(script).exists():
+        pytest.skip("the hybridkv console script is not installed (pip install -e .)")
+    proc = subprocess.run([script], capture_output=True, text=True)
+    assert proc.returncode in (0, 2) and "usage: hybridkv" in proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr
+    version = subprocess.run([script, "--version"], capture_output=True, text=True)
+    assert version.returncode == 0 and version.stdout.startswith("hybridkv ")
