@@ -563,5 +563,8 @@ def test_counting_is_exact():
     with pytest.raises(Exception, match="num_state_blocks_per_request"):
         fd.allocate_gpu_blocks(3, "b")  # a first allocation without the state sets: the P2 patch is missing
     assert fd.allocate_gpu_blocks(SimpleNamespace(request_id="c"), 17) == []  # v1: [] on failure
-    with pytest.raises(ValueError, match="total_block_num"):
-        fd.update_cache_config(SimpleNamespace(total_block_num=99))
+    fd.update_cache_config(SimpleNamespace(total_block_num=99))  # the profiled size, while idle
+    assert fd.num_gpu_blocks == 98 and fd.manager.layout.num_blocks == 99
+    fd.allocate_gpu_blocks(5, "d")
+    with pytest.raises(Exception, match="while requests hold blocks"):
+        fd.update_cache_config(SimpleNamespace(total_block_num=50))

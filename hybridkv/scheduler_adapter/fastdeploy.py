@@ -28,7 +28,7 @@ side is :mod:`hybridkv.scheduler_adapter.fastdeploy_worker`.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -388,15 +388,21 @@ class FastDeployBlockManager:
 
     # ---- configuration --------------------------------------------------------------------------
     def update_cache_config(self, cache_config: Any) -> None:
-        """``ResourceManager.reset_cache_config`` after the worker's profiling run: the pool is the
-        layout's, so ``total_block_num`` must equal it (the worker patch computes it from the layout)."""
+        """``ResourceManager.reset_cache_config`` after the worker's profiling run. The worker patch
+        computes ``total_block_num`` from the hybrid layout (``plan(...).num_blocks``); if it differs
+        from the pool's, the (idle) manager is rebuilt with that many blocks of the same layout.
+        Raises ``RequestStateError`` if requests hold blocks then."""
         self.cache_config = cache_config
         total = getattr(cache_config, "total_block_num", None)
-        if total is not None and int(total) != self.manager.layout.num_blocks:
-            raise ValueError(
-                f"cache_config.total_block_num={total} but the hybrid layout has {self.manager.layout.num_blocks} "
-                "blocks: compute num_gpu_blocks from plan(...).num_blocks in the worker (docs/fastdeploy.md)"
-            )
+        m = self.manager
+        if total is None or int(total) == m.layout.num_blocks:
+            return
+        if m.requests or self._pending:
+            raise RequestStateError(f"cannot resize the pool to {total} blocks while requests hold blocks")
+        layout = replace(m.layout, num_blocks=int(total), budget_bytes=int(total) * m.layout.bytes_per_block)
+        host = m.host_pool.num_usable if m.host_pool is not None else 0
+        config = m.prefix_cache.config if m.prefix_cache is not None else None
+        self.manager = HybridBlockManager(layout, num_host_blocks=host, prefix_cache=config)
 
     def issue_pending_backup_to_batch_request(self) -> None:
         return None
