@@ -322,8 +322,9 @@ def _preset_name(name: str) -> str | None:
         return None
 
 
-def build_plan(args: argparse.Namespace) -> dict[str, Any]:
-    """Everything ``hybridkv plan`` prints, as one JSON-ready dict (``layouts``: per layout kind)."""
+def build_plan(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Layout]]:
+    """Everything ``hybridkv plan`` prints, as one JSON-ready dict (``layouts``: per layout kind), and the
+    planned layouts by kind."""
     from_file = is_spec_path(args.model)
     preset_name = None if from_file else _preset_name(args.model)
     explain: list[str] = []
@@ -398,7 +399,8 @@ def build_plan(args: argparse.Namespace) -> dict[str, Any]:
             + " (table columns at that context)"
         )
     first = summaries[0]
-    return {
+    by_kind = {layout.kind.value: layout for layout in layouts}
+    out = {
         "model": model.name,
         "tp_size": model.tp_size,
         "budget_bytes": budget,
@@ -418,6 +420,7 @@ def build_plan(args: argparse.Namespace) -> dict[str, Any]:
         "explain": explain,
         "notes": notes,
     }
+    return out, {s["layout"]: by_kind[s["layout"]] for s in summaries}
 
 
 def plot_capacity(out: dict[str, Any], layouts: dict[str, Layout], path: Path) -> None:
@@ -467,22 +470,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
         args.format = "json"
     if args.plot is not None and Path(args.plot).suffix.lower() not in (".png", ".svg"):
         raise UserError(f"--plot {args.plot!r}: the file name must end in .png or .svg")
-    out = build_plan(args)
+    out, layouts = build_plan(args)
     if args.format == "json":
         text = json.dumps(out, indent=2)
     else:
         text = {"table": _format_table, "md": _format_md, "csv": _format_csv}[args.format](out)
     print(text)
     if args.plot is not None:
-        state_dtype = None if args.state_dtype in (None, "auto") else args.state_dtype
-        model = resolve_model(args.model, state_dtype, out["tp_size"])
-        if args.kv_dtype not in (None, "auto"):
-            model = with_kv_dtype(model, args.kv_dtype)
-        state_block = _size(args.state_block_bytes, "--state-block-bytes") if args.state_block_bytes else None
-        layouts = {
-            k: plan(model, out["budget_bytes"], args.block_size, k, state_block_bytes=state_block)
-            for k in out["layouts"]
-        }
         plot_capacity(out, layouts, Path(args.plot))
         print(f"plot: {args.plot}", file=sys.stderr)
     return 0
