@@ -207,3 +207,18 @@ def test_any_ids_move_byte_exact(num_tokens, perm, kind):
     assert reference_bytes(dst, layout, db) == reference_bytes(src, layout, sb)
     untouched = ~covered_mask(dst_regions, pairs.dst)[0]
     assert np.array_equal(dst.reshape(-1)[untouched], before.reshape(-1)[untouched])
+
+
+def test_docs_transfer_python_snippet_runs_as_written(tmp_path):
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "transfer.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", doc, flags=re.S)
+    assert blocks
+    for code in blocks:
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        assert "descriptors," in proc.stdout
