@@ -81,7 +81,10 @@ def model_spec(cfg: TinyConfig) -> ModelSpec:
     lightning = RecurrentLayerSpec("lightning", (StateComponent("kv", (h, d, _widen(d, cfg.dtype)), "float32"),))
     attn = AttentionLayerSpec(cfg.attn_kv_heads, _widen(cfg.attn_head_dim, cfg.dtype), "float32", cfg.attn_q_heads)
     layers = tuple(attn if c == "A" else lightning for c in cfg.pattern)
-    return ModelSpec(f"tiny-hybrid-{cfg.pattern}", layers, hidden_size=cfg.hidden)
+    d, ad = cfg.hidden, cfg.attn_head_dim
+    per_layer = {"L": d * h * d * 4 + h * d * d, "A": d * ad * (2 * cfg.attn_q_heads + 2 * cfg.attn_kv_heads)}
+    params = sum(per_layer[c] + 2 * d * cfg.mlp_hidden for c in cfg.pattern) + d * cfg.vocab_size
+    return ModelSpec(f"tiny-hybrid-{cfg.pattern}", layers, hidden_size=cfg.hidden, params_active=float(params))
 
 
 def tiny_layout(cfg: TinyConfig, num_blocks: int, block_size: int = 4) -> Layout:
@@ -391,6 +394,7 @@ class Engine:
         self.logits: dict = defaultdict(list)
         self.tokens: dict = {}  # request id -> prompt + outputs, kept after the request finishes
         self.events = Events()
+        self.usage = self.manager.usage()
 
     def add_request(self, request_id, prompt: list[int], max_new_tokens: int) -> None:
         self.scheduler.add_request(request_id, prompt, max_new_tokens)
@@ -425,7 +429,9 @@ class Engine:
         sched.requests[child_id] = child
         bisect.insort(sched.running, child, key=lambda r: r.sort_key)
         self.events.forks += 1
-        self.events.log.append(f"fork {parent_id} -> {child_id} at {parent.num_computed_tokens} tokens")
+        self.events.log.append(
+            f"step {sched.num_steps}: fork {parent_id} -> {child_id} at {parent.num_computed_tokens + 1} tokens"
+        )
         return True
 
     # ---- hooks for deliberately broken variants -------------------------------------------------------
@@ -446,6 +452,7 @@ class Engine:
             swap_blocks(self.pools, self.host, p).synchronize()
         copy_blocks(self.pools, plan.copies)
         ev.checkpoint_copies += len(plan.checkpoint_copies)
+        self.usage = self.manager.usage()  # blocks by category while the step runs
         for pre in plan.preempted:
             if pre.mode.value == "swap":
                 ev.preempted_swap += 1
@@ -506,6 +513,7 @@ class Engine:
                 ev.drafts += row.num_drafts
                 ev.accepted += a
                 ev.rejected_steps += a < row.num_drafts
+                ev.log.append(f"step {plan.step}: {rid} speculative commit, {a} of {row.num_drafts} drafts accepted")
         result = sched.update(StepOutputs(sampled, frozenset(), accepted))
         for rid in sampled:
             req = sched.requests.get(rid) or sched.finished.get(rid)
@@ -534,6 +542,7 @@ class Engine:
 
 
 def main() -> None:
+    torch.set_num_threads(1)  # tiny matmuls: threads cost more than they save
     cfg = TinyConfig()
     model = TinyHybrid(cfg)
     layout = tiny_layout(cfg, num_blocks=64)
