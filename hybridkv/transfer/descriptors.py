@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from hybridkv.blockmgr.layout import GroupKind, Layout
+from hybridkv.blockmgr.layout import Layout
 from hybridkv.blockmgr.spec import RecurrentLayerSpec
 from hybridkv.blockmgr.transfer_plans import RequestBlocks
 from hybridkv.transfer.errors import TransferError
@@ -242,9 +242,11 @@ def _pieces(layout: Layout, num_kv_blocks: int) -> _Pieces:
                 planes.append(np.full(num_kv_blocks, p, dtype=np.int64))
                 index.append(kv_start + np.arange(num_kv_blocks, dtype=np.int64))
                 length.append(np.full(num_kv_blocks, seg_b, dtype=np.int64))
-    assert all(g.kind is GroupKind.STATE for g in state_groups)
-    cat = lambda xs: np.concatenate(xs) if xs else np.zeros(0, dtype=np.int64)  # noqa: E731
-    return _Pieces(cat(planes), cat(index), cat(length))
+    return _Pieces(_cat(planes), _cat(index), _cat(length))
+
+
+def _cat(parts: list[np.ndarray]) -> np.ndarray:
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
 
 def _locate(pool: PoolRegions, pieces: _Pieces, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
