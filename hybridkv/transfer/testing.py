@@ -158,6 +158,7 @@ def happy_worker(role: str, peer: Connection, parent: Connection, kind: str, num
                     scattered_request(m, rid, num_tokens, "neighbour")
                     blocks = m.request_blocks(rid)
                     out["sha256"] = hashlib.sha256(reference_bytes(pool, layout, blocks)).hexdigest()
+                    out["ids"] = blocks.ids().tolist()
                     out["kv_runs"] = len(runs(np.sort(blocks.kv_blocks)))
                     if mode == "read":
                         plan, offer = offer_request(m, engine.pool, rid)
@@ -181,6 +182,7 @@ def happy_worker(role: str, peer: Connection, parent: Connection, kind: str, num
                         out["notified"] = True
                     blocks = m.request_blocks(rid)  # running: committed
                     out["sha256"] = hashlib.sha256(reference_bytes(pool, layout, blocks)).hexdigest()
+                    out["ids"] = blocks.ids().tolist()
                     covered = covered_mask(engine.pool, request_descriptors(engine.pool, blocks))[0]
                     flat, old = pool.reshape(-1), before.reshape(-1)
                     out["others_untouched"] = bool(np.array_equal(flat[~covered], old[~covered]))
