@@ -7,6 +7,8 @@ Plugged into :mod:`hybridkv.cli` (``add_parser`` / ``run``). Imports of the simu
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import sys
 import time
 from typing import Any
 
@@ -30,7 +32,12 @@ def _positive_int(text: str) -> int:
 
 
 def _nonneg_int(text: str) -> int:
-    v = _positive_int(text) if text != "0" else 0
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
     return v
 
 
@@ -159,6 +166,8 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
     )
     configs = expand(base, args.compare) if args.compare else [base]
+    if importlib.util.find_spec("matplotlib") is None:
+        print("hybridkv: note: report.html will have no plots: pip install 'hybridkv[reports]'", file=sys.stderr)
     from hybridkv.sim.config import build_layout
 
     for c in configs:  # bad sizes and models fail here, in one line, before any run starts

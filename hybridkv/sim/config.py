@@ -21,9 +21,10 @@ from hybridkv.scheduler_adapter.scheduler import Scheduler, SchedulerConfig
 
 PREFIX_POLICIES = ("none", "lru", "flop_aware")
 
-# The embedded default: MiniMax-M1 TP8 on H200s. An H200 has 141 GB; at 0.92 utilisation and with
-# MiniMax-M1's 456 B parameters in bf16 over 8 GPUs (114 GB per GPU) about 15.7 GB (14.6 GiB) is
-# left for activations and the cache: 14 GiB of cache per GPU.
+# The embedded default: MiniMax-M1 TP8 on H200s. `hybridkv plan --gpu h200` gives a 20.2 GiB cache
+# budget (0.9 x 140.4 GiB less 106.2 GiB of bf16 weights per GPU, nothing reserved); the simulator
+# keeps about 6 GiB of that for activations and CUDA graphs (an 8,192-token MiniMax-M1 prefill
+# chunk needs several GiB): 14 GiB of cache per GPU.
 DEFAULT_MODEL, DEFAULT_TP, DEFAULT_GPU, DEFAULT_BUDGET = "minimax-m1", 8, "h200", "14GiB"
 
 
