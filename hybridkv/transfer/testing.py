@@ -139,9 +139,28 @@ def _owned_mask(m: HybridBlockManager) -> np.ndarray:
     return ~m.pool.free_mask()
 
 
-def happy_worker(role: str, peer: Connection, parent: Connection, kind: str, num_tokens: int, timeout_s: float) -> None:
+def seeded_regions(layout: Layout, seed: int, device: str) -> tuple[PoolRegions, Callable[[], np.ndarray], Any]:
+    """A seeded pool on ``device`` ("cpu": numpy; "cuda:N": an ``ops`` torch pool in GPU memory): its
+    regions, a function returning its bytes as a numpy array (a copy for GPU pools), and the owner to keep."""
+    if device == "cpu":
+        pool = seeded_pool(layout, seed)
+        return regions_of_array(layout, pool), lambda: pool, pool
+    import torch
+
+    from hybridkv.ops.pools import allocate_pools
+    from hybridkv.transfer.loopback import regions_of_pools
+
+    pools = allocate_pools(layout, device=device)
+    pools.torch_data.copy_(torch.from_numpy(seeded_pool(layout, seed)))
+    return regions_of_pools(pools), lambda: pools.torch_data.cpu().numpy(), pools
+
+
+def happy_worker(
+    role: str, peer: Connection, parent: Connection, kind: str, num_tokens: int, timeout_s: float, device: str = "cpu"
+) -> None:
     """For each miniature model, one decode-side READ and one prefill-side WRITE of a request with
-    scattered KV; reports SHA-256 of the request's bytes, the notification, integrity and leaks."""
+    scattered KV; reports SHA-256 of the request's bytes, the notification, integrity and leaks.
+    ``device``: where the pools live ("cpu", or "cuda:N" for :mod:`hybridkv.transfer.gpu_check`)."""
     results: dict[str, Any] = {}
     try:
         for model_name, model in MODELS.items():
@@ -149,9 +168,10 @@ def happy_worker(role: str, peer: Connection, parent: Connection, kind: str, num
             for mode in ("read", "write"):
                 key, rid = f"{model_name}/{mode}", f"{model_name}-{mode}"
                 m = HybridBlockManager(layout)
-                pool = seeded_pool(layout, 1 if role == "src" else 2)
+                regions, snapshot, _owner = seeded_regions(layout, 1 if role == "src" else 2, device)
+                pool = snapshot()
                 before = pool.copy()
-                engine = make_engine(kind, f"{role}-{rid}", regions_of_array(layout, pool))
+                engine = make_engine(kind, f"{role}-{rid}", regions)
                 other = engine.connect(_exchange(peer, timeout_s))
                 out: dict[str, Any] = {}
                 if role == "src":
@@ -180,6 +200,7 @@ def happy_worker(role: str, peer: Connection, parent: Connection, kind: str, num
                         peer.send(accept)
                         finish_import(engine, other, plan, timeout_s)
                         out["notified"] = True
+                    pool = snapshot()
                     blocks = m.request_blocks(rid)  # running: committed
                     out["sha256"] = hashlib.sha256(reference_bytes(pool, layout, blocks)).hexdigest()
                     out["ids"] = blocks.ids().tolist()
