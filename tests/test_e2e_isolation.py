@@ -22,6 +22,7 @@ import torch
 from hybridkv.blockmgr.manager import HybridBlockManager
 from hybridkv.blockmgr.prefix import PrefixCacheConfig
 from hybridkv.ops import copy_blocks
+from hybridkv.ops.testing import interpreter_enabled
 from hybridkv.scheduler_adapter import H200, PreemptionMode, Preemptor, Scheduler, SchedulerConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
@@ -53,8 +54,10 @@ class AlternatingPreemptor(Preemptor):
         return super().mode_for(req)
 
 
-def run_workload(engine_cls=Engine, dtype=torch.float64, seed: int = 0, **engine_kwargs) -> Engine:
-    """32 requests (and a few forks) through a small pool; returns the finished engine."""
+def run_workload(
+    engine_cls=Engine, dtype=torch.float64, seed: int = 0, num_requests: int = NUM_REQUESTS, **engine_kwargs
+) -> Engine:
+    """``num_requests`` requests (and a few forks) through a small pool; returns the finished engine."""
     cfg = TinyConfig(dtype=dtype, lightning_head_dim=8)  # a lightning state spans 4 blocks, a head 2
     layout = tiny_layout(cfg, num_blocks=80, block_size=4)
     manager = HybridBlockManager(layout, num_host_blocks=48, prefix_cache=PrefixCacheConfig())
@@ -66,10 +69,12 @@ def run_workload(engine_cls=Engine, dtype=torch.float64, seed: int = 0, **engine
     rng = random.Random(seed)
     prefixes = [[rng.randrange(cfg.vocab_size) for _ in range(n)] for n in (8, 12)]
     arrivals: dict[int, list] = {}
-    for i in range(NUM_REQUESTS):
+    for i in range(num_requests):
         shared = prefixes[i % 3] if i % 3 < 2 else []
         prompt = shared + [rng.randrange(cfg.vocab_size) for _ in range(rng.randint(1, 10))]
-        arrivals.setdefault(rng.randint(0, 40), []).append((f"r{i}", prompt, rng.randint(2, 9)))
+        arrivals.setdefault(rng.randint(0, 40 * num_requests // NUM_REQUESTS), []).append(
+            (f"r{i}", prompt, rng.randint(2, 9))
+        )
     forks, step = 0, 0
     while step < 2000 and (scheduler.has_unfinished or any(s >= step for s in arrivals)):
         for rid, prompt, n in arrivals.get(step, []):
@@ -108,6 +113,17 @@ def test_every_token_equals_the_sequential_reference_fp32():
     engine = run_workload(dtype=torch.float32, seed=1)
     err, rid, pos = engine.max_error()
     assert err <= 1e-4, f"request {rid} at position {pos}: |logits - reference| = {err:.3e}"
+
+
+@pytest.mark.skipif(
+    not interpreter_enabled(), reason="the Triton decode kernel runs on CPU only under TRITON_INTERPRET=1"
+)
+def test_triton_decode_kernel_in_the_loop_equals_the_sequential_reference():
+    """The same check with the in-place Triton decode kernel (interpreted) on a shorter stream."""
+    engine = run_workload(seed=2, num_requests=8, backend="triton")
+    err, rid, pos = engine.max_error()
+    assert err <= 1e-9, f"request {rid} at position {pos}: |logits - reference| = {err:.3e}"
+    assert engine.events.accepted > 0 and engine.events.preempted_recompute + engine.events.preempted_swap > 0
 
 
 class SharedStateEngine(Engine):

@@ -269,3 +269,37 @@ def test_paged_prefill_equals_the_contiguous_recurrence_and_writes_only_its_rows
     live[:, [1, 3]] = NULL_BLOCK
     changed = pools.torch_data != before
     assert not (changed[s] & ~_written_mask(pools, layer, live[g])).any()
+
+
+# ---- paddle -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_paddle_pools_and_tensors_give_the_torch_result(backend):
+    paddle = pytest.importorskip("paddle")
+    kwargs, dtype, (h, dk, dv) = CASES["head_spans_blocks"]
+    layout = small_layout(**kwargs)
+    t = allocate_pools(layout, "cpu", fill="nan")
+    p = allocate_pools(layout, "cpu", framework="paddle", fill="nan")
+    table = torch.from_numpy(random_state_table(layout, 3, seed=2, null_rows=(1,)))
+    g, s = _layers(layout)[0]
+    _random_states(t, table, g, s, dtype, seed=4)
+    p.torch_data.copy_(t.torch_data)
+    q, k, v = _qkv(3, h, dk, dv, torch.float32, seed=5)
+    slopes = lightning_slopes(h, 0, 4)
+    o_t = lightning_decode(t, table, g, s, q, k, v, slopes, backend=backend)
+    pq, pk, pv = (paddle.to_tensor(x.numpy()) for x in (q, k, v))
+    o_p = lightning_decode(p, paddle.to_tensor(table.numpy()), g, s, pq, pk, pv, paddle.to_tensor(slopes.numpy()),
+                           backend=backend)  # fmt: skip
+    assert isinstance(o_p, paddle.Tensor)
+    assert np.array_equal(o_p.numpy(), o_t.numpy())
+    assert np.array_equal(p.data.numpy(), t.torch_data.numpy())
+    cu = torch.tensor([0, 3, 3, 5])
+    x = [torch.randn(5, h, d, dtype=torch.float32, generator=torch.Generator().manual_seed(d)) for d in (dk, dk, dv)]
+    init = torch.tensor([True, False, False])
+    o_t = lightning_prefill(t, table, g, s, *x, cu, init, slopes, block_size=2)
+    px = [paddle.to_tensor(a.numpy()) for a in x]
+    o_p = lightning_prefill(p, paddle.to_tensor(table.numpy()), g, s, *px, paddle.to_tensor(cu.numpy()),
+                            paddle.to_tensor(init.numpy()), paddle.to_tensor(slopes.numpy()), block_size=2)  # fmt: skip
+    assert isinstance(o_p, paddle.Tensor) and np.array_equal(o_p.numpy(), o_t.numpy())
+    assert np.array_equal(p.data.numpy(), t.torch_data.numpy())
