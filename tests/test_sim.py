@@ -262,3 +262,19 @@ def test_reports_hold_the_comparison(tmp_path, pressure):
     assert "| preemptions recompute / swap |" in md and summaries[1]["label"] in md
     page = paths[2].read_text()
     assert page.count("data:image/png;base64,") == 5 and "http" not in page.replace("http-equiv", "")
+
+
+def test_speculation_and_prefix_caching_show_in_the_report():
+    # 16 requests that all start with one 2,048-token group prefix, arriving 1/s
+    one_group = SyntheticConfig(
+        num_requests=16, rate=1.0, prompt_median=3000, output_median=32, num_prefix_groups=1, prefix_share=1.0, seed=2
+    )
+    small = synthetic(one_group)
+    spec, none = run_all(expand(TIGHT, ["speculative=2", "prefix=flop_aware,none"]), small, workers=1)
+    assert max(spec["series"]["state_speculative"]) > 0 and spec["totals"]["finished"] == 16
+    assert spec["totals"]["prefix_hit_tokens"] > 0 and none["totals"]["prefix_hit_tokens"] == 0
+    assert max(none["series"]["kv_cached"]) == max(none["series"]["checkpoints"]) == 0
+    # drafts accepted at 0.7 finish the same outputs in fewer steps than one token per step
+    plain = run_all([TIGHT.with_changes(prefix="none")], small, workers=1)[0]
+    assert none["totals"]["output_tokens"] == plain["totals"]["output_tokens"]
+    assert none["totals"]["steps"] < plain["totals"]["steps"]
