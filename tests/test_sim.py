@@ -211,7 +211,14 @@ def test_trace_window_rate_and_truncation(tmp_path):
 
 @pytest.mark.parametrize(
     "flags",
-    [["--layout", "sideways"], ["--tp", "0"], ["--compare", "colour=red"], ["--gpu-memory", "lots"], ["--gpu", "tpu"]],
+    [
+        ["--layout", "sideways"],
+        ["--tp", "0"],
+        ["--compare", "colour=red"],
+        ["--gpu-memory", "lots"],
+        ["--gpu", "tpu"],
+        ["--trace", "/nonexistent/trace.jsonl"],
+    ],
 )
 def test_bad_flags_are_one_line_and_exit_2(flags, tmp_path, capsys):
     with pytest.raises(SystemExit) as e:

@@ -118,9 +118,12 @@ def _workload(args: argparse.Namespace) -> Any:
     from hybridkv.sim.workload import Arrivals, SyntheticConfig, from_trace, synthetic
 
     if args.trace is not None:
-        return from_trace(
-            args.trace, args.trace_limit, args.trace_start, args.trace_end, args.rate_scale, args.max_output_tokens
-        )
+        try:
+            return from_trace(
+                args.trace, args.trace_limit, args.trace_start, args.trace_end, args.rate_scale, args.max_output_tokens
+            )
+        except OSError as e:  # a missing or unreadable file: one line, exit 2
+            raise ValueError(str(e)) from None
     changes: dict[str, Any] = {"seed": args.seed}
     for flag, field in (("requests", "num_requests"), ("rate", "rate"), ("prompt_median", "prompt_median")):
         if getattr(args, flag) is not None:
