@@ -146,15 +146,19 @@ def test_mismatches_are_refused_with_the_fix():
         PoolRegions.from_wire(other, wire)
 
 
-def test_ops_pools_regions_match_the_numpy_rule():
+@pytest.mark.parametrize("framework", ["torch", "paddle"])
+def test_ops_pools_regions_match_the_numpy_rule(framework):
     torch = pytest.importorskip("torch")
+    if framework == "paddle":
+        pytest.importorskip("paddle")
     from hybridkv.ops.pools import allocate_pools, read_state
     from hybridkv.transfer.loopback import regions_of_pools
 
     layout = mini_layout(mini_mamba2(), 80)
     src_m = scattered_source(layout, 13)
     export = src_m.export_request("r")
-    pools = allocate_pools(layout, device="cpu")
+    pools = allocate_pools(layout, device="cpu", framework=framework)
+    assert regions_of_pools(pools).regions[0].address == pools.data.data_ptr()  # the paddle tensor itself too
     pools.torch_data.copy_(torch.from_numpy(seeded_pool(layout, 5)))
     dst = seeded_pool(layout, 6)
     ids = np.arange(40, 40 + export.blocks.num_blocks)
