@@ -83,6 +83,7 @@ def test_read_and_write_move_both_models_byte_exact(kind):
         assert s["sha256"] == d["sha256"], key
         assert len(s["ids"]) == len(d["ids"]) and s["ids"] != d["ids"], key  # other block ids on each side
         assert s["kv_runs"] > 1, key  # the KV blocks really were scattered on the source
+        assert s["num_descriptors"] > 16, key  # more than one Mooncake batch (the workers use batches of 16)
         assert d["others_untouched"] and d["covered_bytes"] > 0, key
         assert s["freed"], key  # the prefill side freed the request after the hand-over
         notified = s if key.endswith("read") else d  # READ notifies the source, WRITE the destination

@@ -108,7 +108,7 @@ def make_engine(kind: str, name: str, pool: PoolRegions) -> TransferEngine:
     if kind == "mooncake":
         from hybridkv.transfer.mooncake_engine import MooncakeEngine
 
-        return MooncakeEngine(name, pool)
+        return MooncakeEngine(name, pool, max_batch=16)  # small batches: the tests cross batch boundaries
     raise ValueError(f"unknown engine kind {kind!r}")
 
 
@@ -180,6 +180,7 @@ def happy_worker(
                     out["sha256"] = hashlib.sha256(reference_bytes(pool, layout, blocks)).hexdigest()
                     out["ids"] = blocks.ids().tolist()
                     out["kv_runs"] = len(runs(np.sort(blocks.kv_blocks)))
+                    out["num_descriptors"] = len(request_descriptors(engine.pool, blocks))
                     if mode == "read":
                         plan, offer = offer_request(m, engine.pool, rid)
                         peer.send(offer)
