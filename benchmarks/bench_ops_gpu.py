@@ -4,9 +4,13 @@ Cases: gather/scatter of MiniMax-M1 TP1 states (70 lightning layers x [64, 128, 
 32), Mamba2-2.7B ssm states (64 layers x [80, 64, 128] fp32, B = 64) and Mamba2-2.7B conv states
 (64 layers x [5376, 3] bf16, ~31.5 KiB, B = 64), each in one launch for all layers vs torch
 ``index_select`` / ``index_copy_`` per layer on vLLM-style contiguous per-layer pools; copy_blocks;
-swap_blocks in/out vs the pinned copy rate. Bandwidth counts bytes read + written (swaps: bytes
-moved over the link). ``triton.testing.do_bench`` medians; the 2 GiB ``y.copy_(x)`` rate measured
-in the same process is the denominator.
+swap_blocks in/out vs the pinned copy rate, with host ids that are consecutive (one copy) and truly
+scattered (drawn from a host pool 3x larger: about one copy per block). Bandwidth counts bytes read
++ written (swaps: bytes moved over the link). ``triton.testing.do_bench`` medians over at least 25
+repetitions (10 with ``--quick``), however long one call takes; the 2 GiB ``y.copy_(x)`` rate
+measured in the same process is the denominator. Before any op is timed its result on the device
+is compared bit for bit with the reference (``--no-check`` skips that). The first lines printed are
+the driver, CUDA, Triton and torch versions.
 
     python benchmarks/bench_ops_gpu.py            # full run, a few minutes on one H200
     python benchmarks/bench_ops_gpu.py --quick    # smaller sizes, fewer cases
@@ -48,9 +52,65 @@ def _bench(fn: Callable[[], Any], quick: bool) -> float:
         t0 = time.perf_counter()
         fn()
         return (time.perf_counter() - t0) * 1e3
+    import torch
     from triton.testing import do_bench
 
-    return float(do_bench(fn, warmup=10 if quick else 25, rep=30 if quick else 100, return_mode="median"))
+    fn()  # warm (compiles the kernel), then one timed call to size the measurement
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    one_ms = (time.perf_counter() - t0) * 1e3
+    min_reps = 10 if quick else 25
+    rep_ms = max(30 if quick else 100, min_reps * one_ms)  # do_bench runs about rep_ms / one call's time
+    return float(do_bench(fn, warmup=max(10, 2 * one_ms), rep=rep_ms, return_mode="median"))
+
+
+def versions() -> dict[str, Any]:
+    """Driver, CUDA (torch's runtime and the driver's), Triton and torch versions, and the GPU."""
+    import ctypes
+    import subprocess
+
+    import torch
+
+    info: dict[str, Any] = {"torch": torch.__version__, "cuda_runtime": torch.version.cuda}
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except ImportError:
+        info["triton"] = None
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30)  # fmt: skip
+        info["driver"] = out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else None
+    except (OSError, subprocess.SubprocessError):
+        info["driver"] = None
+    try:
+        version = ctypes.c_int()
+        ctypes.CDLL("libcuda.so.1").cuDriverGetVersion(ctypes.byref(version))
+        info["cuda_driver_api"] = f"{version.value // 1000}.{version.value % 1000 // 10}"
+    except OSError:
+        info["cuda_driver_api"] = None
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+        info["capability"] = ".".join(map(str, torch.cuda.get_device_capability()))
+    return info
+
+
+def _sync() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _check(ok: bool, what: str) -> None:
+    """Bit-exactness of one op on the device, before it is timed (raises, so no figure of a wrong op)."""
+    if not ok:
+        raise AssertionError(f"{what}: the result on {_RUN['device']} differs from the reference")
+    note = " (CPU smoke run: the reference against itself, the script's plumbing only)" if _RUN["smoke"] else ""
+    print(f"  bit-exact: {what}{note}", flush=True)
 
 
 def _record(case: str, op: str, impl: str, ms: float, nbytes: int, denominator_gbps: float) -> dict[str, Any]:
@@ -121,6 +181,8 @@ def state_case(model, batch: int, copy_gbps: float, quick: bool, check: bool) ->
 
 def _hybridkv_states(model, batch, name, nbytes, copy_gbps, quick, check) -> list[dict[str, Any]]:
     """One launch for all layers of all state groups, random block order, pool sized to the batch."""
+    import dataclasses
+
     import numpy as np
     import torch
 
@@ -141,13 +203,24 @@ def _hybridkv_states(model, batch, name, nbytes, copy_gbps, quick, check) -> lis
         pos += batch * bps
     table_dev = torch.from_numpy(table).to(_RUN["device"])
     out = allocate_state_buffers(layout, batch, device=_RUN["device"])
-    if check and batch <= 8:  # the reference's address tensors grow with batch x state bytes
+    mine = "naive" if _RUN["smoke"] else "triton"  # the CPU smoke run checks the script, not the kernel
+    if check:
         ref = allocate_state_buffers(layout, batch, device=_RUN["device"])
         gather_states(pools, table, None, ref, backend="naive")
-        gather_states(pools, table_dev, None, out, backend="naive" if _RUN["smoke"] else "triton")
+        gather_states(pools, table_dev, None, out, backend=mine, validate=False)
+        _sync()
+        _check(torch.equal(ref.torch_data, out.torch_data), f"{name}: gather")
+        del ref
+        out.torch_data.random_(0, 255)
+        want = pools.torch_data.clone()
+        ref_pools = dataclasses.replace(pools, data=want, torch_data=want, cache={})
+        scatter_states(ref_pools, table, None, out, backend="naive")
+        scatter_states(pools, table_dev, None, out, backend=mine, validate=False)
+        _sync()
+        _check(torch.equal(want, pools.torch_data), f"{name}: scatter")
+        del want, ref_pools
         if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        assert torch.equal(ref.torch_data, out.torch_data), f"{name}: Triton gather differs from the reference"
+            torch.cuda.empty_cache()
     gather_ms = _bench(lambda: gather_states(pools, table_dev, None, out, validate=False), quick)
     scatter_ms = _bench(lambda: scatter_states(pools, table_dev, None, out, validate=False), quick)
     return [
@@ -181,50 +254,78 @@ def _torch_states(state_layers, batch, name, nbytes, copy_gbps, quick) -> list[d
     ]
 
 
-def blocks_and_swap_case(copy_gbps: float, pinned: dict[str, float], quick: bool) -> list[dict[str, Any]]:
+def blocks_and_swap_case(copy_gbps: float, pinned: dict[str, float], quick: bool, check: bool) -> list[dict[str, Any]]:
     import numpy as np
     import torch
 
     from hybridkv.blockmgr.layout import plan
     from hybridkv.blockmgr.presets import preset
     from hybridkv.ops import allocate_host_pools, allocate_pools, copy_blocks, swap_blocks
+    from hybridkv.ops.swap.runs import host_runs
 
-    model = preset("minimax-m1", "float32", 1)
+    model = preset("minimax-m1", "float32", 8 if _RUN["smoke"] else 1)
     probe = plan(model, 1 << 50, block_size=64)
-    num_pairs = max(1, _size(1024, 256, 16, quick) * MiB // probe.bytes_per_block)
+    num_pairs = max(2, _size(1024, 256, 1, quick) * MiB // probe.bytes_per_block)
     layout = plan(model, (2 * num_pairs + 1) * probe.bytes_per_block, block_size=64)
-    pools = allocate_pools(layout, _RUN["device"])
+    device = _RUN["device"]
+    pools = allocate_pools(layout, device)
     pools.torch_data.random_(0, 255)
     pools.torch_data[:, :, 0].zero_()
     rng = np.random.default_rng(1)
     ids = rng.permutation(np.arange(1, layout.num_blocks))
-    src = torch.from_numpy(ids[:num_pairs]).to(_RUN["device"])
-    dst = torch.from_numpy(ids[num_pairs : 2 * num_pairs]).to(_RUN["device"])
-    name = f"minimax-m1 blocks of {layout.bytes_per_block / MiB:.3g} MiB (10 slots), {num_pairs} pairs"
+    src = torch.from_numpy(ids[:num_pairs]).to(device)
+    dst = torch.from_numpy(ids[num_pairs : 2 * num_pairs]).to(device)
+    name = f"minimax-m1 blocks of {layout.bytes_per_block / MiB:.3g} MiB ({layout.group_size} slots), {num_pairs} pairs"
     nbytes = 2 * num_pairs * layout.bytes_per_block
     data = pools.torch_data
 
     def torch_copy():
         data[:, :, dst] = data[:, :, src]
 
+    if check:
+        want = data.clone()
+        want[:, :, dst] = want[:, :, src]
+        copy_blocks(pools, src, dst, backend="naive" if _RUN["smoke"] else "triton")
+        _sync()
+        _check(torch.equal(want, data), f"{name}: copy_blocks")
+        del want
     mine = _record(name, "copy_blocks", "hybridkv (1 launch)", _bench(lambda: copy_blocks(pools, src, dst), quick),
                    nbytes, copy_gbps)  # fmt: skip
+    src_host, dst_host = ids[:num_pairs].tolist(), ids[num_pairs : 2 * num_pairs].tolist()
+    staged = _record(name, "copy_blocks", "hybridkv, host ids (checked)",
+                     _bench(lambda: copy_blocks(pools, src_host, dst_host), quick), nbytes, copy_gbps)  # fmt: skip
     theirs = _record(name, "copy_blocks", "torch advanced indexing", _bench(torch_copy, quick), nbytes, copy_gbps)
     mine |= {"speedup_vs_torch": theirs["ms"] / mine["ms"], "target": TARGETS["copy_blocks"]}
     mine["pass"] = mine["fraction_of_copy"] >= 0.85
-    records = [mine, theirs]
-    host = allocate_host_pools(layout, num_pairs)
+    records = [mine, staged, theirs]
+    num_host_blocks = 3 * num_pairs  # room for scattered ids: a permutation of num_pairs ids sorts back to one run
+    host = allocate_host_pools(layout, num_host_blocks)
     moved = num_pairs * layout.bytes_per_block
-    for host_order in ("consecutive", "random"):
-        host_ids = np.arange(num_pairs) if host_order == "consecutive" else rng.permutation(num_pairs)
-        dev_ids = ids[:num_pairs]
+    dev_ids = ids[:num_pairs]
+    dev_index = torch.from_numpy(dev_ids).to(device)
+    for host_order in ("consecutive", "scattered"):
+        if host_order == "consecutive":
+            host_ids = np.arange(num_pairs)
+        else:
+            host_ids = rng.choice(num_host_blocks, size=num_pairs, replace=False)
+        num_copies = len(host_runs(np.sort(host_ids)))
+        case = f"minimax-m1 swap {num_pairs} blocks, {host_order} host ids ({num_copies} copies)"  # device ids random
+        if check:
+            host_index = torch.from_numpy(host_ids)
+            swap_blocks(pools, host, dev_ids, host_ids, "out").synchronize()
+            got = host.torch_data[host_index].to(device)
+            _check(torch.equal(got, data.permute(2, 0, 1, 3)[dev_index]), f"{case}: swap out")
+            host.torch_data[host_index] = torch.randint_like(host.torch_data[host_index], 0, 255)
+            swap_blocks(pools, host, dev_ids, host_ids, "in").synchronize()
+            got = data.permute(2, 0, 1, 3)[dev_index].cpu()
+            _check(torch.equal(got, host.torch_data[host_index]), f"{case}: swap in")
+            del got
         for direction in ("out", "in"):
-            ms = _bench(lambda d=direction, h=host_ids, i=dev_ids: swap_blocks(pools, host, i, h, d).wait(), quick)
+            ms = _bench(lambda d=direction, h=host_ids: swap_blocks(pools, host, dev_ids, h, d).wait(), quick)
             rate = pinned[f"{direction}_gbps"]
-            rec = _record(f"minimax-m1 swap {num_pairs} blocks, random device ids, {host_order} host ids",
-                          f"swap_{direction}", "hybridkv", ms, moved, rate)  # fmt: skip
+            rec = _record(case, f"swap_{direction}", "hybridkv", ms, moved, rate)
             rec["fraction_of_pinned"] = rec.pop("fraction_of_copy")
-            rec |= {"target": TARGETS["swap"], "pass": rec["fraction_of_pinned"] >= 0.90}
+            rec |= {"target": TARGETS["swap"], "pass": rec["fraction_of_pinned"] >= 0.90, "host_copies": num_copies}
             records.append(rec)
     return records
 
@@ -259,14 +360,16 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         print("bench_ops_gpu: torch is not installed; nothing to measure", file=sys.stderr)
         return 0
+    info = versions()
+    print(f"driver {info['driver']} (CUDA driver API {info['cuda_driver_api']}), CUDA runtime "
+          f"{info['cuda_runtime']}, Triton {info['triton']}, torch {info['torch']}, GPU {info.get('gpu')}",
+          flush=True)  # fmt: skip
     if args.cpu_smoke:
         _RUN.update(device="cpu", smoke=True)
         args.quick, args.no_save = True, True
     elif not torch.cuda.is_available():
         print("bench_ops_gpu: no CUDA device here; this benchmark measures GPU ops, nothing to do", file=sys.stderr)
         return 0
-    import triton
-
     from benchmarks._common import save
 
     copy = copy_rate(args.quick)
@@ -277,13 +380,12 @@ def main(argv: list[str] | None = None) -> int:
     records = []
     for model_name, batch in cases:
         records += state_case(models[model_name], batch, copy["gbps"], args.quick, check=not args.no_check)
-    records += blocks_and_swap_case(copy["gbps"], pinned, args.quick)
+    records += blocks_and_swap_case(copy["gbps"], pinned, args.quick, check=not args.no_check)
     print_table(copy, pinned, records)
     payload = {
         "quick": args.quick,
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "checked_bit_exact": not args.no_check,
+        "versions": info,
         "copy": copy,
         "pinned": pinned,
         "targets": TARGETS,

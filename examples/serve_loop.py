@@ -5,14 +5,14 @@ swapped; 12 requests share a 256-token system prompt, so later ones hit the pref
 "forward" is a stand-in: it gathers each running request's recurrent state through the state
 table, adds the number of tokens it processed, and scatters it back. Every state therefore holds
 the count of tokens its request has seen, which the loop checks after swaps, prefix hits and
-copies: the bytes really follow the block tables.
+copies: the bytes really follow the block tables. As an engine would, it allocates the state
+buffers once for ``max_num_seqs`` rows; each step's table fills the first rows, and the ops' run
+table (cached per layout and buffer shape) is built once for the whole run.
 
     python examples/serve_loop.py
 """
 
 from __future__ import annotations
-
-import torch
 
 from hybridkv.blockmgr.layout import plan
 from hybridkv.blockmgr.manager import HybridBlockManager
@@ -40,6 +40,8 @@ def main() -> None:
     pools, host = allocate_pools(layout, "cpu"), allocate_host_pools(layout, 96)
     config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=512, preemption_mode=PreemptionMode.SWAP)
     scheduler, engine = Scheduler(manager, config), SyntheticEngine(seed=0)
+    bufs = allocate_state_buffers(layout, config.max_num_seqs, device="cpu")  # reused by every step
+    layer = next(iter(bufs.tensors.values()))["ssm"]  # [max_num_seqs, heads, k, v] of one layer
     print(layout.describe())
     for i in range(12):
         scheduler.add_request(i, SYSTEM_PROMPT + [10_000 * (i + 1) + t for t in range(40 + 30 * i)], 24)
@@ -55,9 +57,7 @@ def main() -> None:
         copy_blocks(pools, step.copies)
         meta = build_step_metadata(manager, step)
         # the stand-in forward: state += tokens processed, through the state tables
-        bufs = allocate_state_buffers(layout, meta.batch_size, device="cpu")
-        gather_states(pools, torch.from_numpy(meta.state_tables), None, bufs)
-        layer = next(iter(bufs.tensors.values()))["ssm"]  # [B, heads, k, v] of one layer
+        gather_states(pools, meta.state_tables, None, bufs)
         for row, r in enumerate(step.scheduled):
             start = r.num_computed_tokens
             if not meta.has_initial_state[row]:  # fresh blocks hold old bytes: kernels start from zero
@@ -72,7 +72,7 @@ def main() -> None:
             for components in bufs.tensors.values():  # every recurrent layer
                 components["ssm"][row] += r.num_scheduled_tokens
             seen[r.request_id] += r.num_scheduled_tokens
-        scatter_states(pools, torch.from_numpy(meta.state_tables), None, bufs)
+        scatter_states(pools, meta.state_tables, None, bufs)
         result = scheduler.update(engine.run(step))
         for rid in result.finished:
             seen.pop(rid, None)

@@ -236,7 +236,7 @@ def test_gather_allows_shared_blocks_but_checks_shapes_and_groups():
     table[1, 0] = table[0, 0]  # reading one block twice is fine
     out = allocate_state_buffers(layout, 3, device="cpu")
     gather_states(pools, table, None, out, backend="naive")
-    with pytest.raises(ValueError, match="batch 2"):
+    with pytest.raises(ValueError, match="batch of at most 2"):
         gather_states(pools, table, None, allocate_state_buffers(layout, 2, device="cpu"), backend="naive")
     with pytest.raises(ValueError, match="at least 2 block ids"):
         gather_states(pools, table[:, :, :1], None, out, backend="naive")
@@ -248,6 +248,24 @@ def test_gather_allows_shared_blocks_but_checks_shapes_and_groups():
         gather_states(pools, table[0], None, out, backend="naive")
     with pytest.raises(ValueError, match="3 state groups"):
         gather_states(pools, table[:2], None, out, backend="naive")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_smaller_table_fills_the_first_rows_of_larger_buffers(backend):
+    """One set of buffers for every step: rows past the table's batch are neither read nor written."""
+    layout, pools, table = _setup("hybrid_ssm_conv", batch_size=2, null_rows=())
+    want = allocate_state_buffers(layout, 2, device="cpu", fill="nan")
+    got = allocate_state_buffers(layout, 5, device="cpu", fill="nan")
+    gather_states(pools, table, None, want, backend="naive")
+    gather_states(pools, table, None, got, backend=backend)
+    for r_want, r_got in zip(want.regions, got.regions, strict=True):
+        assert torch.equal(got.region_bytes(r_got)[:2], want.region_bytes(r_want))
+        assert (got.region_bytes(r_got)[2:] == 0xFF).all()
+    ref = allocate_pools(layout, "cpu")
+    ref.torch_data.copy_(pools.torch_data)
+    scatter_states(ref, table, None, want, backend="naive")
+    scatter_states(pools, table, None, got, backend=backend)  # the NaN rows 2..4 must not be written
+    assert torch.equal(pools.torch_data, ref.torch_data)
 
 
 def test_triton_backend_off_cuda_needs_the_interpreter(monkeypatch):

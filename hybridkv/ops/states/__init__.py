@@ -42,9 +42,10 @@ def gather_states(
     """Copy the state sets of ``state_table`` into ``out``, every layer of ``group`` (None: all groups) at once.
 
     ``state_table``: int32 ``[num_state_groups, B, >= blocks_per_state]`` (or ``[B, >= blocks_per_state]``
-    for one ``group``), numpy, torch or paddle. ``out``: :class:`StateBuffers` of batch ``B`` holding
-    ``group`` (from :func:`~hybridkv.ops.pools.allocate_state_buffers`); each component tensor
-    ``[B, *shape]`` is overwritten. Null-block entries read as zeros. One Triton launch on CUDA (or with
+    for one ``group``), numpy, torch or paddle. ``out``: :class:`StateBuffers` of batch ``>= B`` holding
+    ``group`` (from :func:`~hybridkv.ops.pools.allocate_state_buffers`); rows ``0..B-1`` of each
+    component tensor ``[batch_size, *shape]`` are overwritten, later rows stay as they were (so one
+    set of buffers serves every step of an engine). Null-block entries read as zeros. One Triton launch on CUDA (or with
     ``backend="triton"``), the torch reference otherwise. ``validate`` (default: when the table is on
     the host: numpy, lists or CPU tensors) checks block ids before they move; a table that is already a
     tensor on the pools' device is trusted unless ``validate=True`` (which synchronises). Raises
@@ -132,9 +133,10 @@ def _run(
         table = table[None]
     elif table.shape[0] != num_state_groups:
         raise ValueError(f"state table has {table.shape[0]} group rows, the layout {num_state_groups} state groups")
-    if table.shape[1] != buffers.batch_size or table.shape[2] < max(sel.widths):
+    if table.shape[1] > buffers.batch_size or table.shape[2] < max(sel.widths):
         raise ValueError(
-            f"state table has shape {tuple(table.shape)}: expected batch {buffers.batch_size} (the buffers') "
+            f"state table has shape {tuple(table.shape)}: expected a batch of at most {buffers.batch_size} "
+            "(the buffers') "
             f"and at least {max(sel.widths)} block ids per row (blocks_per_state)"
         )
     host = _ids.from_host(table)

@@ -46,7 +46,8 @@ def gather_states_naive(
     buffers: StateBuffers,
     regions: list[BufferRegion],
 ) -> None:
-    """``buffers[region][b] = state bytes of table row b`` for every region; null blocks read zeros."""
+    """``buffers[region][b] = state bytes of table row b`` for every region and table row (rows of the
+    buffers beyond the table's stay as they were); null blocks read zeros."""
     for (g, slot), components in _layers(regions).items():
         data, ids, state_bytes = _layer(pools, table, table_group, g, slot)
         blocks = data[:, ids]  # [S, B, bps, seg words]
@@ -55,7 +56,7 @@ def gather_states_naive(
             blocks.masked_fill_(null[None, :, :, None], 0)
         state = blocks.permute(1, 2, 0, 3).contiguous().view(ids.shape[0], -1).view(torch.uint8)[:, :state_bytes]
         for r in components:
-            buffers.region_bytes(r).copy_(state[:, r.state_offset : r.state_offset + r.nbytes])
+            buffers.region_bytes(r)[: ids.shape[0]].copy_(state[:, r.state_offset : r.state_offset + r.nbytes])
 
 
 def scatter_states_naive(
@@ -74,7 +75,7 @@ def scatter_states_naive(
         num_segments, bps = data.shape[0], ids.shape[1]
         state = torch.zeros(ids.shape[0], bps * num_segments * seg, dtype=torch.uint8, device=data.device)
         for r in components:
-            state[:, r.state_offset : r.state_offset + r.nbytes] = buffers.region_bytes(r)
+            state[:, r.state_offset : r.state_offset + r.nbytes] = buffers.region_bytes(r)[: ids.shape[0]]
         blocks = state.view(ids.shape[0], bps, num_segments, seg)
         keep = ids != NULL_BLOCK
         full, tail = divmod(state_bytes, num_segments * seg)
