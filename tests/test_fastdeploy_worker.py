@@ -126,3 +126,86 @@ def test_rows_of_groups_with_fewer_blocks_are_padded_like_block_tables():
         tables.set_row(0, [[5], [7, 8]])
     tables.apply([SimpleNamespace(idx=1, request_id="a", task_type=SimpleNamespace(name="PREEMPTED"))])
     assert (tables.numpy() == PAD_BLOCK).all()
+
+
+def _state_of(tokens, layer_id: int, nbytes: int) -> np.ndarray:
+    """The 'model': the state of a layer after ``tokens`` (any deterministic function of them)."""
+    seed = hash((tuple(tokens), layer_id)) % 2**32
+    return np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
+
+
+@pytest.mark.parametrize(
+    ("num_blocks", "checkpoint"), [(64, "every_n_blocks"), (64, "branch_and_last"), (21, "every_n_blocks")]
+)
+def test_states_survive_prefix_hits_chunks_and_preemption_through_the_task_copies(num_blocks, checkpoint):
+    """Each forward checks that the live state of every request it runs is the state after exactly
+    the tokens before its first position, then writes the state after its last one. The copies
+    travel in the tasks: prefix-hit fills before the forward, checkpoints right after it."""
+    from hybridkv.blockmgr.prefix import PrefixCacheConfig
+    from hybridkv.scheduler_adapter.fastdeploy_worker import (
+        copy_blocks,
+        read_state_bytes,
+        state_layer_slots,
+        write_state_bytes,
+    )
+    from tests.test_fastdeploy_conformance import Request
+
+    layout = tiny_layout(num_blocks)
+    fd = FastDeployBlockManager(
+        HybridBlockManager(layout, prefix_cache=PrefixCacheConfig(checkpoint=checkpoint, every_n=1))
+    )
+    rm = RMv1(fd, max_num_seqs=4, max_num_batched_tokens=10, prefix=True)
+    caches = allocate_caches(layout, framework="paddle")
+    layers = state_layer_slots(caches)
+    nbytes = {lid: layout.model.layers[lid].state_bytes for lid in layers}
+    rng = random.Random(1)
+    pending = make_requests(rng, 16, shared_prefix=True)
+    checked = {"initial": 0, "hit": 0}
+
+    def live(rid, lid):
+        st = layers[lid]
+        return read_state_bytes(st, layout, fd.state_block_table(rid)[st.group], nbytes[lid])
+
+    for _ in range(300):
+        if pending and rng.random() < 0.6:
+            rm.add_request(pending.pop(0))
+        tasks = rm.schedule()
+        check_books(rm, fd)
+        for t in tasks:
+            if hasattr(t, "state_copies"):
+                copy_blocks(caches, t.state_copies)  # before the forward
+        prefills = {t.request_id: t for t in tasks if isinstance(t, Request)}
+        for req in rm.running:
+            tokens = req.prompt_token_ids + req.output_token_ids
+            if req.request_id in prefills:
+                start, end = req.prefill_start_index, req.prefill_end_index
+                checked["hit"] += start > 0 and start == req.num_cached_tokens and start % 4 == 0
+            elif req.num_computed_tokens >= req.need_prefill_tokens and rm.allocated_slots(req) >= len(tokens):
+                start, end = len(tokens) - 1, len(tokens)
+            else:
+                continue
+            for lid in layers:
+                if start > 0:
+                    np.testing.assert_array_equal(
+                        live(req.request_id, lid), _state_of(tokens[:start], lid, nbytes[lid])
+                    )
+                    checked["initial"] += 1
+                st = layers[lid]
+                write_state_bytes(
+                    st,
+                    layout,
+                    fd.state_block_table(req.request_id)[st.group],
+                    _state_of(tokens[:end], lid, nbytes[lid]),
+                )
+        for t in tasks:
+            if hasattr(t, "checkpoint_copies"):
+                copy_blocks(caches, t.checkpoint_copies)  # right after the forward
+        done = run_worker_step(rm, tasks, rng)
+        rm.finish_requests(done)
+        if not pending and not rm.running and not rm.waiting:
+            break
+    assert not fd.manager.requests and checked["initial"] > 50, checked
+    if num_blocks == 64:
+        assert checked["hit"] > 0 and not rm.preemptions, checked
+    else:  # the tight pool preempts (recompute from 0) and evicts checkpoints instead
+        assert sum(rm.preemptions.values()) > 0

@@ -136,7 +136,7 @@ class FastDeployBlockManager:
         self._pending: dict[RequestId, _Pending] = {}
         self._recycled: dict[RequestId, set[int]] = {}
         self._copies: dict[RequestId, BlockCopies] = {}  # run before the request's next forward
-        self._checkpoints: dict[RequestId, BlockCopies] = {}  # run right after its next forward
+        self._fresh: set[int] = set()  # chain keys of checkpoints reserved in this step (not yet written)
 
     # ---- counts ---------------------------------------------------------------------------------
     @property
@@ -284,7 +284,6 @@ class FastDeployBlockManager:
         self._pending.pop(rid, None)
         self._recycled.pop(rid, None)
         self._copies.pop(rid, None)
-        self._checkpoints.pop(rid, None)
         rec = self.manager.requests.get(rid)
         if rec is not None:
             self.manager.free(rid)
@@ -331,25 +330,28 @@ class FastDeployBlockManager:
             p = _Pending(tokens, 0, [], 0)
         else:
             need = int(getattr(task, "need_prefill_tokens", None) or len(tokens))
-            plan = m.plan_admission(need, token_ids=tokens)
             hit = cache.match(tokens, need)
+            branch = hit.num_matched_tokens
+            # a checkpoint reserved in this step is written only after this step's forward: a hit on
+            # it would copy stale bytes. Match on the input cut before it (the request then caches
+            # no blocks past the cut; rare: it needs a same-prefix request one chunk ahead).
+            while hit.checkpoint is not None and hit.checkpoint.key in self._fresh:
+                tokens = tokens[: hit.num_tokens]
+                hit = cache.match(tokens, need)
+            plan = m.plan_admission(need, token_ids=tokens)
             if plan.num_cached_tokens and hit.num_tokens == plan.num_cached_tokens:
-                p = _Pending(
-                    tokens,
-                    hit.num_tokens,
-                    [n.kv_block for n in hit.nodes],
-                    cache.num_pinned(hit),
-                    hit.num_matched_tokens,
-                )
+                blocks = [n.kv_block for n in hit.nodes]
+                p = _Pending(tokens, hit.num_tokens, blocks, cache.num_pinned(hit), branch)
             else:
-                p = _Pending(tokens, 0, [], 0, hit.num_matched_tokens)
+                p = _Pending(tokens, 0, [], 0, branch)
         self._pending[rid] = p
         return p
 
     def update_cache_blocks(self, task: Any, block_size: int, num_computed_tokens: int) -> None:
-        """After a prefill chunk is scheduled: record its full blocks as cached, and if the chunk ends
-        where the checkpoint policy wants the state, reserve the checkpoint; its copy runs right after
-        the chunk's forward (``checkpoint_copies`` of the task)."""
+        """After a prefill chunk is scheduled (``task`` is the prefill ``Request``, already prepared):
+        set ``num_cached_blocks``, and if the chunk ends where the checkpoint policy wants the state,
+        reserve a checkpoint and add its live -> checkpoint copy to ``task.checkpoint_copies``: the
+        worker runs it right after this chunk's forward, when the live state is at that position."""
         task.num_cached_blocks = task.cached_block_num = num_computed_tokens // self.block_size
         rid = task.request_id
         rec = self.manager.requests.get(rid)
@@ -357,7 +359,9 @@ class FastDeployBlockManager:
             return  # a speculative look-ahead block or a chunk ending mid-block: no exact state position
         copies = self.manager.checkpoint(rid)
         if len(copies):
-            self._checkpoints[rid] = self._checkpoints.get(rid, BlockCopies.empty()).concat(copies)
+            self._fresh.add(rec.block_keys[num_computed_tokens // self.block_size - 1])
+            src, dst = getattr(task, "checkpoint_copies", None) or ([], [])
+            task.checkpoint_copies = [list(src) + copies.src.tolist(), list(dst) + copies.dst.tolist()]
 
     def next_checkpoint_position(self, request: Any) -> int | None:
         """Input position where the next prefill chunk of ``request`` should end so that the state
@@ -383,8 +387,9 @@ class FastDeployBlockManager:
 
     def begin_step(self) -> None:
         """Call at the start of ``schedule()``: the copies that pinned checkpoints were sent in earlier
-        steps, so those checkpoints may be evicted again."""
+        steps, so those checkpoints may be evicted again, and hits may read them."""
         self.manager.release_pins()
+        self._fresh.clear()
 
     # ---- configuration --------------------------------------------------------------------------
     def update_cache_config(self, cache_config: Any) -> None:
@@ -441,14 +446,14 @@ class FastDeployBlockManager:
     def task_fields(self, request_id: RequestId) -> dict[str, Any]:
         """What the prefill ``Request`` / ``ScheduledDecodeTask`` of this step carries to the worker
         (:data:`HYBRID_TASK_FIELDS`): the state sets, ``[[src], [dst]]`` block copies to run before
-        the forward (prefix-hit checkpoint -> live, copy-on-write) and after it (live -> checkpoint).
-        Taking them clears the pending copies."""
+        the forward (prefix-hit checkpoint -> live, copy-on-write) and after it (live -> checkpoint;
+        empty here, filled by :meth:`update_cache_blocks` on the prefill task). Taking them clears
+        the pending copies."""
         pre = self._copies.pop(request_id, BlockCopies.empty())
-        post = self._checkpoints.pop(request_id, BlockCopies.empty())
         return {
             "state_block_tables": self.state_block_table(request_id),
             "state_copies": [pre.src.tolist(), pre.dst.tolist()],
-            "checkpoint_copies": [post.src.tolist(), post.dst.tolist()],
+            "checkpoint_copies": [[], []],
         }
 
     # ---- step metadata (hybridkv Scheduler path) ------------------------------------------------

@@ -226,41 +226,80 @@ def state_layer_slots(caches: FastDeployCaches) -> dict[int, StateLayerSlot]:
     return out
 
 
-def _state_spans(layout: Layout, blocks: Sequence[int], nbytes: int) -> list[tuple[int, int, int, int]]:
-    """``(segment, block, offset, length)`` pieces of a state's first ``nbytes`` flat bytes: block
-    ``j`` of the set holds bytes ``[j*block_bytes, (j+1)*block_bytes)``, segment by segment."""
+def _torch(t: Any) -> Any:
+    """A torch view of ``t``'s memory (paddle: zero-copy DLPack), for the index moves below."""
+    if _framework_of(t) == "paddle":
+        import torch
+
+        return torch.from_dlpack(t)
+    return t
+
+
+def _state_spans(layout: Layout, nbytes: int) -> list[tuple[int, int, int, int]]:
+    """``(j, segment, start, length)`` pieces of a state's first ``nbytes`` flat bytes: block ``j`` of
+    the set holds bytes ``[j*block_bytes, (j+1)*block_bytes)``, segment by segment."""
     spans, seg = [], layout.segment_bytes
-    for j, block in enumerate(blocks):
+    for j in range(-(-nbytes // layout.block_bytes)):
         for k in range(layout.num_segments):
             start = j * layout.block_bytes + k * seg
-            if start >= nbytes:
-                return spans
-            spans.append((k, int(block), start, min(seg, nbytes - start)))
+            if start < nbytes:
+                spans.append((j, k, start, min(seg, nbytes - start)))
     return spans
 
 
-def read_state_bytes(slot: StateLayerSlot, layout: Layout, blocks: Sequence[int], nbytes: int) -> np.ndarray:
-    """Reference read of one state: ``nbytes`` uint8 from the state set ``blocks`` (per-segment base
-    pointers: byte ``o`` of segment ``k`` of block ``b`` is at ``segments[k] + b*segment_bytes + o``)."""
-    out = np.empty(nbytes, dtype=np.uint8)
-    for k, block, start, length in _state_spans(layout, blocks, nbytes):
-        out[start : start + length] = np.asarray(slot.segments[k][block, :length].numpy())
+def gather_state_bytes(slot: StateLayerSlot, layout: Layout, tables: Any, nbytes: int) -> Any:
+    """The first ``nbytes`` of each row's state: torch uint8 ``[B, nbytes]`` (a new tensor) from state
+    sets ``tables`` int ``[B, >= ceil(nbytes / block_bytes)]`` (rows of ``state_block_tables[group]``).
+    Reference path over per-segment base pointers: byte ``o`` of segment ``k`` of block ``b`` is at
+    ``segments[k] + b * segment_bytes + o``; one index move per (block of the set, segment)."""
+    import torch
+
+    rows = _torch(tables) if not isinstance(tables, np.ndarray) else torch.from_numpy(tables)
+    rows = torch.as_tensor(rows).to(torch.int64)
+    segs = [_torch(t) for t in slot.segments]
+    out = torch.empty((rows.shape[0], nbytes), dtype=torch.uint8, device=segs[0].device)
+    for j, k, start, length in _state_spans(layout, nbytes):
+        out[:, start : start + length] = segs[k][rows[:, j].to(segs[k].device), :length]
     return out
 
 
+def scatter_state_bytes(slot: StateLayerSlot, layout: Layout, tables: Any, data: Any) -> None:
+    """Write ``data`` uint8 ``[B, nbytes]`` (torch or numpy) into the state sets ``tables``, in place."""
+    import torch
+
+    rows = _torch(tables) if not isinstance(tables, np.ndarray) else torch.from_numpy(tables)
+    rows = torch.as_tensor(rows).to(torch.int64)
+    data = torch.as_tensor(data)
+    segs = [_torch(t) for t in slot.segments]
+    for j, k, start, length in _state_spans(layout, data.shape[1]):
+        segs[k][rows[:, j].to(segs[k].device), :length] = data[:, start : start + length].to(segs[k].device)
+
+
+def read_state_bytes(slot: StateLayerSlot, layout: Layout, blocks: Sequence[int], nbytes: int) -> np.ndarray:
+    """One state's ``nbytes`` flat bytes from its state set ``blocks`` (numpy copy)."""
+    return gather_state_bytes(slot, layout, np.asarray([blocks], dtype=np.int64), nbytes)[0].cpu().numpy()
+
+
 def write_state_bytes(slot: StateLayerSlot, layout: Layout, blocks: Sequence[int], data: np.ndarray) -> None:
-    """Reference write of one state's flat bytes into the state set ``blocks``, in place."""
-    for k, block, start, length in _state_spans(layout, blocks, data.size):
-        seg = slot.segments[k]
-        piece = data[start : start + length]
-        if _framework_of(seg) == "paddle":
-            import paddle
+    """One state's flat bytes into its state set ``blocks``, in place."""
+    scatter_state_bytes(slot, layout, np.asarray([blocks], dtype=np.int64), np.asarray(data, dtype=np.uint8)[None])
 
-            seg[block, :length] = paddle.to_tensor(piece, dtype="uint8", place=seg.place)
-        else:
-            import torch
 
-            seg[block, :length] = torch.from_numpy(np.ascontiguousarray(piece)).to(seg.device)
+def copy_blocks(caches: FastDeployCaches, copies: Sequence[Sequence[int]]) -> None:
+    """Run ``[[src...], [dst...]]`` block copies (a task's ``state_copies`` / ``checkpoint_copies``)
+    in every allocation of ``caches``: each block's row of every segment (and scale) tensor.
+    Reference path, one index move per tensor; sources are read before any destination is written."""
+    src, dst = copies
+    if not len(src):
+        return
+    import torch
+
+    for tensors in (*caches.segments, *(s for s in caches.scales if s is not None)):
+        for t in tensors:
+            tt = _torch(t)
+            s_idx = torch.as_tensor(list(src), dtype=torch.int64, device=tt.device)
+            d_idx = torch.as_tensor(list(dst), dtype=torch.int64, device=tt.device)
+            tt[d_idx] = tt[s_idx]
 
 
 # ---- state tables in persistent buffers ---------------------------------------------------------------
