@@ -173,7 +173,7 @@ class RMv1:
                 num_new_tokens = min(num_new_tokens, pos - request.num_computed_tokens)
         return num_new_tokens
 
-    def _allocate(self, request, num_blocks):
+    def _allocate_gpu_blocks(self, request, num_blocks):
         before = len(self.cache_manager.gpu_free_block_list)
         if self.enable_cache_manager_v1:
             ids = self.cache_manager.allocate_gpu_blocks(request, num_blocks)
@@ -249,12 +249,12 @@ class RMv1:
                     <= self.prealloc_dec_block_slot_num_threshold
                 ):
                     if self.cache_manager.can_allocate_gpu_blocks(self.enc_dec_block_num):
-                        request.block_tables.extend(self._allocate(request, self.enc_dec_block_num))
+                        request.block_tables.extend(self._allocate_gpu_blocks(request, self.enc_dec_block_num))
                         scheduled_reqs.append(self._prepare_decode_task(request))
                     else:
                         if not self._trigger_preempt(request, self.enc_dec_block_num, preempted_reqs, scheduled_reqs):
                             break
-                        request.block_tables.extend(self._allocate(request, self.enc_dec_block_num))
+                        request.block_tables.extend(self._allocate_gpu_blocks(request, self.enc_dec_block_num))
                         scheduled_reqs.append(self._prepare_decode_task(request))
                 token_budget -= 1
             else:  # need to prefill
@@ -262,12 +262,12 @@ class RMv1:
                 num_new_block = self.get_new_block_nums(request, num_new_tokens)
                 self.zero_block_chunks += num_new_block == 0
                 if self.cache_manager.can_allocate_gpu_blocks(num_new_block):
-                    request.block_tables.extend(self._allocate(request, num_new_block))
+                    request.block_tables.extend(self._allocate_gpu_blocks(request, num_new_block))
                     scheduled_reqs.append(self._prepare_prefill_task(request, num_new_tokens))
                 else:
                     if not self._trigger_preempt(request, num_new_block, preempted_reqs, scheduled_reqs):
                         break
-                    request.block_tables.extend(self._allocate(request, num_new_block))
+                    request.block_tables.extend(self._allocate_gpu_blocks(request, num_new_block))
                     scheduled_reqs.append(self._prepare_prefill_task(request, num_new_tokens))
                 token_budget -= num_new_tokens
                 request.num_computed_tokens += num_new_tokens
@@ -290,7 +290,7 @@ class RMv1:
                 num_new_block += self.cache_manager.num_state_blocks_per_request  # patch P2
                 if self.cache_manager.can_allocate_gpu_blocks(num_new_block):
                     if not request.get("skip_allocate", False):
-                        request.block_tables.extend(self._allocate(request, num_new_block))
+                        request.block_tables.extend(self._allocate_gpu_blocks(request, num_new_block))
                     self.waiting.popleft()
                     self.running.append(request)
                     token_budget -= num_new_tokens
