@@ -12,6 +12,7 @@ a speculative commit that keeps a rejected draft's state.
 
 from __future__ import annotations
 
+import os
 import random
 import sys
 from pathlib import Path
@@ -124,6 +125,14 @@ def test_triton_decode_kernel_in_the_loop_equals_the_sequential_reference():
     err, rid, pos = engine.max_error()
     assert err <= 1e-9, f"request {rid} at position {pos}: |logits - reference| = {err:.3e}"
     assert engine.events.accepted > 0 and engine.events.preempted_recompute + engine.events.preempted_swap > 0
+
+
+@pytest.mark.parametrize("seed", range(1, 1 + int(os.environ.get("HYBRIDKV_E2E_SEEDS", "0"))))
+def test_more_seeds(seed):
+    """Longer runs on demand: ``HYBRIDKV_E2E_SEEDS=20 python -m pytest tests/test_e2e_isolation.py``."""
+    engine = run_workload(seed=seed)
+    err, rid, pos = engine.max_error()
+    assert err <= 1e-9, f"seed {seed}, request {rid} at position {pos}: |logits - reference| = {err:.3e}"
 
 
 class SharedStateEngine(Engine):
