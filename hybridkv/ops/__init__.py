@@ -5,7 +5,7 @@ runs the kernel on CUDA tensors and the reference elsewhere. Paddle tensors go t
 functions as DLPack views. See ``docs/ops.md``.
 """
 
-from hybridkv.ops._framework import Backend, Framework
+from hybridkv.ops._framework import Backend, DeviceMismatchError, Framework
 from hybridkv.ops.blocks import copy_blocks
 from hybridkv.ops.pools import (
     BlockPools,
@@ -23,6 +23,7 @@ __all__ = [
     "Backend",
     "BlockPools",
     "CompletedSwap",
+    "DeviceMismatchError",
     "Framework",
     "StateBuffers",
     "SwapDirection",

@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from hybridkv.ops import _ids
 from hybridkv.ops._framework import WORD_DTYPES, widest_word
 from hybridkv.ops.pools import BlockPools
 
@@ -63,7 +64,7 @@ def swap_runs(
     num_copies = 0
     for a in range(0, dev_sorted.size, chunk):
         d, h = dev_sorted[a : a + chunk], host_sorted[a : a + chunk]
-        index = torch.from_numpy(d).to(device, non_blocking=non_blocking)
+        index = _ids.to_device([d], device, torch.int64)[0]  # pinned and non-blocking on CUDA
         if out:
             staging = dev_view[index].view(torch.uint8)  # [n, group_size, num_segments, segment_bytes]
         else:
