@@ -39,7 +39,15 @@ def _row(r) -> str:
 
 
 def main() -> None:
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny matmuls: threads cost more than they save
+    try:
+        _demo()
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _demo() -> None:
     cfg = TinyConfig(lightning_head_dim=8)
     layout = tiny_layout(cfg, num_blocks=96, block_size=4)
     manager = HybridBlockManager(layout, num_host_blocks=HOST_BLOCKS, prefix_cache=PrefixCacheConfig())

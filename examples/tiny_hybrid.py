@@ -542,7 +542,15 @@ class Engine:
 
 
 def main() -> None:
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny matmuls: threads cost more than they save
+    try:
+        _demo()
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _demo() -> None:
     cfg = TinyConfig()
     model = TinyHybrid(cfg)
     layout = tiny_layout(cfg, num_blocks=64)
