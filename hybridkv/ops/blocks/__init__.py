@@ -87,10 +87,10 @@ def copy_blocks(
     if src.shape[0] == 0:
         return
     host = [ids for ids in (src, dst) if _ids.from_host(ids)]
-    staged = iter(_ids.to_device(host, device, torch.int64) if host else [])
+    moved = iter(_ids.to_device(host, device, torch.int64) if host else ())  # one staging copy for both
     src_t, dst_t = (
-        next(staged) if _ids.from_host(ids) else _ids.on_device(ids, device, torch.int64, what)
-        for ids, what in ((src, "copy_blocks src_blocks"), (dst, "copy_blocks dst_blocks"))
+        next(moved) if _ids.from_host(ids) else _ids.on_device(ids, device, torch.int64, f"copy_blocks {what}")
+        for ids, what in ((src, "src_blocks"), (dst, "dst_blocks"))
     )
     if resolve_backend(backend, device) is Backend.NAIVE:
         copy_blocks_naive(pools, src_t, dst_t)
