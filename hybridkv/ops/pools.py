@@ -50,7 +50,7 @@ class BlockPools:
     block_major: bool = False
     # block_wise_fp8 KV scales: uint8 [group_size, 2 (K, V), num_blocks, scale_segment_bytes], else None
     scales: Any = None
-    cache: dict = field(default_factory=dict, repr=False)  # run tables of the kernels, by key
+    cache: dict = field(default_factory=dict, repr=False)  # unused by the ops (run tables: ops.states)
 
     @property
     def num_blocks(self) -> int:
