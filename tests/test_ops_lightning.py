@@ -321,7 +321,8 @@ for dk, dv, ty in ((128, 128, "fp32"), (128, 128, "fp64"), (64, 64, "fp32"), (5,
             "o_ptr": "*fp32", "decay_ptr": "*" + ty}
     sig |= {n: "i32" for n in ("stride_in_b", "stride_out_b", "stride_q_b", "stride_q_h", "stride_v_b",
                                "stride_v_h", "stride_o_b", "stride_o_h")}
-    sig |= {n: "i64" for n in ("slot_base", "component_base", "block_elems", "segment_elems", "num_blocks")}
+    sig |= {"slot_base": "i64", "component_base": "i32", "block_elems": "i32", "segment_elems": "i32"}
+    sig |= {"segment_stride": "i64"}
     consts = dict(DK=dk, DV=dv, BK=bk, BV=bv, F64=ty == "fp64")
     out[f"{dk}x{dv} {ty}"] = P._compile(_lightning_decode_kernel, sig, consts, ["pool_ptr"], 90)
 print(json.dumps(out))

@@ -20,21 +20,14 @@ import triton.language as tl
 
 
 @triton.jit
-def _state_addresses(
-    table_ptr,
-    e,
-    slot_base,
-    block_elems,
-    segment_elems,
-    num_blocks,
-):
-    """Pool element address and block id of state elements ``e`` (int64, any shape) of one row."""
+def _state_offsets(e, slot_base, block_elems, segment_elems, segment_stride):
+    """The addressing rule without the block term: (table column, pool offset of block 0) of state
+    elements ``e`` (int32, any shape); the element lives at ``offset + table[column] * segment_elems``."""
     column = e // block_elems
     within = e - column * block_elems
     seg = within // segment_elems
     off = within - seg * segment_elems
-    block = tl.load(table_ptr + column).to(tl.int64)
-    return slot_base + seg * (num_blocks * segment_elems) + block * segment_elems + off, block
+    return column, slot_base + seg.to(tl.int64) * segment_stride + off
 
 
 @triton.jit
@@ -60,7 +53,7 @@ def _lightning_decode_kernel(
     component_base,
     block_elems,
     segment_elems,
-    num_blocks,
+    segment_stride,
     DK: tl.constexpr,
     DV: tl.constexpr,
     BK: tl.constexpr,
@@ -68,23 +61,28 @@ def _lightning_decode_kernel(
     F64: tl.constexpr,
 ):
     i_b = tl.program_id(0).to(tl.int64)
-    i_h = tl.program_id(1).to(tl.int64)
-    i_v = tl.program_id(2).to(tl.int64)
+    i_h = tl.program_id(1)
+    i_v = tl.program_id(2)
     cdt = tl.float64 if F64 else tl.float32
-    o_k = tl.arange(0, BK).to(tl.int64)
-    o_v = i_v * BV + tl.arange(0, BV).to(tl.int64)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
     m_k, m_v = o_k < DK, o_v < DV
     m_kv = m_k[:, None] & m_v[None, :]
 
+    p_in = in_table_ptr + i_b * stride_in_b
     p_out = out_table_ptr + i_b * stride_out_b
     # row flags as [BV] vectors (one cached address each): a padding row's output set is the null block
     live = (tl.load(p_out + o_v * 0) != 0)[None, :]
     init = (tl.load(init_ptr + i_b + o_v * 0) != 0)[None, :]
 
-    e = component_base + i_h * (DK * DV) + o_k[:, None] * DV + o_v[None, :]  # [BK, BV] state elements
-    a_in, blk_in = _state_addresses(in_table_ptr + i_b * stride_in_b, e, slot_base, block_elems, segment_elems,
-                                    num_blocks)  # fmt: skip
-    a_out, blk_out = _state_addresses(p_out, e, slot_base, block_elems, segment_elems, num_blocks)
+    # [BK, BV] state elements of head i_h (int32: a component's index fits), their column and offset;
+    # input and output sets differ only in the block ids the table gives
+    e = component_base + i_h * (DK * DV) + o_k[:, None] * DV + o_v[None, :]
+    column, base = _state_offsets(e, slot_base, block_elems, segment_elems, segment_stride)
+    blk_in = tl.load(p_in + column).to(tl.int64)
+    blk_out = tl.load(p_out + column).to(tl.int64)
+    a_in = base + blk_in * segment_elems
+    a_out = base + blk_out * segment_elems
     m_read = m_kv & (blk_in != 0) & live & init
     b_s = tl.load(pool_ptr + a_in, mask=m_read, other=0).to(cdt)
 
@@ -141,6 +139,6 @@ def launch_decode(
     _lightning_decode_kernel[grid](
         pool, in_table, out_table, has_initial_state, q, k, v, o, decay,
         in_table.stride(0), out_table.stride(0), q.stride(0), q.stride(1), v.stride(0), v.stride(1),
-        o.stride(0), o.stride(1), slot_base, component_base, block_elems, segment_elems, num_blocks,
+        o.stride(0), o.stride(1), slot_base, component_base, block_elems, segment_elems, num_blocks * segment_elems,
         DK=dk, DV=dv, BK=bk, BV=bv, F64=pool.dtype == torch.float64, num_warps=NUM_WARPS,
     )  # fmt: skip
