@@ -96,7 +96,7 @@ def test_state_tables_stay_in_place_across_100_steps_of_arrivals_preemptions_and
 
         # the same tensor, the same memory, every step; rows match the manager
         assert forward_meta.state_block_tables is buf and buf.data_ptr() == ptr
-        assert forward_meta.caches is caches.caches
+        assert forward_meta.caches is caches.caches and forward_meta.state_layer_slots is caches.layer_slots
         check_books(rm, fd, tuple(r.request_id for r in swapped))
         rows = tables.numpy()
         live = {r.idx: r.request_id for r in rm.running}

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -52,18 +53,19 @@ def _dtype(framework: str, dtype: DType | str) -> Any:
 
 
 def _zeros(framework: str, shape: Sequence[int], dtype: str, device: str) -> Any:
+    """A new zero tensor, allocated directly on ``device`` ("cpu", "gpu:N" or "cuda:N")."""
     if framework == "paddle":
         import paddle
 
-        place = paddle.CPUPlace() if device == "cpu" else paddle.CUDAPlace(int(device.split(":")[-1] or 0))
-        return (
-            paddle.zeros(list(shape), dtype=dtype).to(place)
-            if device != "cpu"
-            else paddle.zeros(list(shape), dtype=dtype)
-        )
+        on_gpu = device.startswith(("gpu", "cuda"))
+        place = paddle.CUDAPlace(int(device.partition(":")[2] or 0)) if on_gpu else paddle.CPUPlace()
+        try:
+            return paddle.zeros(list(shape), dtype=dtype, device=place)
+        except TypeError:  # paddle < 3: allocate on the current place
+            return paddle.zeros(list(shape), dtype=dtype)
     import torch
 
-    return torch.zeros(tuple(shape), dtype=getattr(torch, dtype), device=device)
+    return torch.zeros(tuple(shape), dtype=getattr(torch, dtype), device=device.replace("gpu", "cuda"))
 
 
 def _view(t: Any, dtype: str, shape: Sequence[int]) -> Any:
@@ -116,6 +118,11 @@ class FastDeployCaches:
     def stride(self) -> int:
         """Entries of ``caches`` per model layer: 4 with ``block_wise_fp8`` scales, else 2."""
         return 4 if any(s is not None for s in self.scales) else 2
+
+    @cached_property
+    def layer_slots(self) -> dict[int, StateLayerSlot]:
+        """Model layer id -> :class:`StateLayerSlot` of every recurrent layer (built once)."""
+        return state_layer_slots(self)
 
     def to_tensor(self, arr: np.ndarray) -> Any:
         """A new tensor of the caches' framework and device holding ``arr``."""
@@ -379,9 +386,5 @@ def attach_worker(forward_meta: Any, caches: FastDeployCaches, tables: StateTabl
     ``has_initial_state`` of a row is ``seq_lens_decoder[idx] > 0``, read by the kernel itself."""
     forward_meta.caches = caches.caches
     forward_meta.state_block_tables = tables.state_block_tables
-    slots = caches.__dict__.get("_state_layer_slots")
-    if slots is None:
-        slots = state_layer_slots(caches)
-        object.__setattr__(caches, "_state_layer_slots", slots)
-    forward_meta.state_layer_slots = slots
+    forward_meta.state_layer_slots = caches.layer_slots
     return forward_meta
