@@ -6,8 +6,8 @@ swapped; 12 requests share a 256-token system prompt, so later ones hit the pref
 table, adds the number of tokens it processed, and scatters it back. Every state therefore holds
 the count of tokens its request has seen, which the loop checks after swaps, prefix hits and
 copies: the bytes really follow the block tables. As an engine would, it allocates the state
-buffers once for ``max_num_seqs`` rows; each step's table fills the first rows, and the ops' run
-table (cached per layout and buffer shape) is built once for the whole run.
+buffers once for ``max_num_seqs`` rows and each step's table fills the first rows (on a GPU the
+kernels' run table, cached per layout and buffer shape, is then built once for the whole run).
 
     python examples/serve_loop.py
 """
