@@ -32,6 +32,7 @@ missing method shows as a request that never finishes or a block that never retu
 
 from __future__ import annotations
 
+import copy
 import enum
 import random
 from collections import deque
@@ -462,7 +463,7 @@ def drive(num_blocks, *, v1_mode, prefix, n_requests=6, seed=0, max_steps=400, a
     prefix_cfg = PrefixCacheConfig(checkpoint="every_n_blocks", every_n=1) if prefix else None
     manager = HybridBlockManager(tiny_layout(num_blocks), prefix_cache=prefix_cfg)
     fd = FastDeployBlockManager(manager)
-    rm = RMv1(fd, v1_mode=v1_mode, prefix=prefix)
+    rm = RMv1(fd, v1_mode=v1_mode, prefix=prefix, max_num_batched_tokens=7)  # odd: chunks end mid-block
     rm.reset_cache_config(SimpleNamespace(total_block_num=num_blocks))  # after the profiling run
     rng = random.Random(seed)
     pending = make_requests(rng, n_requests, shared_prefix=prefix)
@@ -475,7 +476,7 @@ def drive(num_blocks, *, v1_mode, prefix, n_requests=6, seed=0, max_steps=400, a
                 rm.add_request(pending.pop(0))
         tasks = rm.schedule()
         check_books(rm, fd)
-        all_tasks.extend(tasks)
+        all_tasks.extend(copy.deepcopy(tasks))  # as sent this step (requests are reused)
         done = run_worker_step(rm, tasks, rng)
         rm.finish_requests(done)
         finished += done
@@ -507,6 +508,9 @@ def test_every_request_finishes_and_every_block_returns(v1_mode, prefix, num_blo
     # lacked the blocks, and at each allocation that n blocks took exactly n; a roomy pool never preempts
     if num_blocks == 64:
         assert not rm.preemptions
+    else:
+        assert rm.preemptions  # the tight pool forces some
+    assert rm.zero_block_chunks > 0  # prefill chunks that end inside their last block occurred
     for task in tasks:
         if not isinstance(task, ScheduledPreemptTask):
             assert all(hasattr(task, f) for f in HYBRID_TASK_FIELDS)
