@@ -172,3 +172,14 @@ def test_plan_kv_dtype_cli(capsys):
     }
     with pytest.raises(SystemExit):  # argparse names the choices
         main(["plan", "--model", "minimax-m1", "--kv-dtype", "int4"])
+
+
+def test_ops_pools_hold_block_wise_fp8_scales_and_uint8_kv_views():
+    from hybridkv.ops.pools import allocate_pools, kv_cache_views
+
+    layout = minimax_layout("block_wise_fp8")
+    pools = allocate_pools(layout, device="cpu")
+    assert tuple(pools.scales.shape) == (10, 2, 24, 64 * 4) and pools.scales.dtype == torch.uint8
+    views = kv_cache_views(pools)
+    assert len(views) == 20 and views[0].dtype == torch.uint8 and views[0].shape == (24, 1, 64, 128)
+    assert allocate_pools(minimax_layout(), device="cpu").scales is None
