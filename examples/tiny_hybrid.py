@@ -253,6 +253,7 @@ class TinyHybrid:
                         self.slopes[i],
                         block_size=cfg.prefill_block,
                         state_dtype=cfg.dtype,
+                        backend=backend,
                         validate=validate,
                     )
                 for j in range(int(drafts[dec_rows].max(initial=-1)) + 1 if dec_rows.size else 0):

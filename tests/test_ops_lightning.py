@@ -241,22 +241,26 @@ def test_decode_rejects_two_rows_writing_one_block():
 # ---- paged prefill ------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("case", ["head_spans_blocks", "fp64_bytes_no_attention"])
-def test_paged_prefill_equals_the_contiguous_recurrence_and_writes_only_its_rows(case):
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", list(CASES))
+def test_paged_prefill_equals_the_contiguous_recurrence_and_writes_only_its_rows(backend, case):
     layout, pools, table, dtype, (h, dk, dv) = _setup(case, 4, seed=7, null_rows=(3,))
     g, s = _layers(layout)[0]
     layer = _random_states(pools, table, g, s, dtype, seed=8)
     before_states = read_layer_states(pools, layer, table[g]).clone()
     before = pools.torch_data.clone()
-    lengths = [5, 0, 9, 2]  # row 1: no tokens (keeps its state); row 3: a null row
+    lengths = [5, 0, 37, 2]  # row 1: no tokens (keeps its state); row 2: several blocks; row 3: a null row
     cu = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]))
     init = torch.tensor([True, True, False, True])
     gen = torch.Generator().manual_seed(9)
     q, k = (torch.randn(int(cu[-1]), h, dk, generator=gen, dtype=torch.float64).to(layer.dtype) for _ in range(2))
     v = torch.randn(int(cu[-1]), h, dv, generator=gen, dtype=torch.float64).to(layer.dtype)
     slopes = lightning_slopes(h, 0, 3)
-    o = lightning_prefill(pools, table, g, s, q, k, v, cu, init, slopes, block_size=4, state_dtype=dtype)
+    o = lightning_prefill(
+        pools, table, g, s, q, k, v, cu, init, slopes, block_size=4, state_dtype=dtype, backend=backend
+    )
     tol = dict(rtol=1e-12, atol=1e-12) if layer.dtype == torch.float64 else dict(rtol=1e-5, atol=1e-5)
+    assert (o[int(cu[3]) :] == 0).all()  # the null row's outputs
     after = read_layer_states(pools, layer, table[g])
     for row in (0, 2):
         a, b = int(cu[row]), int(cu[row + 1])
@@ -297,10 +301,11 @@ def test_paddle_pools_and_tensors_give_the_torch_result(backend):
     cu = torch.tensor([0, 3, 3, 5])
     x = [torch.randn(5, h, d, dtype=torch.float32, generator=torch.Generator().manual_seed(d)) for d in (dk, dk, dv)]
     init = torch.tensor([True, False, False])
-    o_t = lightning_prefill(t, table, g, s, *x, cu, init, slopes, block_size=2)
+    o_t = lightning_prefill(t, table, g, s, *x, cu, init, slopes, block_size=2, backend=backend)
     px = [paddle.to_tensor(a.numpy()) for a in x]
     o_p = lightning_prefill(p, paddle.to_tensor(table.numpy()), g, s, *px, paddle.to_tensor(cu.numpy()),
-                            paddle.to_tensor(init.numpy()), paddle.to_tensor(slopes.numpy()), block_size=2)  # fmt: skip
+                            paddle.to_tensor(init.numpy()), paddle.to_tensor(slopes.numpy()), block_size=2,
+                            backend=backend)  # fmt: skip
     assert isinstance(o_p, paddle.Tensor) and np.array_equal(o_p.numpy(), o_t.numpy())
     assert np.array_equal(p.data.numpy(), t.torch_data.numpy())
 
@@ -311,6 +316,11 @@ COMPILE = """
 import json, sys
 from hybridkv.ops import ptx_check as P
 from hybridkv.ops.lightning.kernel import _lightning_decode_kernel, tile_sizes, NUM_WARPS
+from hybridkv.ops.lightning.kernel import _lightning_prefill_kernel, prefill_tile_sizes, PREFILL_BLOCK, PREFILL_WARPS
+from hybridkv.ops.lightning.kernel import FP32_DOT
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
 assert NUM_WARPS == P.NUM_WARPS
 out = {}
 for dk, dv, ty in ((128, 128, "fp32"), (128, 128, "fp64"), (64, 64, "fp32"), (5, 7, "fp32")):
@@ -324,12 +334,28 @@ for dk, dv, ty in ((128, 128, "fp32"), (128, 128, "fp64"), (64, 64, "fp32"), (5,
     sig |= {"slot_base": "i64", "component_base": "i32", "block_elems": "i32", "segment_elems": "i32"}
     sig |= {"segment_stride": "i64"}
     consts = dict(DK=dk, DV=dv, BK=bk, BV=bv, F64=ty == "fp64")
-    out[f"{dk}x{dv} {ty}"] = P._compile(_lightning_decode_kernel, sig, consts, ["pool_ptr"], 90)
+    out[f"decode {dk}x{dv} {ty}"] = P._compile(_lightning_decode_kernel, sig, consts, ["pool_ptr"], 90)
+    bk, bv = prefill_tile_sizes(dk, dv)
+    sig = {"pool_ptr": "*" + ty, "table_ptr": "*i32", "init_ptr": "*i8", "cu_ptr": "*i32", "q_ptr": "*" + ty,
+           "k_ptr": "*" + ty, "v_ptr": "*" + ty, "o_ptr": "*" + ty, "log_decay_ptr": "*" + ty}
+    sig |= {n: "i32" for n in ("stride_table_b", "stride_q_t", "stride_q_h", "stride_v_t", "stride_v_h",
+                               "stride_o_t", "stride_o_h")}
+    sig |= {"slot_base": "i64", "component_base": "i32", "block_elems": "i32", "segment_elems": "i32"}
+    sig |= {"segment_stride": "i64"}
+    consts = dict(DK=dk, DV=dv, BK=bk, BV=bv, BT=PREFILL_BLOCK, F64=ty == "fp64",
+                  PRECISION="ieee" if ty == "fp64" else FP32_DOT)
+    sig |= {k: "constexpr" for k in consts}
+    names = list(sig)
+    src = ASTSource(fn=_lightning_prefill_kernel, signature=sig,
+                    constexprs={(names.index(k),): v for k, v in consts.items()},
+                    attrs={(names.index("pool_ptr"),): [["tt.divisibility", 16]]})
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": PREFILL_WARPS}).asm["ptx"]
+    out[f"prefill {dk}x{dv} {ty}"] = P._accesses(ptx) | P._ptxas_report(ptx, 90)
 print(json.dumps(out))
 """
 
 
-def test_decode_kernel_compiles_for_sm90_without_spills():
+def test_kernels_compile_for_sm90_without_spills():
     """The interpreter accepts what the compiler may reject: compile for sm_90 (no device) with ptxas."""
     import json
     import os
@@ -343,4 +369,7 @@ def test_decode_kernel_compiles_for_sm90_without_spills():
     assert proc.returncode == 0, proc.stderr[-3000:]
     for name, r in json.loads(proc.stdout.strip().splitlines()[-1]).items():
         assert r["registers"] > 0 and r["loads"] and r["stores"], name
-        assert (r["spill_store_bytes"], r["spill_load_bytes"], r["local_sass"]) == (0, 0, 0), (name, r)
+        if name.startswith("decode"):  # the hot path: no spills
+            assert (r["spill_store_bytes"], r["spill_load_bytes"], r["local_sass"]) == (0, 0, 0), (name, r)
+        else:  # prefill at d_k 128 spills a little (documented in kernel.py); it must not grow
+            assert r["spill_store_bytes"] <= 256, (name, r)

@@ -10,8 +10,10 @@ bytes (e.g. float64 states stored in a component declared as float32 with twice 
   the updated state to ``out_table`` (default: the same set, in place). One Triton launch per call
   on CUDA (or with ``backend="triton"`` under ``TRITON_INTERPRET=1``); reference: gather the rows'
   states with the addressing rule, :func:`~.naive.lightning_decode_naive`, write them back.
-- :func:`lightning_prefill`: packed sequences (``cu_seqlens``) with ``has_initial_state``: gather the
-  rows' states, the block-wise prefill (:func:`~.naive.lightning_prefill_varlen_naive`), scatter.
+- :func:`lightning_prefill`: packed sequences (``cu_seqlens``) with ``has_initial_state``, block-wise
+  (Lightning Attention-2). Triton: one launch, in place (each program loads its state piece once,
+  runs the row's blocks, writes it back). Reference: gather the rows' states with the addressing
+  rule, :func:`~.naive.lightning_prefill_varlen_naive`, write them back.
 
 Rows whose (output) set starts with the null block are padding: nothing is read or written, their
 outputs are zero. Torch or Paddle tensors (Paddle through DLPack views, as the other ops).
@@ -261,14 +263,19 @@ def lightning_prefill(
     component: str | None = None,
     state_dtype: torch.dtype | None = None,
     validate: bool | None = None,
+    backend: Backend | str = "auto",
 ) -> Any:
-    """Chunked prefill of ``B`` packed rows through the paged state: gather -> block-wise -> scatter.
+    """Chunked prefill of ``B`` packed rows through the paged state, block-wise (Lightning Attention-2).
 
     ``q``, ``k`` ``[T, H, d_k]``, ``v`` ``[T, H, d_v]`` packed by ``cu_seqlens`` (int ``[B + 1]``);
     ``state_table`` as in :func:`lightning_decode` (read, then written: the state after each row's last
     token); ``has_initial_state`` bool ``[B]``: False starts from zeros (the set's old bytes are ignored).
-    Null rows and rows of length 0 write nothing. Returns ``o`` ``[T, H, d_v]``. The block-wise step is
-    the torch reference (also on CUDA); see ``docs/ops.md`` for why flash-linear-attention is not used.
+    Null rows and rows of length 0 write nothing (their outputs are zero). Returns ``o`` ``[T, H, d_v]``.
+    Triton (CUDA, or ``backend="triton"`` under the interpreter): one launch, each (row, head, value
+    tile) reads its state in place, runs the row's tokens in blocks of ``block_size`` (rounded up to a
+    power of two >= 16) and writes the state back. Reference: gather the rows' states with the
+    addressing rule -> :func:`~.naive.lightning_prefill_varlen_naive` -> write back. See
+    ``docs/ops.md`` for why flash-linear-attention's chunk kernel is not used.
     """
     pools.require_slot_major("lightning_prefill")
     layer = lightning_layer(pools, group, slot, component, state_dtype)
@@ -281,12 +288,44 @@ def lightning_prefill(
         raise ValueError(f"state table has {table.shape[0]} rows, cu_seqlens {b}")
     if validate or (validate is None and to_torch(state_table).device.type == "cpu"):
         _check_distinct_outputs(table, pools.layout.blocks_per_state[group])
+    if (
+        qt.shape[1:] != (layer.num_heads, layer.dk)
+        or kt.shape != qt.shape
+        or vt.shape[1:] != (layer.num_heads, layer.dv)
+    ):
+        raise ValueError(f"q, k, v {tuple(qt.shape)}, {tuple(kt.shape)}, {tuple(vt.shape)} do not match the state")
     lengths = (cu[1:] - cu[:-1]).to(pools.device)
     live = _live_rows(table) & (lengths > 0)
     init = to_torch(has_initial_state).to(pools.device, torch.bool) & live
-    states = read_layer_states(pools, layer, table)
-    o = lightning_prefill_varlen_naive(qt, kt, vt, cu, states, init.cpu(), to_torch(slopes), block_size)
-    write_layer_states(pools, layer, torch.where(live[:, None], table, NULL_BLOCK), states)
+    if resolve_backend(backend, pools.device) is Backend.NAIVE:
+        states = read_layer_states(pools, layer, table)
+        o = lightning_prefill_varlen_naive(qt, kt, vt, cu, states, init.cpu(), to_torch(slopes), block_size)
+        o[torch.repeat_interleave(~live.cpu(), cu[1:] - cu[:-1])] = 0
+        write_layer_states(pools, layer, torch.where(live[:, None], table, NULL_BLOCK), states)
+        return from_torch(o, fw)
+    from hybridkv.ops.lightning import kernel
+
+    dev, lay = pools.device, pools.layout
+    itemsize = torch.empty(0, dtype=layer.dtype).element_size()
+    o = torch.empty_like(vt, device=dev)
+    cdt = torch.float64 if layer.dtype == torch.float64 else torch.float32
+    kernel.launch_prefill(
+        pools.torch_data.view(-1).view(layer.dtype),
+        table.to(dev, torch.int32).contiguous(),
+        init.to(torch.int8).contiguous(),
+        cu.to(dev, torch.int32),
+        qt.contiguous(),
+        kt.contiguous(),
+        vt.contiguous(),
+        o,
+        (-to_torch(slopes).to(torch.float64)).to(dev, cdt),
+        slot_base=layer.slot * (lay.num_segments * pools.num_blocks * lay.segment_bytes // itemsize),
+        component_base=layer.component_offset // itemsize,
+        block_elems=lay.block_bytes // itemsize,
+        segment_elems=lay.segment_bytes // itemsize,
+        num_blocks=pools.num_blocks,
+        block_tokens=block_size,
+    )
     return from_torch(o, fw)
 
 
