@@ -119,8 +119,8 @@ def test_every_token_equals_the_sequential_reference_fp32():
 @pytest.mark.skipif(
     not interpreter_enabled(), reason="the Triton decode kernel runs on CPU only under TRITON_INTERPRET=1"
 )
-def test_triton_decode_kernel_in_the_loop_equals_the_sequential_reference():
-    """The same check with the in-place Triton decode kernel (interpreted) on a shorter stream."""
+def test_triton_kernels_in_the_loop_equal_the_sequential_reference():
+    """The same check with the in-place Triton decode and prefill kernels (interpreted) on a shorter stream."""
     engine = run_workload(seed=2, num_requests=8, backend="triton")
     err, rid, pos = engine.max_error()
     assert err <= 1e-9, f"request {rid} at position {pos}: |logits - reference| = {err:.3e}"
