@@ -117,8 +117,9 @@ def test_swap_moves_exactly_the_bytes_the_plans_say(pressure, monkeypatch):
     assert np.array_equal(held, series["host_used"])  # the host pool holds exactly what went out
 
 
-def test_recompute_mode_moves_nothing_to_the_host(pressure):
-    s = summarize(simulate(TIGHT.with_changes(preemption="recompute"), pressure))
+@pytest.mark.parametrize("changes", [{"preemption": "recompute"}, {"preemption": "swap", "host_memory": "0"}])
+def test_recompute_and_swap_without_a_host_pool_move_nothing_to_the_host(pressure, changes):
+    s = summarize(simulate(TIGHT.with_changes(**changes), pressure))
     assert s["totals"]["preemptions_recompute"] > 0 and s["totals"]["preemptions_swap"] == 0
     assert s["totals"]["swap_out_bytes"] == s["totals"]["swap_in_bytes"] == 0
 
