@@ -118,5 +118,6 @@ def run_workload(
             assert req.state is RequestState.ABORTED
         else:
             assert req.state is RequestState.FINISHED and len(req.output_token_ids) == n
+    m.release_pins()  # the executor ran every copy handed out: pending-free blocks go back
     u = m.usage()
     assert not m.requests and u.free + u.evictable == u.total - 1 and u.used == 0 and u.host_used == 0

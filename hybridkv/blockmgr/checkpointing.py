@@ -33,11 +33,13 @@ class CheckpointMixin:
         """Save the live state at the request's current position if the policy wants it there.
 
         Call right after the forward that brought the request to ``num_tokens`` (its live sets
-        hold the state at exactly that position). Returns the copies live -> checkpoint, to run
+        hold the state at exactly that position, and its KV is written: this is also
+        :meth:`mark_computed` of ``num_tokens``). Returns the copies live -> checkpoint, to run
         before the next forward; empty when no checkpoint is due, one exists already, or no
         blocks are available (checkpoints are best effort).
         """
         rec = self._running(request_id)
+        self.mark_computed(request_id, rec.num_tokens)
         cache = self.prefix_cache
         pos, bs = rec.num_tokens, self.block_size
         if cache is None or rec.token_ids is None or pos % bs or pos // bs > len(rec.block_keys):
@@ -52,4 +54,6 @@ class CheckpointMixin:
         node = cache.ensure(rec.token_ids, rec.block_keys, rec.kv_blocks, pos // bs - 1)
         ids = self.pool.allocate(self.num_state_blocks)
         cache.add_checkpoint(node, ids)
-        return BlockCopies(self._set_ids(rec.state).copy(), ids.copy())
+        # pinned: the live blocks it reads must not be reused (request finished, aborted, swapped
+        # out) nor the checkpoint evicted before the executor ran the copy
+        return self._pin(BlockCopies(self._set_ids(rec.state).copy(), ids.copy()))

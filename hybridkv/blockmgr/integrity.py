@@ -73,19 +73,27 @@ def check_integrity(m: HybridBlockManager) -> None:
     cached_mask[cached_kv] = True
     if (free & (actual > 0)).any() or (free & cached_mask).any():
         problems.append("blocks both free and referenced or cached")
+    pending = m.pending_free_blocks()
+    pending_mask = np.zeros(n, dtype=bool)
+    pending_mask[pending] = True
+    if pending.size != int(pending_mask.sum()) or (pending_mask & (free | cached_mask | (actual > 0))).any():
+        problems.append("pending-free blocks listed twice, free, cached or referenced")
+    if (free & (m._pin_of != 0)).any():
+        problems.append(f"pinned blocks in the free pool: {np.flatnonzero(free & (m._pin_of != 0))[:8].tolist()}")
     if cache is not None:
         problems += cache.check()
     if (cached_mask & (actual > 0)).any():
         problems.append("cached (evictable) KV blocks still referenced")
     referenced = actual > 0
-    total = int(free.sum()) + int(referenced.sum()) + int(cached_mask.sum()) + 1
+    total = int(free.sum()) + int(referenced.sum()) + int(cached_mask.sum()) + int(pending_mask.sum()) + 1
     if total != n:
-        problems.append(f"free + referenced + evictable + null = {total}, pool has {n}")
+        problems.append(f"free + referenced + evictable + pending-free + null = {total}, pool has {n}")
     # the per-block use bytes agree with the recount
     use = np.full(n, BlockUse.FREE, dtype=np.int8)
     use[NULL_BLOCK] = BlockUse.NULL
     use[kv_counts > 0] = BlockUse.KV
     use[cached_kv] = BlockUse.CACHED_KV
+    use[pending] = BlockUse.PENDING_FREE
     for ids, u in (
         (np.concatenate(state) if state else None, BlockUse.STATE),
         (np.concatenate(spec) if spec else None, BlockUse.SPECULATIVE),

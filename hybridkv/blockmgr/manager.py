@@ -40,7 +40,7 @@ from hybridkv.blockmgr.speculation import SpeculationMixin
 from hybridkv.blockmgr.swap import SwapMixin
 from hybridkv.blockmgr.tables import RowTables
 from hybridkv.blockmgr.transfer_plans import TransferMixin
-from hybridkv.blockmgr.units import cdiv
+from hybridkv.blockmgr.units import as_count, cdiv
 
 _EMPTY = np.empty(0, dtype=np.int32)
 _NO_COPIES = BlockCopies.empty()
@@ -80,6 +80,13 @@ class HybridBlockManager(CheckpointMixin, SpeculationMixin, SwapMixin, TransferM
         self.requests: dict[RequestId, RequestRecord] = {}
         self.tables = RowTables(self.num_state_groups, self.blocks_per_state)
         self._no_spec_sets = np.zeros((0, self.num_state_groups, self.blocks_per_state), dtype=np.int32)
+        # pins: blocks that copies handed out (and not yet run) read or write, by epoch; a pinned
+        # block given back waits in _pending_free until release_pins (tracking starts with the
+        # first begin_pin_epoch; see docs/contract.md)
+        self._pin_epoch = 0
+        self._pin_of = np.zeros(layout.num_blocks, dtype=np.int64)  # 0 = not pinned
+        self._pin_chunks: list[tuple[int, np.ndarray]] = []
+        self._pending_free: list[np.ndarray] = []
         self.prefix_cache = PrefixCache(self, prefix_cache) if prefix_cache is not None else None
 
     # ---- counting: the one formula --------------------------------------------------------------
@@ -94,6 +101,8 @@ class HybridBlockManager(CheckpointMixin, SpeculationMixin, SwapMixin, TransferM
         self, num_tokens: int, num_speculative: int, token_ids: Sequence[int] | None
     ) -> tuple[int, int, PrefixHit | None]:
         """(blocks taken from the available count, new blocks to allocate, the prefix hit)."""
+        num_tokens = as_count(num_tokens, "num_tokens")
+        num_speculative = as_count(num_speculative, "num_speculative")
         kv = cdiv(num_tokens, self.block_size) if self._has_kv else 0
         new = kv + (1 + num_speculative) * self.num_state_blocks
         if self.prefix_cache is None or token_ids is None:
@@ -103,7 +112,7 @@ class HybridBlockManager(CheckpointMixin, SpeculationMixin, SwapMixin, TransferM
         taken = new - shared + self.prefix_cache.num_pinned(hit)
         if taken > new and taken + self.watermark_blocks > self.num_available_blocks:
             # the hit pins more than it saves and only the miss fits: admit as a miss
-            return new, new, hit._replace(num_tokens=0, nodes=[], checkpoint=None)
+            return new, new, hit._replace(num_tokens=0, nodes=[], checkpoint=None, keys=[])
         return taken, new - shared, hit
 
     def plan_admission(
@@ -115,13 +124,80 @@ class HybridBlockManager(CheckpointMixin, SpeculationMixin, SwapMixin, TransferM
         taken, _, hit = self._admission(num_tokens, num_speculative, token_ids)
         return AdmissionPlan(taken, hit.num_tokens if hit is not None else 0)
 
-    def release_pins(self) -> None:
-        """Call when the copies that read or write checkpoints are fixed in the executor's batches
-        (at the start of the next scheduling step, if checkpoint copies run before the step's other
-        copies). Until then those checkpoints are kept from eviction: their blocks must not reach
-        another writer of the same batch."""
+    # ---- pins: blocks of copies handed out but not run yet ------------------------------------
+    def begin_pin_epoch(self) -> int:
+        """Start a new pin epoch and return it; the first call turns block pins on.
+
+        Every copy the manager hands out (``Allocation.copies``, copy-on-write, fork, checkpoint)
+        pins its source and destination blocks in the current epoch: a pinned block that is given
+        back (its request finished, was aborted, preempted or swapped out) is not reused, it waits
+        as ``pending_free`` until :meth:`release_pins` says the copy ran. A pinned checkpoint is
+        not evicted. A scheduler opens an epoch per step and per update (docs/contract.md).
+        """
+        self._pin_epoch += 1
+        return self._pin_epoch
+
+    @property
+    def pin_epoch(self) -> int:
+        return self._pin_epoch
+
+    def release_pins(self, before: int | None = None) -> None:
+        """The executor ran every copy handed out in epochs ``< before`` (all copies when None):
+        their checkpoints may be evicted again and their pending-free blocks go back to the pool."""
+        if before is not None:
+            before = as_count(before, "before")
         if self.prefix_cache is not None:
-            self.prefix_cache.release_pins()
+            self.prefix_cache.release_pins(before)
+        if not self._pin_chunks:
+            return
+        keep = []
+        for epoch, ids in self._pin_chunks:
+            if before is None or epoch < before:
+                self._pin_of[ids[self._pin_of[ids] == epoch]] = 0  # unless pinned again later
+            else:
+                keep.append((epoch, ids))
+        self._pin_chunks = keep
+        if self._pending_free:
+            waiting = np.concatenate(self._pending_free)
+            ready = self._pin_of[waiting] == 0
+            self._pending_free = [waiting[~ready]] if not ready.all() else []
+            self.use[waiting[ready]] = BlockUse.FREE
+            self.pool.free(waiting[ready])
+
+    def _pin(self, copies: BlockCopies) -> BlockCopies:
+        """Pin the blocks of copies handed out (when pins are on) and return the copies."""
+        if self._pin_epoch and len(copies):
+            ids = np.concatenate((copies.src, copies.dst))
+            self._pin_of[ids] = self._pin_epoch
+            self._pin_chunks.append((self._pin_epoch, ids))
+        return copies
+
+    def _give_back(self, ids: np.ndarray) -> None:
+        """The one way unreferenced blocks return to the pool: pinned ones wait in pending-free."""
+        if self._pin_chunks and ids.size:
+            held = self._pin_of[ids] != 0
+            if held.any():
+                self.use[ids[held]] = BlockUse.PENDING_FREE
+                self._pending_free.append(ids[held])
+                ids = ids[~held]
+        self.use[ids] = BlockUse.FREE
+        self.pool.free(ids)
+
+    def pending_free_blocks(self) -> np.ndarray:
+        """Blocks given back while a pinned copy still touches them (free after ``release_pins``)."""
+        return np.concatenate(self._pending_free) if self._pending_free else _EMPTY
+
+    def mark_computed(self, request_id: RequestId, num_computed_tokens: int) -> None:
+        """The forward wrote KV (and state) for the request's first ``num_computed_tokens`` tokens:
+        their full blocks may now enter the prefix cache. Blocks enter it only through this call
+        (and the hit at admission), never when they are allocated, so a block whose forward never
+        ran (an aborted row) can never be served as a prefix hit. A no-op without a prefix cache."""
+        n = as_count(num_computed_tokens, "num_computed_tokens")
+        rec = self._running(request_id)
+        if n > rec.num_tokens:
+            raise ValueError(f"request {request_id!r} holds {rec.num_tokens} tokens, cannot have {n} computed")
+        if rec.token_ids is not None and self.prefix_cache is not None and n // self.block_size > len(rec.block_keys):
+            self.prefix_cache.register(rec.token_ids, rec.block_keys, rec.kv_blocks, n)
 
     def match_prefix(self, token_ids: Sequence[int], max_tokens: int | None = None) -> int:
         """Tokens of ``token_ids`` a request admitted now would get from the prefix cache."""
@@ -137,7 +213,8 @@ class HybridBlockManager(CheckpointMixin, SpeculationMixin, SwapMixin, TransferM
         return self.pool.num_free + self.prefix_cache.num_evictable
 
     def check_fits(self, max_tokens: int, num_speculative: int = 0) -> None:
-        """Raise :class:`RequestTooLargeError` if a request of ``max_tokens`` can never fit."""
+        """Raise :class:`RequestTooLargeError` if a request of ``max_tokens`` can never fit
+        (``TypeError`` / ``ValueError`` for counts that are not integers >= 0)."""
         needed = self.blocks_to_admit(max_tokens, num_speculative)
         if needed > self.pool.num_usable - self.watermark_blocks:
             raise RequestTooLargeError(needed, self.pool.num_usable - self.watermark_blocks)
@@ -165,8 +242,7 @@ class HybridBlockManager(CheckpointMixin, SpeculationMixin, SwapMixin, TransferM
         """
         if request_id in self.requests:
             raise DuplicateRequestError(f"request {request_id!r} is already allocated: free it first")
-        if num_tokens < 0 or num_speculative < 0:
-            raise ValueError(f"num_tokens and num_speculative must be >= 0, got {num_tokens}, {num_speculative}")
+        num_tokens, num_speculative = as_count(num_tokens, "num_tokens"), as_count(num_speculative, "num_speculative")
         self.check_fits(num_tokens, num_speculative)
         taken, need, hit = self._admission(num_tokens, num_speculative, token_ids)
         if taken + self.watermark_blocks > self.num_available_blocks:
@@ -178,8 +254,10 @@ class HybridBlockManager(CheckpointMixin, SpeculationMixin, SwapMixin, TransferM
             )
         shared = _EMPTY
         if hit is not None:
-            # evict first, sparing the hit; then take the hit's blocks out of the evictable set
-            self._make_room(need, protect={n.key for n in hit.nodes})
+            # evict first, sparing the hit (its KV blocks and the one checkpoint it reads); then
+            # take the hit's blocks out of the evictable set
+            ckpt = {hit.checkpoint.key} if hit.checkpoint is not None else set()
+            self._make_room(need, protect={n.key for n in hit.nodes}, protect_ckpt=ckpt)
             shared = self.prefix_cache.take_hit(hit)  # type: ignore[union-attr]
         # state sets first: they are the contiguous part that ops gather and swap
         ids = self._take(need)
@@ -188,7 +266,7 @@ class HybridBlockManager(CheckpointMixin, SpeculationMixin, SwapMixin, TransferM
         self.tables.take(rec, rec.num_kv_blocks)
         rec.kv[: shared.size] = shared
         rec.kv[shared.size : rec.num_kv_blocks] = ids[n_state:]
-        self._set_ids(rec.state)[:] = ids[:n_live]
+        rec.state[self._state_mask] = ids[:n_live]  # (a flat view only when groups are equal)
         if num_speculative:
             rec.spec = self._split_state_sets(ids[n_live:n_state], num_speculative)
         if self.pool.last_allocation_was_run:
@@ -207,17 +285,19 @@ class HybridBlockManager(CheckpointMixin, SpeculationMixin, SwapMixin, TransferM
             return Allocation(0, _NO_COPIES)
         assert token_ids is not None and self.prefix_cache is not None
         rec.token_ids = list(token_ids)
-        rec.block_keys = [n.key for n in hit.nodes]
+        rec.block_keys = list(hit.keys)  # the hit's blocks are cached; the rest enter via mark_computed
         rec.branch_tokens = hit.num_matched_tokens
-        self.prefix_cache.register(rec.token_ids, rec.block_keys, rec.kv_blocks, num_tokens)
+        rec.tail_shared = bool(hit.nodes)
         copies = _NO_COPIES
         if hit.checkpoint is not None:
-            copies = BlockCopies(hit.checkpoint.checkpoint.copy(), ids[:n_live].copy())  # type: ignore[union-attr]
+            ckpt_ids = hit.checkpoint.checkpoint.copy()  # type: ignore[union-attr]
+            copies = self._pin(BlockCopies(ckpt_ids, ids[:n_live].copy()))
         return Allocation(hit.num_tokens, copies)
 
     def num_new_kv_blocks(self, request_id: RequestId, num_new_tokens: int) -> int:
         """Blocks ``append`` takes for ``num_new_tokens`` more tokens (copy-on-write included)."""
         rec = self._running(request_id)
+        num_new_tokens = as_count(num_new_tokens, "num_new_tokens")
         if not self._has_kv:
             return 0
         grow = cdiv(rec.num_tokens + num_new_tokens, self.block_size) - rec.num_kv_blocks
@@ -234,8 +314,7 @@ class HybridBlockManager(CheckpointMixin, SpeculationMixin, SwapMixin, TransferM
         admission (sampled ones), so their full blocks can be cached too. Raises
         :class:`NoFreeBlocksError`; nothing changes then.
         """
-        if num_new_tokens < 0:
-            raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
+        num_new_tokens = as_count(num_new_tokens, "num_new_tokens")
         rec = self.requests.get(request_id)
         if rec is None or rec.row < 0 or rec.pending is not None:
             rec = self._running(request_id)  # raises with the reason
@@ -258,9 +337,9 @@ class HybridBlockManager(CheckpointMixin, SpeculationMixin, SwapMixin, TransferM
             self._mark(ids, BlockUse.KV)
             if self._needs_cow(rec) and num_new_tokens > 0:
                 old, new = rec.kv[rec.num_kv_blocks - 1 : rec.num_kv_blocks].copy(), ids[:1]
+                copies = self._pin(BlockCopies(old, new.copy()))  # pinned before the reference drops
                 self._drop_kv(old)
                 rec.kv[rec.num_kv_blocks - 1] = new[0]
-                copies = BlockCopies(old, new.copy())
                 ids = ids[1:]
             self.tables.ensure_width(rec.num_kv_blocks + ids.size)
             rec.kv[rec.num_kv_blocks : rec.num_kv_blocks + ids.size] = ids
@@ -270,12 +349,12 @@ class HybridBlockManager(CheckpointMixin, SpeculationMixin, SwapMixin, TransferM
             self._cache_tokens(rec, token_ids)
         return copies
 
-    def _cache_tokens(self, rec: RequestRecord, token_ids: Sequence[int] | None) -> None:
-        assert rec.token_ids is not None and self.prefix_cache is not None
+    @staticmethod
+    def _cache_tokens(rec: RequestRecord, token_ids: Sequence[int] | None) -> None:
+        """Remember sampled token ids; their blocks enter the prefix cache in :meth:`mark_computed`."""
+        assert rec.token_ids is not None
         if token_ids is not None:
             rec.token_ids.extend(token_ids)
-        if rec.num_tokens // self.block_size > len(rec.block_keys):
-            self.prefix_cache.register(rec.token_ids, rec.block_keys, rec.kv_blocks, rec.num_tokens)
 
     def free(self, request_id: RequestId) -> None:
         """Release everything the request holds; shared KV blocks drop one reference."""
@@ -304,7 +383,8 @@ class HybridBlockManager(CheckpointMixin, SpeculationMixin, SwapMixin, TransferM
         self.pool.incref(kv)
         parent.run = None  # its KV is shared now
         child = RequestRecord(child_id, parent.num_tokens, _EMPTY, kv.size, _EMPTY, self._no_spec())
-        parent.tail_shared = child.tail_shared = parent.num_tokens % self.block_size != 0
+        # any shared block may become a partly filled tail (now, or after a rejected draft is cut)
+        parent.tail_shared = child.tail_shared = bool(kv.size)
         if parent.token_ids is not None:
             child.token_ids, child.block_keys = list(parent.token_ids), list(parent.block_keys)
         self.tables.take(child, kv.size)
@@ -312,7 +392,7 @@ class HybridBlockManager(CheckpointMixin, SpeculationMixin, SwapMixin, TransferM
         child.state[self._state_mask] = ids
         self.use[ids] = BlockUse.STATE
         self.requests[child_id] = child
-        return BlockCopies(parent.state[self._state_mask], ids.copy())
+        return self._pin(BlockCopies(parent.state[self._state_mask], ids.copy()))
 
     # ---- batch views ---------------------------------------------------------------------------
     def block_table(
@@ -323,13 +403,24 @@ class HybridBlockManager(CheckpointMixin, SpeculationMixin, SwapMixin, TransferM
         Request ids must be running with no pending swap plan (else :class:`RequestStateError`).
         """
         recs = self._batch(request_ids)
-        width = max((r.num_kv_blocks for r in recs), default=0) if width is None else width
-        return self.tables.gather_kv([r.row for r in recs], len(recs) if num_rows is None else num_rows, width)
+        width = max((r.num_kv_blocks for r in recs), default=0) if width is None else as_count(width, "width")
+        return self.tables.gather_kv([r.row for r in recs], self._num_rows(num_rows, len(recs)), width)
 
     def state_table(self, request_ids: Sequence[RequestId], num_rows: int | None = None) -> np.ndarray:
         """Live state sets ``[num_state_groups, num_rows, blocks_per_state]`` int32; padding rows are null."""
         recs = self._batch(request_ids)
-        return self.tables.gather_state([r.row for r in recs], len(recs) if num_rows is None else num_rows)
+        return self.tables.gather_state([r.row for r in recs], self._num_rows(num_rows, len(recs)))
+
+    @staticmethod
+    def _num_rows(num_rows: int | None, batch: int) -> int:
+        if num_rows is None:
+            return batch
+        num_rows = as_count(num_rows, "num_rows")
+        if num_rows < batch:
+            raise ValueError(
+                f"num_rows={num_rows} is smaller than the batch of {batch} requests: pass num_rows >= {batch}"
+            )
+        return num_rows
 
     def _batch(self, request_ids: Sequence[RequestId]) -> list[RequestRecord]:
         requests = self.requests
@@ -363,6 +454,7 @@ class HybridBlockManager(CheckpointMixin, SpeculationMixin, SwapMixin, TransferM
             host_total,
             host_used,
             self.layout.bytes_per_block,
+            int(counts[BlockUse.PENDING_FREE]),
         )
 
     def check_integrity(self) -> None:
@@ -415,11 +507,17 @@ class HybridBlockManager(CheckpointMixin, SpeculationMixin, SwapMixin, TransferM
     def _mark_sets(self, sets: np.ndarray, use: BlockUse) -> None:
         self.use[sets[..., self._state_mask]] = use
 
-    def _make_room(self, num_blocks: int, protect: set[int] = frozenset()) -> None:  # type: ignore[assignment]
-        """Evict cached blocks until ``num_blocks`` are free (the caller checked availability)."""
+    def _make_room(
+        self,
+        num_blocks: int,
+        protect: set[int] = frozenset(),  # type: ignore[assignment]
+        protect_ckpt: set[int] = frozenset(),  # type: ignore[assignment]
+    ) -> None:
+        """Evict cached blocks until ``num_blocks`` are free (the caller checked availability).
+        ``protect``: node keys whose KV blocks stay; ``protect_ckpt``: node keys whose checkpoints stay."""
         short = num_blocks - self.pool.num_free
         if short > 0 and self.prefix_cache is not None:
-            self.pool.free(self.prefix_cache.evict(short, protect))
+            self.pool.free(self.prefix_cache.evict(short, protect, protect_ckpt))
 
     def _take(self, num_blocks: int) -> np.ndarray:
         self._make_room(num_blocks)
@@ -431,20 +529,17 @@ class HybridBlockManager(CheckpointMixin, SpeculationMixin, SwapMixin, TransferM
         return zero if self.prefix_cache is None else self.prefix_cache.release(zero)
 
     def _drop_kv(self, ids: np.ndarray) -> None:
-        zero = self._release_kv(ids)
-        self.use[zero] = BlockUse.FREE
-        self.pool.free(zero)
+        self._give_back(self._release_kv(ids))
 
     def _drop_state(self, sets: np.ndarray) -> None:
         ids = sets[..., self._state_mask].ravel()
         self.pool.ref_counts[ids] = 0
-        self.use[ids] = BlockUse.FREE
-        self.pool.free(ids)
+        self._give_back(ids)
 
     def _release_all(self, rec: RequestRecord) -> None:
         """Give back a running request's blocks in one pool operation and its table row."""
-        if rec.run is not None:  # one private id run: slices, no sort, no fancy indexing
-            start, end = rec.run
+        if rec.run is not None and not (self._pin_chunks and self._pin_of[rec.run[0] : rec.run[1]].any()):
+            start, end = rec.run  # one private id run: slices, no sort, no fancy indexing
             self.pool.ref_counts[start:end] = 0
             self.use[start:end] = BlockUse.FREE
             self.pool.free_run(start, end)
@@ -453,7 +548,6 @@ class HybridBlockManager(CheckpointMixin, SpeculationMixin, SwapMixin, TransferM
             return
         owned = np.concatenate((self._set_ids(rec.state), self._set_ids(rec.spec)))
         self.pool.ref_counts[owned] = 0
-        release = np.concatenate((owned, self._release_kv(rec.kv_blocks)))
-        self.use[release] = BlockUse.FREE
-        self.pool.free(release)
+        self._give_back(np.concatenate((owned, self._release_kv(rec.kv_blocks))))
         self.tables.give_back(rec)
+        rec.run = None

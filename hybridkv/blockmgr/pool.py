@@ -121,6 +121,8 @@ class BlockPool:
         if ids.size == 0:
             return
         lo, hi = int(ids.min()), int(ids.max()) + 1
+        if lo < self.first_id or hi > self.num_blocks:
+            raise ValueError(f"cannot free ids outside [{self.first_id}, {self.num_blocks}): got [{lo}, {hi})")
         if hi - lo == ids.size:  # distinct ids spanning one run: no sort needed
             self.free_run(lo, hi)
             return

@@ -78,9 +78,10 @@ class Node:
 
 class PrefixHit(NamedTuple):
     num_tokens: int  # tokens served from the cache (0 = miss)
-    nodes: list[Node]  # the chain of the hit, one node per block below num_tokens
+    nodes: list[Node]  # the chain of the hit, one node per block below num_tokens (KV models)
     checkpoint: Node | None  # node holding the checkpoint at num_tokens
     num_matched_tokens: int  # tokens whose KV blocks are cached (>= num_tokens): the branch point
+    keys: list[int] = []  # chain keys of the blocks below num_tokens
 
 
 def chain(
@@ -121,9 +122,14 @@ class PrefixCache:
         self._checkpoints: OrderedDict[int, Node] = OrderedDict()  # node key -> node, LRU order
         self._tick = 0
         self.stats = _Counters()
-        # keys of checkpoints a pending copy reads (a hit) or writes (a new checkpoint): evicting
-        # one before the executor ran the step's copies would hand its blocks to another writer
-        self.pinned: set[int] = set()
+        # keys of checkpoints a pending copy reads (a hit) or writes (a new checkpoint), with the
+        # manager's pin epoch: evicting one before the executor ran the copy would hand its blocks
+        # to another writer
+        self.pinned: dict[int, int] = {}
+        # state-only models: chain nodes that hold nothing (they mark where cached prefixes go, for
+        # branch points), least recently used first, at most _bare_cap of them
+        self._bare: OrderedDict[int, Node] = OrderedDict()
+        self._bare_cap = max(1024, 4 * manager.pool.num_usable)
         model, layout = manager.layout.model, manager.layout
         self._ckpt_bytes = manager.num_state_blocks * layout.bytes_per_block
         self._flops = flop_coefficients(model)
@@ -138,9 +144,12 @@ class PrefixCache:
         """Blocks eviction can free now (checkpoints pinned by this step's copies excluded)."""
         return len(self._evictable_kv) + (len(self._checkpoints) - len(self.pinned)) * self.m.num_state_blocks
 
-    def release_pins(self) -> None:
-        """The copies reading or writing pinned checkpoints are in earlier batches: they may go again."""
-        self.pinned.clear()
+    def release_pins(self, before: int | None = None) -> None:
+        """The copies reading or writing checkpoints pinned in epochs ``< before`` (all: None) ran."""
+        if before is None:
+            self.pinned.clear()
+        else:
+            self.pinned = {k: e for k, e in self.pinned.items() if e >= before}
 
     def cached_kv_blocks(self) -> np.ndarray:
         return np.fromiter(self._evictable_kv, dtype=np.int32, count=len(self._evictable_kv))
@@ -159,12 +168,13 @@ class PrefixCache:
         """The longest hit within ``min(max_tokens, len(token_ids) - 1)`` tokens (one token is
         always left to compute, so the forward has logits to sample)."""
         limit = (len(token_ids) - 1) // self.block_size  # the chain over the whole input: branch point
-        max_blocks = min(max_tokens, len(token_ids) - 1) // self.block_size
-        has_kv = self.m._has_kv
+        max_blocks = min(max(max_tokens, 0), len(token_ids) - 1) // self.block_size
+        if not self.m._has_kv:
+            return self._match_state_only(token_ids, limit, max_blocks)
         nodes: list[Node] = []
         for _, tokens, key in chain(token_ids, self.block_size, 0, limit):
             node = self.nodes.get(key)
-            if node is None or node.tokens != tokens or (has_kv and not node.kv_block):
+            if node is None or node.tokens != tokens or not node.kv_block:
                 break
             nodes.append(node)
         best = 0
@@ -176,12 +186,34 @@ class PrefixCache:
                     best = i
                     break
         ckpt = nodes[best - 1] if best and self.m.num_state_groups else None
-        return PrefixHit(best * self.block_size, nodes[:best], ckpt, len(nodes) * self.block_size)
+        hit = nodes[:best]
+        return PrefixHit(best * self.block_size, hit, ckpt, len(nodes) * self.block_size, [n.key for n in hit])
+
+    def _match_state_only(self, token_ids: Sequence[int], limit: int, max_blocks: int) -> PrefixHit:
+        """No KV: a hit needs only the deepest checkpoint on the request's chain (chain keys hash
+        every earlier block, and that block's tokens are compared); the branch point is the deepest
+        block any cached chain reached (bare nodes may have been trimmed: an estimate)."""
+        keys, blocks = [], []
+        for _, tokens, key in chain(token_ids, self.block_size, 0, limit):
+            keys.append(key)
+            blocks.append(tokens)
+        best, matched, ckpt = 0, 0, None
+        for i in range(len(keys), 0, -1):
+            node = self.nodes.get(keys[i - 1])
+            if node is None or node.tokens != blocks[i - 1]:
+                continue
+            matched = max(matched, i)
+            if i <= max_blocks and node.checkpoint is not None:
+                best, ckpt = i, node
+                break
+        return PrefixHit(best * self.block_size, [], ckpt, matched * self.block_size, keys[:best])
 
     def num_pinned(self, hit: PrefixHit) -> int:
         """Evictable blocks a hit holds on to: the cached KV blocks it takes back (it shares them)
-        and, while its copy is made, its checkpoint. Admission counts them as taken."""
-        return self.num_protected({n.key for n in hit.nodes})
+        and, while its copy is made, the one checkpoint it reads (not the others on its chain).
+        Admission counts them as taken."""
+        ckpt = {hit.checkpoint.key} if hit.checkpoint is not None else set()
+        return self.num_protected({n.key for n in hit.nodes}, ckpt)
 
     def take_hit(self, hit: PrefixHit) -> np.ndarray:
         """Reference the hit's KV blocks (reviving evictable ones); returns them in chain order."""
@@ -199,7 +231,7 @@ class PrefixCache:
         if hit.checkpoint is not None:
             hit.checkpoint.ckpt_tick = now
             self._checkpoints.move_to_end(hit.checkpoint.key)
-            self.pinned.add(hit.checkpoint.key)
+            self.pinned[hit.checkpoint.key] = self.m.pin_epoch
         self.stats.hit_tokens += hit.num_tokens
         return ids
 
@@ -229,7 +261,7 @@ class PrefixCache:
         if node is not None:
             return node
         i = j
-        while i > 0 and keys[i - 1] not in self.nodes:
+        while i > 0 and self.m._has_kv and keys[i - 1] not in self.nodes:  # state-only: no chain needed
             i -= 1
         for t in range(i, j + 1):
             tokens = tuple(token_ids[t * self.block_size : (t + 1) * self.block_size])
@@ -245,10 +277,17 @@ class PrefixCache:
             # FLOPs of this block's tokens, per byte of one block
             node.kv_flops_per_byte = (lin * bs + quad * (2 * pos - bs) * bs) / self.m.layout.bytes_per_block
             self.nodes[key] = node
-        if self.m._has_kv and not node.kv_block and int(kv_blocks[j]) not in self.block_node:
-            block = node.kv_block = int(kv_blocks[j])
-            self.block_node[block] = node
-            self._kv_fpb[block] = node.kv_flops_per_byte
+        if self.m._has_kv:
+            if not node.kv_block and int(kv_blocks[j]) not in self.block_node:
+                block = node.kv_block = int(kv_blocks[j])
+                self.block_node[block] = node
+                self._kv_fpb[block] = node.kv_flops_per_byte
+        elif node.checkpoint is None:  # a bare node of a state-only model: bounded, LRU
+            self._bare[key] = node
+            self._bare.move_to_end(key)
+            while len(self._bare) > self._bare_cap:
+                old, _ = self._bare.popitem(last=False)
+                del self.nodes[old]
         return node
 
     def release(self, ids: np.ndarray) -> np.ndarray:
@@ -291,7 +330,8 @@ class PrefixCache:
         node.ckpt_tick = self._now()
         node.ckpt_flops_per_byte = prefill_flops(self._flops, node.position) / self._ckpt_bytes
         self._checkpoints[key] = node
-        self.pinned.add(key)
+        self._bare.pop(key, None)
+        self.pinned[key] = self.m.pin_epoch
         self.m.use[blocks] = BlockUse.CHECKPOINT
         self.stats.checkpoints_made += 1
 
@@ -305,23 +345,34 @@ class PrefixCache:
         for node in self.nodes.values():
             if node.kv_block and self.block_node.get(node.kv_block) is not node:
                 problems.append(f"cached KV block {node.kv_block} is not mapped to its node")
+            if not node.kv_block and node.checkpoint is None and node.key not in self._bare:
+                problems.append(f"chain node {node.key} holds nothing and is not bounded (leak)")
+        if len(self._bare) > self._bare_cap or any(n.kv_block or n.checkpoint is not None for n in self._bare.values()):
+            problems.append("bare chain nodes over their bound or holding blocks")
+        if any(k not in self._checkpoints for k in self.pinned):
+            problems.append("a pinned key has no checkpoint")
         return problems
 
     # ---- eviction ----------------------------------------------------------------------------
-    def evict(self, num_blocks: int, protect: set[int] = frozenset()) -> np.ndarray:  # type: ignore[assignment]
+    def evict(
+        self,
+        num_blocks: int,
+        protect: set[int] = frozenset(),  # type: ignore[assignment]
+        protect_ckpt: set[int] = frozenset(),  # type: ignore[assignment]
+    ) -> np.ndarray:
         """Evict units until at least ``num_blocks`` blocks are freed; returns the freed ids.
 
-        ``protect``: node keys not to touch (the hit being taken). The caller has checked that
-        enough is evictable.
+        ``protect``: node keys whose KV blocks stay (the hit being taken); ``protect_ckpt``: node
+        keys whose checkpoints stay. The caller has checked that enough is evictable.
         """
         if num_blocks <= 0:
             return np.empty(0, dtype=np.int32)
         target = max(num_blocks, int(self.config.evict_batch_fraction * self.m.pool.num_usable))
-        target = max(num_blocks, min(target, self.num_evictable - self.num_protected(protect)))
+        target = max(num_blocks, min(target, self.num_evictable - self.num_protected(protect, protect_ckpt)))
         if self.config.eviction is EvictionPolicy.LRU:
-            victims = self._lru_victims(target, protect)
+            victims = self._lru_victims(target, protect, protect_ckpt)
         else:
-            victims = self._flop_aware_victims(target, protect)
+            victims = self._flop_aware_victims(target, protect, protect_ckpt)
         freed = [self._drop(kind, node) for kind, node in victims]
         ids = np.concatenate(freed) if freed else np.empty(0, dtype=np.int32)
         self.m.pool.ref_counts[ids] = 0
@@ -343,9 +394,10 @@ class PrefixCache:
             self.stats.checkpoints_evicted += 1
         if not node.kv_block and node.checkpoint is None:
             self.nodes.pop(node.key, None)
+            self._bare.pop(node.key, None)
         return ids
 
-    def _lru_victims(self, num_blocks: int, protect: set[int]) -> list[tuple[str, Node]]:
+    def _lru_victims(self, num_blocks: int, protect: set[int], protect_ckpt: set[int]) -> list[tuple[str, Node]]:
         kv_iter = iter(self._evictable_kv.values())  # oldest first; nothing changes while we look
         ck_iter = iter(self._checkpoints.values())
         kv_next, ck_next = next(kv_iter, None), next(ck_iter, None)
@@ -360,21 +412,25 @@ class PrefixCache:
                     got += 1
             else:
                 node, ck_next = ck_next, next(ck_iter, None)
-                if node.key not in protect and node.key not in self.pinned:
+                if node.key not in protect_ckpt and node.key not in self.pinned:
                     victims.append(("ckpt", node))
                     got += self.m.num_state_blocks
         return victims
 
-    def num_protected(self, protect: set[int]) -> int:
+    def num_protected(self, protect: set[int], protect_ckpt: set[int] = frozenset()) -> int:  # type: ignore[assignment]
+        """Evictable blocks that ``evict(..., protect, protect_ckpt)`` may not take."""
         n = 0
         for key in protect:
             node = self.nodes.get(key)
             if node is not None:
                 n += node.kv_block in self._evictable_kv
-                n += self.m.num_state_blocks if node.checkpoint is not None and key not in self.pinned else 0
+        for key in protect_ckpt:
+            node = self.nodes.get(key)
+            if node is not None and node.checkpoint is not None and key not in self.pinned:
+                n += self.m.num_state_blocks
         return n
 
-    def _flop_aware_victims(self, target: int, protect: set[int]) -> list[tuple[str, Node]]:
+    def _flop_aware_victims(self, target: int, protect: set[int], protect_ckpt: set[int]) -> list[tuple[str, Node]]:
         """Lowest utility first: ``alpha * norm(log1p(FLOPs saved per byte)) + norm(recency)`` over
         all candidates. A checkpoint saves the FLOPs of the prefix it ends, a KV block those of its
         own tokens; FLOPs per byte spans orders of magnitude, so it is compared on a log scale."""
@@ -384,7 +440,7 @@ class PrefixCache:
             if node is not None and node.kv_block:
                 mask[node.kv_block] = False
         kv_ids = np.flatnonzero(mask)
-        ckpts = [n for n in self._checkpoints.values() if n.key not in protect and n.key not in self.pinned]
+        ckpts = [n for n in self._checkpoints.values() if n.key not in protect_ckpt and n.key not in self.pinned]
         fpb = np.concatenate((self._kv_fpb[kv_ids], [n.ckpt_flops_per_byte for n in ckpts]))
         if not fpb.size:
             return []

@@ -23,6 +23,7 @@ class BlockUse(enum.IntEnum):
     CACHED_KV = 4  # unreferenced KV kept by the prefix cache (evictable)
     CHECKPOINT = 5  # a state set owned by the prefix cache (evictable)
     NULL = 6
+    PENDING_FREE = 7  # given back while a copy handed out earlier still reads or writes it: free once it ran
 
 
 class RequestStatus(enum.Enum):
@@ -149,10 +150,12 @@ class Usage(NamedTuple):
     host_total: int
     host_used: int
     bytes_per_block: int
+    pending_free: int = 0  # given back, free once the copies that touch them ran (``release_pins``)
 
     @property
     def used(self) -> int:
-        return self.kv_live + self.state_live + self.state_speculative
+        """Blocks held: by requests, and by copies the executor has not run yet."""
+        return self.kv_live + self.state_live + self.state_speculative + self.pending_free
 
     @property
     def evictable(self) -> int:

@@ -9,7 +9,7 @@ import numpy as np
 from hybridkv.blockmgr.errors import NoFreeBlocksError
 from hybridkv.blockmgr.layout import NULL_BLOCK
 from hybridkv.blockmgr.records import BlockCopies, BlockUse, RequestId
-from hybridkv.blockmgr.units import cdiv
+from hybridkv.blockmgr.units import as_count, cdiv
 
 if TYPE_CHECKING:
     from hybridkv.blockmgr.manager import HybridBlockManager
@@ -29,6 +29,7 @@ class SpeculationMixin:
         set, and the state after draft ``j`` (1-based) into speculative set ``j - 1``.
         """
         rec = self._running(request_id)
+        num_speculative = as_count(num_speculative, "num_speculative")
         missing = num_speculative - rec.spec.shape[0]
         if missing > 0:
             need = missing * self.num_state_blocks
@@ -52,7 +53,8 @@ class SpeculationMixin:
         ``num_accepted - 1`` exchange their block-id lists (no copy).
         """
         rec = self._running(request_id)
-        k = rec.num_drafted if num_drafted is None else num_drafted
+        k = rec.num_drafted if num_drafted is None else as_count(num_drafted, "num_drafted")
+        num_accepted = as_count(num_accepted, "num_accepted")
         if not 0 <= num_accepted <= k or k > rec.spec.shape[0]:
             raise ValueError(
                 f"num_accepted={num_accepted} must be in [0, {k}] with {rec.spec.shape[0]} speculative sets"
@@ -74,6 +76,8 @@ class SpeculationMixin:
             self._drop_kv(rec.kv[keep : rec.num_kv_blocks].copy())
             rec.kv[keep : rec.num_kv_blocks] = NULL_BLOCK
             rec.num_kv_blocks = keep
+            # the new tail may be partly filled again: a shared one is copied before it is written
+            # (_needs_cow checks the reference count)
 
     def end_speculation(self: HybridBlockManager, request_id: RequestId) -> None:
         """Give the speculative sets back (speculation turned off for this request)."""

@@ -45,15 +45,17 @@ class SwapMixin:
         return rec.pending
 
     def can_swap_in(self: HybridBlockManager, request_id: RequestId) -> bool:
+        """Whether :meth:`swap_in` succeeds now: like an admission, it keeps the watermark free."""
         rec = self._swapped(request_id)
         return rec.host_blocks.size + self.watermark_blocks <= self.num_available_blocks
 
     def swap_in(self: HybridBlockManager, request_id: RequestId) -> SwapPlan:
         """Reserve device blocks for a swapped request; commit frees its host blocks."""
+        if not self.can_swap_in(request_id):  # the one formula
+            n = self.requests[request_id].host_blocks.size + self.watermark_blocks
+            raise NoFreeBlocksError(f"swap-in of {request_id!r} (watermark included)", n, self.num_available_blocks)
         rec = self._swapped(request_id)
         n = rec.host_blocks.size
-        if n > self.num_available_blocks:
-            raise NoFreeBlocksError(f"swap-in of {request_id!r}", n, self.num_available_blocks)
         device = self._take(n)
         self._mark(device[: n - self.num_state_blocks], BlockUse.KV)
         self._mark(device[n - self.num_state_blocks :], BlockUse.STATE)
@@ -92,5 +94,4 @@ class SwapMixin:
 
     def _abort_in(self: HybridBlockManager, plan: SwapPlan) -> None:
         self._settle(plan, SwapDirection.IN)
-        self._mark(plan.device_blocks, BlockUse.FREE)
-        self.pool.release(plan.device_blocks)
+        self._give_back(self.pool.decref(plan.device_blocks))

@@ -86,6 +86,12 @@ class Scheduler:
     ) -> None:
         self.manager = manager
         self.config = config or SchedulerConfig()
+        if self.config.preemption_mode is PreemptionMode.AUTO and manager.layout.model.params_active is None:
+            raise ValueError(
+                f"preemption 'auto' weighs recompute FLOPs against swap bytes and needs the model's params_active, "
+                f"which model {manager.layout.model.name!r} does not give: set params_active in its spec file "
+                "(active parameters per token, e.g. 45.9e9) or choose preemption 'recompute' or 'swap'"
+            )
         self.preemptor = Preemptor(manager, self.config.preemption_mode, self.config.gpu, swap_executor)
         self.requests: dict[RequestId, SchedRequest] = {}  # waiting, running and swapped
         self.finished: dict[RequestId, SchedRequest] = {}  # finished and aborted, until popped
@@ -107,6 +113,9 @@ class Scheduler:
             and hasattr(manager, "next_checkpoint_position")
         )
         self._carried_copies = BlockCopies.empty()  # checkpoint copies for the next plan
+        # pin epochs (HybridBlockManager.begin_pin_epoch): copies handed out in update() run at the
+        # start of the next plan, so their blocks stay pinned one step longer than the step's own
+        self._update_epoch = 0
 
     # ---- submission ------------------------------------------------------------------------------
     def add_request(
@@ -159,10 +168,11 @@ class Scheduler:
         """Plan the next forward. Raises :class:`RequestStateError` if the last plan was not updated."""
         if self._pending is not None:
             raise RequestStateError(f"step {self._pending.step} has no outputs yet: call update() first")
-        # checkpoints taken in the last update and hits of the last step have their copies fixed in
-        # batches the executor runs before this step's (checkpoint copies first): from here on,
-        # blocks eviction frees can only be written after them
-        self.manager.release_pins()
+        # the executor ran the last plan: the copies of its step are done, but the checkpoint
+        # copies taken in the last update() run at the start of this plan, after the swaps a
+        # swap executor runs inside this step: their blocks stay pinned until the next step
+        self.manager.release_pins(before=self._update_epoch)
+        self.manager.begin_pin_epoch()
         s = _StepBuilder(self.config.max_num_batched_tokens)
         checkpoints, self._carried_copies = self._carried_copies, BlockCopies.empty()
         self._schedule_running(s)
@@ -191,16 +201,52 @@ class Scheduler:
 
         Raises ``ValueError`` when a sampling row has no tokens or an accepted count is out of range.
         """
-        plan, self._pending = self._pending, None
+        plan = self._pending
         if plan is None:
             raise RequestStateError("update() without a step: call step() first")
+        rows = self._check_outputs(plan, outputs)  # raises before anything changes
+        self._pending = None
+        self._update_epoch = self.manager.begin_pin_epoch()
         done: list[RequestId] = []
+        for row, req, tokens, accepted in rows:
+            rid = row.request_id
+            if row.num_drafts:
+                self.manager.commit_speculation(rid, accepted, row.num_drafts)
+                req.num_allocated_tokens -= row.num_drafts - accepted
+                req.num_computed_tokens += 1 + accepted
+            else:
+                req.num_computed_tokens += row.num_scheduled_tokens
+            if row.samples:
+                out = req.output_token_ids
+                out.extend(tokens[: req.max_new_tokens - len(out)])
+            if self._checkpoints and req.token_ids_given:
+                # KV and live sets now hold num_computed_tokens: their full blocks enter the cache
+                # (mark_computed) and the policy may keep the state (pinned until the copy ran)
+                copies = self.manager.checkpoint(rid)
+                if len(copies):
+                    self._carried_copies = self._carried_copies.concat(copies)
+            elif self._prefix_args and req.token_ids_given:
+                self.manager.mark_computed(rid, req.num_computed_tokens)
+            if len(req.output_token_ids) >= req.max_new_tokens or rid in outputs.finished:
+                self.manager.free(rid)
+                self.running.remove(req)
+                self._retire(req, RequestState.FINISHED)
+                done.append(rid)
+        return StepResult(tuple(done))
+
+    def _check_outputs(
+        self, plan: StepPlan, outputs: StepOutputs
+    ) -> list[tuple[ScheduledRequest, SchedRequest, Sequence[int], int]]:
+        """The rows ``update`` applies, with their tokens and accepted drafts; raises ``ValueError``
+        on any bad output before ``update`` changes anything (rows aborted since the step are skipped)."""
+        rows = []
         for row in plan.scheduled:
             rid = row.request_id
             req = self.requests.get(rid)
             if req is None or req.state is not RequestState.RUNNING:
                 continue  # aborted after the step was planned
             tokens = outputs.sampled.get(rid, ())
+            accepted = 0
             if row.num_drafts:
                 accepted = outputs.num_accepted.get(rid, len(tokens) - 1)
                 if not 0 <= accepted <= row.num_drafts or len(tokens) != accepted + 1:
@@ -208,27 +254,10 @@ class Scheduler:
                         f"request {rid!r}: {len(tokens)} sampled tokens and {accepted} accepted of "
                         f"{row.num_drafts} drafts: expect accepted in [0, drafts] and accepted + 1 tokens"
                     )
-                self.manager.commit_speculation(rid, accepted, row.num_drafts)
-                req.num_allocated_tokens -= row.num_drafts - accepted
-                req.num_computed_tokens += 1 + accepted
-            else:
-                req.num_computed_tokens += row.num_scheduled_tokens
-            if row.samples:
-                if not tokens:
-                    raise ValueError(f"request {rid!r} sampled this step but got no token")
-                out = req.output_token_ids
-                out.extend(tokens[: req.max_new_tokens - len(out)])
-            if self._checkpoints and req.token_ids_given:
-                # the live sets now hold the state at num_computed_tokens: the policy may keep it
-                copies = self.manager.checkpoint(rid)
-                if len(copies):
-                    self._carried_copies = self._carried_copies.concat(copies)
-            if len(req.output_token_ids) >= req.max_new_tokens or rid in outputs.finished:
-                self.manager.free(rid)
-                self.running.remove(req)
-                self._retire(req, RequestState.FINISHED)
-                done.append(rid)
-        return StepResult(tuple(done))
+            if row.samples and not tokens:
+                raise ValueError(f"request {rid!r} sampled this step but got no token")
+            rows.append((row, req, tokens, accepted))
+        return rows
 
     # ---- phases ----------------------------------------------------------------------------------
     def _schedule_running(self, s: _StepBuilder) -> None:
