@@ -7,6 +7,13 @@ largest extents first. Free ids are kept as extents ``[start, end)`` in two sort
 (by start, for merging on free; by length, for best fit), reference counts in a numpy array, so
 admitting and freeing a request costs a handful of container operations, not one per block.
 
+Single blocks (decode appends, copy-on-write) take a fast path: a freed single id goes onto a
+bounded stack of loose free ids (counted free, kept out of the extents), and ``allocate(1)`` pops
+the most recently freed one, so the decode pattern costs a list operation, not two sorted-container
+updates. Loose ids never break a state set's run: when no extent holds an ``n > 1`` allocation,
+they are merged back into the extents first (:meth:`BlockPool.merge_loose`), and every view of the
+extents (:meth:`free_extents`, :meth:`largest_free_extent`) merges them before it answers.
+
 Block 0 of a device pool is the null block: zero-filled, never allocated, never freed.
 """
 
@@ -18,6 +25,7 @@ from sortedcontainers import SortedDict, SortedList
 from hybridkv.blockmgr.layout import NULL_BLOCK
 
 _EMPTY = np.empty(0, dtype=np.int32)
+LOOSE_CAP = 4096  # most single ids kept out of the extents at once
 
 
 def runs(ids: np.ndarray) -> list[tuple[int, int]]:
@@ -47,10 +55,15 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.first_id = first
         self.ref_counts = np.zeros(num_blocks, dtype=np.int32)
+        self._rc = memoryview(self.ref_counts)  # the same counts, for scalar access without numpy overhead
         self._by_start: SortedDict = SortedDict()  # start -> end
         self._by_length: SortedList = SortedList()  # (length, start)
         self._num_free = 0
         self.last_allocation_was_run = False  # whether the last allocate() returned one id run
+        self._loose: list[int] = []  # free single ids outside the extents, most recent last
+        self._loose_cap = LOOSE_CAP
+        self._ids = np.arange(num_blocks, dtype=np.int32)  # read-only: one-id results are views of it
+        self._ids.flags.writeable = False
         self._insert(first, num_blocks)
 
     # ---- counts ------------------------------------------------------------------------------
@@ -63,11 +76,23 @@ class BlockPool:
         return self.num_blocks - self.first_id
 
     def free_extents(self) -> list[tuple[int, int]]:
-        """The free extents ``[(start, end), ...]`` in id order (for tests and integrity checks)."""
+        """The free extents ``[(start, end), ...]`` in id order, loose ids merged in first."""
+        self.merge_loose()
         return list(self._by_start.items())
 
     def largest_free_extent(self) -> int:
+        self.merge_loose()
         return self._by_length[-1][0] if self._by_length else 0
+
+    def merge_loose(self) -> None:
+        """Return the loose single ids to the extents (merging neighbours); the free set is unchanged."""
+        if not self._loose:
+            return
+        loose = np.array(self._loose, dtype=np.int32)
+        self._loose.clear()
+        self._num_free -= loose.size  # free_run counts them again
+        for start, end in runs(np.sort(loose)):
+            self.free_run(start, end)
 
     # ---- extents -----------------------------------------------------------------------------
     def _insert(self, start: int, end: int) -> None:
@@ -86,12 +111,21 @@ class BlockPool:
         Raises ``ValueError`` when fewer than ``n`` are free: callers check first (check-then-act),
         so reaching this is a bug in the caller, and nothing has changed.
         """
+        if n == 1 and self._loose:  # the decode fast path: the most recently freed single id
+            i = self._loose.pop()
+            self._num_free -= 1
+            self._rc[i] = 1
+            self.last_allocation_was_run = True
+            return self._ids[i : i + 1]
         if n <= 0:
             self.last_allocation_was_run = False
             return _EMPTY
         if n > self._num_free:
             raise ValueError(f"asked for {n} blocks, {self._num_free} free")
         i = self._by_length.bisect_left((n, -1))
+        if self._loose and n > 1 and i == len(self._by_length):  # no extent holds n: merge loose ids first
+            self.merge_loose()
+            i = self._by_length.bisect_left((n, -1))
         if i < len(self._by_length):  # best fit: one run
             length, start = self._by_length[i]
             self._remove(start, start + length)
@@ -118,6 +152,16 @@ class BlockPool:
 
     def free(self, ids: np.ndarray) -> None:
         """Return distinct ids whose reference count is zero to the free extents, merging neighbours."""
+        if ids.size == 1:  # the decode fast path: onto the loose stack
+            i = ids.item()
+            if not self.first_id <= i < self.num_blocks:
+                raise ValueError(f"cannot free ids outside [{self.first_id}, {self.num_blocks}): got [{i}, {i + 1})")
+            if len(self._loose) < self._loose_cap:
+                self._loose.append(i)
+                self._num_free += 1
+            else:
+                self.free_run(i, i + 1)
+            return
         if ids.size == 0:
             return
         lo, hi = int(ids.min()), int(ids.max()) + 1
@@ -152,6 +196,11 @@ class BlockPool:
 
     def decref(self, ids: np.ndarray) -> np.ndarray:
         """One reference less on each (distinct) id; returns the ids that reached zero."""
+        if ids.size == 1:
+            i = ids.item()
+            count = self._rc[i] - 1
+            self._rc[i] = count
+            return ids if count == 0 else _EMPTY
         if ids.size == 0:
             return _EMPTY
         lo, hi = int(ids.min()), int(ids.max()) + 1
@@ -164,12 +213,30 @@ class BlockPool:
 
     def release(self, ids: np.ndarray) -> None:
         """Drop one reference and free the ids that reached zero (no caching)."""
+        if ids.size == 1:  # the decode fast path, in one call
+            i = ids.item()
+            count = self._rc[i] - 1
+            self._rc[i] = count
+            if count == 0:
+                self.free(ids)
+            return
         self.free(self.decref(ids))
 
     # ---- integrity ---------------------------------------------------------------------------
     def check_free_extents(self) -> list[str]:
         """Problems with the extents themselves (overlap, reserved ids, counts, referenced ids)."""
-        problems, prev_end, total = [], self.first_id, 0
+        problems, prev_end, total = [], self.first_id, len(self._loose)
+        if self._loose:
+            loose = np.array(self._loose, dtype=np.int64)
+            inside = np.zeros(self.num_blocks, dtype=bool)
+            for start, end in self._by_start.items():
+                inside[start:end] = True
+            if loose.min() < self.first_id or loose.max() >= self.num_blocks or np.unique(loose).size != loose.size:
+                problems.append(f"loose free ids out of range or repeated: {sorted(self._loose)[:8]}")
+            elif inside[loose].any() or self.ref_counts[loose].any():
+                problems.append("loose free ids inside a free extent or referenced")
+            if len(self._loose) > self._loose_cap:
+                problems.append(f"{len(self._loose)} loose free ids, over the cap {self._loose_cap}")
         for start, end in self._by_start.items():
             if start < prev_end or end <= start or end > self.num_blocks:
                 problems.append(f"bad free extent [{start}, {end}) after {prev_end}")
@@ -190,4 +257,5 @@ class BlockPool:
         mask = np.zeros(self.num_blocks, dtype=bool)
         for start, end in self._by_start.items():
             mask[start:end] = True
+        mask[self._loose] = True
         return mask
