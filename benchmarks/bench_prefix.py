@@ -21,9 +21,11 @@ import sys
 import time
 from collections import deque
 from pathlib import Path
+from typing import NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import numpy as np  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from benchmarks._common import save  # noqa: E402
@@ -32,26 +34,175 @@ from hybridkv.blockmgr.layout import plan  # noqa: E402
 from hybridkv.blockmgr.manager import HybridBlockManager  # noqa: E402
 from hybridkv.blockmgr.prefix import CheckpointPolicy, EvictionPolicy, PrefixCacheConfig  # noqa: E402
 from hybridkv.blockmgr.presets import preset  # noqa: E402
-from hybridkv.sim.trace import DEFAULT_TRACE, TokenMaker, load_trace  # noqa: E402
+from hybridkv.sim.trace import (  # noqa: E402
+    DEFAULT_TRACE,
+    MOONCAKE_BLOCK_TOKENS,
+    TokenMaker,
+    TraceRequest,
+    load_trace,
+)
 
 GiB = 1024**3
 MODELS = {  # name -> (preset, state dtype, tp, budgets in GiB)
     "minimax-m1": ("minimax-m1", "float32", 8, (16, 32, 64)),
     "qwen3-next-80b-a3b": ("qwen3-next-80b-a3b", "bfloat16", 2, (16, 32, 64)),
 }
-PAIRS = [
-    ("every_n_blocks", "lru"),
-    ("every_n_blocks", "flop_aware"),
-    ("branch_and_last", "lru"),
-    ("branch_and_last", "flop_aware"),
+# (layout, checkpoint policy, eviction, every_n): every_n=1 in the padded layout is vLLM's "all" mode
+# (a state at every block); padded with the project's policies is the other baseline
+CONFIGS = [
+    ("padded", "every_n_blocks", "lru", 1),
+    ("padded", "branch_and_last", "flop_aware", 8),
+    ("padded", "branch_last_aligned", "flop_aware", 8),
+    ("paged", "every_n_blocks", "lru", 8),
+    ("paged", "branch_and_last", "flop_aware", 8),
+    ("paged", "branch_last_aligned", "flop_aware", 8),
 ]
+WORKLOADS = ("trace", "trace-sessions", "multiturn")
 
 
-def replay(model_key, budget_gib, checkpoint, eviction, trace, tokens, concurrency, every_n):
+def label(layout: str, checkpoint: str, eviction: str, every_n: int) -> str:
+    if layout == "padded" and checkpoint == "every_n_blocks" and every_n == 1:
+        return "padded every block (vLLM all)"
+    return f"{layout} {checkpoint}" + (f"/{every_n}" if checkpoint == "every_n_blocks" else "") + f"+{eviction}"
+
+
+# ---- workloads ------------------------------------------------------------------------------------
+class Item(NamedTuple):
+    """One request of a replay: its input token ids and, when a later turn repeats its reply, the
+    reply's token ids (``None``: the reply is never seen again; only its length matters)."""
+
+    index: int
+    input_ids: list[int]
+    output_length: int
+    output_ids: list[int] | None
+
+
+def trace_items(trace: list[TraceRequest]) -> list[Item]:
+    """The trace as the simulator reads it: hash id -> a fixed 512-token block, the last cut to the
+    input length. A partial last block then shares nothing with the next turn's block at that index."""
+    maker = TokenMaker()
+    return [Item(r.index, maker.tokens(r), r.output_length, None) for r in trace]
+
+
+def trace_session_items(trace: list[TraceRequest]) -> tuple[list[Item], dict[str, int]]:
+    """Reconstruct conversations from a hash-id trace. ASSUMPTIONS (not in the trace's data):
+
+    - request B continues request A (same session) when A is the latest earlier request whose whole
+      512-token blocks are all B's first blocks, A ends in a partial block, B's block at that index
+      has another id, and B is longer than A's input (in the Mooncake trace such a B is typically
+      about A's input plus output long: median 20 tokens shorter);
+    - B's block at that index then starts with A's partial block (the partial hash block is a
+      prefix of the next turn's block), and A's reply is B's tokens right after A's input, as far
+      as B reaches (the reply is part of the next prompt); several Bs may continue one A (all get
+      its partial block; the first one fixes its reply).
+
+    Returns the items and counts of how many requests were linked."""
+    bt = MOONCAKE_BLOCK_TOKENS
+    by_prefix: dict[tuple[int, ...], int] = {}  # A's whole-block ids -> A (latest)
+    follow: dict[int, int] = {}  # A -> its first B
+    override: dict[int, list[int]] = {}  # hash id of B's block -> [its start, A]: starts with A's partial tokens
+    linked = 0
+    for r in trace:
+        for k in range(len(r.hash_ids) - 1, 0, -1):  # longest whole-block prefix first
+            a = by_prefix.get(r.hash_ids[:k])
+            if a is None:
+                continue
+            ra = trace[a]
+            ok = len(ra.hash_ids) == k + 1 and ra.hash_ids[k] != r.hash_ids[k] and r.input_length > ra.input_length
+            if ok and r.hash_ids[k] not in override:
+                follow.setdefault(a, r.index)
+                override[r.hash_ids[k]] = [k * bt, a]
+                linked += 1
+            break
+        if r.input_length % bt:
+            by_prefix[r.hash_ids[:-1]] = r.index
+    maker = TokenMaker()
+
+    def block(h: int) -> list[int]:
+        o = override.get(h)
+        if o is None:
+            return maker.block(h)
+        start, a = o
+        ra = trace[a]
+        head = tokens_of(ra)[start:]
+        return head + maker.block(h)[len(head) :]
+
+    memo: dict[int, list[int]] = {}
+
+    def tokens_of(r: TraceRequest) -> list[int]:
+        if r.index not in memo:
+            out: list[int] = []
+            for h in r.hash_ids:
+                out.extend(block(h))
+            memo[r.index] = out[: r.input_length]
+        return memo[r.index]
+
+    toks = [tokens_of(r) for r in trace]
+    items = []
+    rng = np.random.default_rng(0)
+    for r in trace:
+        b = follow.get(r.index)
+        out = None
+        if b is not None:  # the reply as far as B repeats it, then tokens no one repeats
+            out = toks[b][r.input_length : r.input_length + r.output_length]
+            out += rng.integers(0, maker.vocab_size, r.output_length - len(out)).tolist()
+        items.append(Item(r.index, toks[r.index], r.output_length, out))
+    return items, {"requests": len(trace), "linked_turns": linked, "replies_reused": len(follow)}
+
+
+def multiturn_items(num_sessions: int = 300, seed: int = 0) -> tuple[list[Item], dict[str, float]]:
+    """Synthetic conversations: each turn's prompt is the previous turn's prompt, its reply and a new
+    message; sessions start with one of 4 system prompts (2-6k tokens) and interleave (the next
+    request comes from a random open session). Messages 100-4,000 tokens (log-uniform), replies
+    20-800, 1-10 turns per session. Token ids are random (no two messages share content)."""
+    rng = np.random.default_rng(seed)
+    vocab = 32000
+    systems = [rng.integers(0, vocab, int(n)).tolist() for n in rng.integers(2000, 6000, 4)]
+
+    def logu(lo: int, hi: int) -> int:
+        return int(np.exp(rng.uniform(np.log(lo), np.log(hi))))
+
+    turns_left = {s: int(rng.integers(1, 11)) for s in range(num_sessions)}
+    context = {s: list(systems[s % 4]) for s in range(num_sessions)}
+    items: list[Item] = []
+    pending: dict[int, int] = {}  # session -> index of its last item (its reply is decided on its next turn)
+    opened, open_sessions = 0, []
+    while turns_left:
+        if opened < num_sessions and (not open_sessions or rng.random() < 0.3):
+            open_sessions.append(opened)
+            opened += 1
+        s = open_sessions[int(rng.integers(len(open_sessions)))]
+        msg = rng.integers(0, vocab, logu(100, 4000)).tolist()
+        prev = pending.get(s)
+        if prev is not None:
+            reply = items[prev].output_ids
+            context[s].extend(reply)  # type: ignore[arg-type]
+        context[s].extend(msg)
+        out_len = logu(20, 800)
+        items.append(Item(len(items), list(context[s]), out_len, rng.integers(0, vocab, out_len).tolist()))
+        pending[s] = len(items) - 1
+        turns_left[s] -= 1
+        if not turns_left[s]:
+            del turns_left[s]
+            open_sessions.remove(s)
+    mean_in = float(np.mean([len(i.input_ids) for i in items]))
+    return items, {"sessions": num_sessions, "requests": len(items), "mean_input_tokens": mean_in}
+
+
+# ---- replay ---------------------------------------------------------------------------------------
+def replay(model_key, budget_gib, layout_kind, checkpoint, eviction, every_n, items, concurrency, align=(512, 2048),
+           block_size=64):
     name, dtype, tp, _ = MODELS[model_key]
-    layout = plan(preset(name, dtype, tp), int(budget_gib * GiB), block_size=64)
-    config = PrefixCacheConfig(CheckpointPolicy(checkpoint), EvictionPolicy(eviction), every_n=every_n)
+    spec = preset(name, dtype, tp)
+    if layout_kind == "padded":
+        layout = plan(spec, int(budget_gib * GiB), layout="padded")
+    else:
+        layout = plan(spec, int(budget_gib * GiB), block_size=block_size)
+    config = PrefixCacheConfig(
+        CheckpointPolicy(checkpoint), EvictionPolicy(eviction), every_n=every_n, align_tokens=tuple(align)
+    )
     m = HybridBlockManager(layout, prefix_cache=config)
+    bs = layout.block_size
     running: deque[int] = deque()
     hit = total = skipped = 0
     ckpt_samples, kv_cached_samples = [], []
@@ -63,20 +214,19 @@ def replay(model_key, budget_gib, checkpoint, eviction, trace, tokens, concurren
         m.free(running.popleft())
         return True
 
-    label = f"{model_key} {budget_gib} GiB {checkpoint}+{eviction}"
-    progress = tqdm(zip(trace, tokens, strict=True), total=len(trace), desc=label, unit="req", leave=False,
-                    position=1, mininterval=1.0)
-    for req, toks in progress:
-        rid = req.index
-        total += req.input_length
+    desc = f"{model_key} {budget_gib} GiB {label(layout_kind, checkpoint, eviction, every_n)}"
+    progress = tqdm(items, desc=desc, unit="req", leave=False, position=1, mininterval=2.0)
+    for item in progress:
+        rid, toks = item.index, item.input_ids
+        total += len(toks)
         try:
-            m.check_fits(req.input_length + req.output_length)
+            m.check_fits(len(toks) + item.output_length)
         except AllocationError:
             skipped += 1
             continue
         while True:
             cached = m.match_prefix(toks)
-            first = min(len(toks), cached + layout.block_size)
+            first = min(len(toks), cached + bs)
             if m.can_allocate(first, token_ids=toks):
                 break
             if not make_room():
@@ -100,14 +250,26 @@ def replay(model_key, budget_gib, checkpoint, eviction, trace, tokens, concurren
             if ok:
                 m.append(rid, n)
                 m.checkpoint(rid)
-        while ok and not m.can_append(rid, req.output_length):
+        while ok and not m.can_append(rid, item.output_length):
             ok = make_room()
         if not ok:
             m.free(rid)
             skipped += 1
             continue
         m.release_pins()
-        m.append(rid, req.output_length)
+        if item.output_ids is None:
+            m.append(rid, item.output_length)
+        else:
+            # decode with the reply's ids (a later prompt repeats them); the state at the last block
+            # boundary of the reply is offered to the policy (a decode-position checkpoint)
+            end = len(toks) + len(item.output_ids)
+            cut = max((end // bs) * bs - len(toks), 0)
+            if cut:
+                m.append(rid, cut, token_ids=item.output_ids[:cut])
+                m.checkpoint(rid, final=True)
+                m.release_pins()
+            if len(item.output_ids) > cut:
+                m.append(rid, len(item.output_ids) - cut, token_ids=item.output_ids[cut:])
         running.append(rid)
         while len(running) > concurrency:
             m.free(running.popleft())
@@ -123,12 +285,16 @@ def replay(model_key, budget_gib, checkpoint, eviction, trace, tokens, concurren
         "tp": tp,
         "state_dtype": dtype,
         "budget_gib": budget_gib,
+        "layout": layout_kind,
+        "block_size": bs,
+        "config": label(layout_kind, checkpoint, eviction, every_n),
         "checkpoint": checkpoint,
         "eviction": eviction,
         "every_n_blocks": every_n,
+        "align_tokens": list(align),
         "num_blocks": layout.num_blocks,
         "blocks_per_checkpoint": m.num_state_blocks,
-        "requests": len(trace),
+        "requests": len(items),
         "skipped": skipped,
         "token_hit_rate": hit / total if total else 0.0,
         "hit_tokens": hit,
@@ -143,86 +309,111 @@ def replay(model_key, budget_gib, checkpoint, eviction, trace, tokens, concurren
     }
 
 
+def load_items(workload: str, trace_path: str, limit: int | None, sessions: int) -> tuple[list[Item], dict]:
+    if workload == "multiturn":
+        items, info = multiturn_items(sessions)
+        return (items[:limit] if limit else items), info
+    trace = load_trace(trace_path, limit)
+    if workload == "trace":
+        return trace_items(trace), {"requests": len(trace)}
+    return trace_session_items(trace)
+
+
+def compare(rows: list[dict]) -> list[dict]:
+    """Per workload, model and budget: the best padded row, the paged rows, and their ratios."""
+    out = []
+    for key in sorted({(r["workload"], r["model"], r["budget_gib"]) for r in rows}):
+        sel = [r for r in rows if (r["workload"], r["model"], r["budget_gib"]) == key]
+        padded = [r for r in sel if r["layout"] == "padded"]
+        best = max(padded, key=lambda r: r["token_hit_rate"], default=None)
+        base = best["token_hit_rate"] if best else 0.0
+        out.append(
+            {
+                "workload": key[0],
+                "model": key[1],
+                "budget_gib": key[2],
+                "best_padded": best["config"] if best else None,
+                "best_padded_hit_rate": base,
+                "rows": {r["config"]: r["token_hit_rate"] for r in sel},
+                "ratio_vs_best_padded": {
+                    r["config"]: (r["token_hit_rate"] / base if base else None) for r in sel if r["layout"] == "paged"
+                },
+            }
+        )
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--trace", default=str(DEFAULT_TRACE))
     ap.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
     ap.add_argument("--quick", action="store_true", help="400 requests, the middle budget only")
     ap.add_argument("--concurrency", type=int, default=8)
-    ap.add_argument("--every-n", type=int, default=8, help="every_n_blocks interval (blocks of 64 tokens)")
+    ap.add_argument("--align-tokens", type=int, nargs="+", default=[512, 2048], help="branch_last_aligned grids")
     ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    ap.add_argument("--budgets", nargs="+", type=int, default=None, help="GiB (default 16 32 64)")
+    ap.add_argument("--workloads", nargs="+", default=["trace", "multiturn"], choices=WORKLOADS)
+    ap.add_argument("--configs", nargs="+", type=int, default=None, help="indices into CONFIGS (default all)")
+    ap.add_argument("--sessions", type=int, default=300, help="multiturn: number of conversations")
+    ap.add_argument("--name", default="prefix", help="results file name prefix")
     args = ap.parse_args(argv)
     limit = 400 if args.quick and args.limit is None else args.limit
     quick_note = (
         "--quick: a sample (the first 400 requests, one budget per model), not a result. Too few requests "
-        "to fill the cache, so it cannot show how the policies behave under eviction, and its ranking may be "
-        "the opposite of the full run's (python benchmarks/bench_prefix.py, about 22 min on 2 cores)."
+        "to fill the cache, so it cannot show how the policies behave under eviction."
     )
     if args.quick:
         print(quick_note, flush=True)
-    try:
-        trace = load_trace(args.trace, limit)
-    except FileNotFoundError as e:
-        print(f"bench_prefix: {e}", file=sys.stderr)
-        return 2
-    maker = TokenMaker()
-    tokens = [maker.tokens(r) for r in trace]
-    rows = []
+    configs = [CONFIGS[i] for i in args.configs] if args.configs else CONFIGS
+    rows, infos = [], {}
+    runs = []
+    for workload in args.workloads:
+        try:
+            items, info = load_items(workload, args.trace, limit, args.sessions)
+        except FileNotFoundError as e:
+            print(f"bench_prefix: {e}", file=sys.stderr)
+            return 2
+        infos[workload] = info
+        for model_key in args.models:
+            budgets = args.budgets or (MODELS[model_key][3][1:2] if args.quick else MODELS[model_key][3])
+            runs += [(workload, items, model_key, b, *c) for b in budgets for c in configs]
     print(
-        f"{'model':20s} {'GiB':>4s} {'checkpoint':16s} {'eviction':11s} {'hit rate':>8s} "
+        f"{'workload':15s} {'model':20s} {'GiB':>4s} {'config':42s} {'hit rate':>8s} "
         f"{'ckpt GiB (mean/max)':>20s} {'skipped':>7s} {'s':>6s}",
         flush=True,
     )
-    runs = [
-        (model_key, budget, checkpoint, eviction)
-        for model_key in args.models
-        for budget in (MODELS[model_key][3][1:2] if args.quick else MODELS[model_key][3])
-        for checkpoint, eviction in PAIRS
-    ]
     overall = tqdm(runs, desc="all runs", unit="run", position=0)
-    for model_key, budget, checkpoint, eviction in overall:
-        r = replay(model_key, budget, checkpoint, eviction, trace, tokens, args.concurrency, args.every_n)
+    for workload, items, model_key, budget, layout_kind, checkpoint, eviction, every_n in overall:
+        r = replay(model_key, budget, layout_kind, checkpoint, eviction, every_n, items, args.concurrency,
+                   tuple(args.align_tokens))
+        r["workload"] = workload
         rows.append(r)
         tqdm.write(
-            f"{model_key:20s} {budget:4d} {checkpoint:16s} {eviction:11s} {r['token_hit_rate']:8.1%} "
+            f"{workload:15s} {model_key:20s} {budget:4d} {r['config']:42s} {r['token_hit_rate']:8.1%} "
             f"{r['checkpoint_bytes_mean'] / GiB:9.2f} / {r['checkpoint_bytes_max'] / GiB:7.2f} "
             f"{r['skipped']:7d} {r['seconds']:6.1f}"
         )
     overall.close()
-    gains = []
-    for model_key in args.models:
-        for budget in {r["budget_gib"] for r in rows if r["model"] == model_key}:
-            by = {
-                (r["checkpoint"], r["eviction"]): r
-                for r in rows
-                if r["model"] == model_key and r["budget_gib"] == budget
-            }
-            base, best = by[("every_n_blocks", "lru")], by[("branch_and_last", "flop_aware")]
-            gains.append(
-                {
-                    "model": model_key,
-                    "budget_gib": budget,
-                    "every_n_lru": base["token_hit_rate"],
-                    "branch_last_flop_aware": best["token_hit_rate"],
-                    "ratio": best["token_hit_rate"] / base["token_hit_rate"] if base["token_hit_rate"] else None,
-                    "points": best["token_hit_rate"] - base["token_hit_rate"],
-                }
-            )
-    for g in gains:
-        ratio = f"{g['ratio']:.2f}x" if g["ratio"] else "inf"
-        print(
-            f"{g['model']} {g['budget_gib']} GiB: branch_and_last+flop_aware {g['branch_last_flop_aware']:.1%} vs "
-            f"every_n_blocks+lru {g['every_n_lru']:.1%} ({ratio}, {100 * g['points']:+.1f} points)"
-        )
+    table = compare(rows)
+    for t in table:
+        ratios = ", ".join(f"{k} {v:.2f}x" for k, v in t["ratio_vs_best_padded"].items() if v is not None)
+        print(f"{t['workload']} {t['model']} {t['budget_gib']} GiB: best padded {t['best_padded']} "
+              f"{t['best_padded_hit_rate']:.1%}; paged vs it: {ratios}")
     path = save(
-        "prefix",
+        args.name,
         {
+            "workloads": infos,
             "trace": str(args.trace),
             "limit": limit,
             "concurrency": args.concurrency,
-            "block_size": 64,
+            "align_tokens": args.align_tokens,
+            "assumptions": {
+                "trace": "hash id -> fixed 512-token block, last cut to the input length; replies never reused",
+                "trace-sessions": trace_session_items.__doc__,
+                "multiturn": multiturn_items.__doc__,
+            },
             "runs": rows,
-            "comparison": gains,
+            "comparison": table,
         },
     )
     print(f"saved {path}")

@@ -35,10 +35,9 @@ def test_tokens_follow_the_hash_ids():
 
 @needs_trace
 def test_short_replay_hits_the_cache_and_balances():
-    from benchmarks.bench_prefix import replay
+    from benchmarks.bench_prefix import replay, trace_items
 
     trace = load_trace(limit=60)
-    maker = TokenMaker()
-    r = replay("qwen3-next-80b-a3b", 16, "every_n_blocks", "lru", trace, [maker.tokens(t) for t in trace], 4, 8)
+    r = replay("qwen3-next-80b-a3b", 16, "paged", "every_n_blocks", "lru", 8, trace_items(trace), 4)
     assert r["skipped"] == 0 and 0 <= r["token_hit_rate"] < 1
     assert r["checkpoints_made"] > 0

@@ -29,14 +29,17 @@ class CheckpointMixin:
                 return pos
         return None
 
-    def checkpoint(self: HybridBlockManager, request_id: RequestId) -> BlockCopies:
+    def checkpoint(self: HybridBlockManager, request_id: RequestId, final: bool = False) -> BlockCopies:
         """Save the live state at the request's current position if the policy wants it there.
 
         Call right after the forward that brought the request to ``num_tokens`` (its live sets
         hold the state at exactly that position, and its KV is written: this is also
         :meth:`mark_computed` of ``num_tokens``). Returns the copies live -> checkpoint, to run
         before the next forward; empty when no checkpoint is due, one exists already, or no
-        blocks are available (checkpoints are best effort).
+        blocks are available (checkpoints are best effort). ``final``: the request is at the last
+        block boundary of its tokens before it finishes (prompt and reply: the caller knows the
+        reply's length, e.g. a replay, and calls this at that decode position): policies that keep
+        the end of finished requests for the next turn take it.
         """
         rec = self._running(request_id)
         self.mark_computed(request_id, rec.num_tokens)
@@ -44,7 +47,7 @@ class CheckpointMixin:
         pos, bs = rec.num_tokens, self.block_size
         if cache is None or rec.token_ids is None or pos % bs or pos // bs > len(rec.block_keys):
             return _NO_COPIES
-        if not cache.wants_checkpoint(pos, len(rec.token_ids), rec.branch_tokens):
+        if not cache.wants_checkpoint(pos, len(rec.token_ids), rec.branch_tokens, final):
             return _NO_COPIES
         key = rec.block_keys[pos // bs - 1]
         # the node must survive the eviction that makes room, so what it pins is not available

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
+from hybridkv.blockmgr.checkpoint_policy import DEFAULT_ALIGN_TOKENS, branch_last_aligned
 from hybridkv.blockmgr.flops import flop_coefficients, prefill_flops
 from hybridkv.blockmgr.records import BlockUse
 
@@ -35,6 +36,7 @@ class CheckpointPolicy(enum.Enum):
     NONE = "none"  # KV only: hits need a checkpoint, so hybrid models never hit
     EVERY_N_BLOCKS = "every_n_blocks"  # at every n-th block boundary of the input
     BRANCH_AND_LAST = "branch_and_last"  # where a request leaves the cached prefixes, and at its input's end
+    BRANCH_LAST_ALIGNED = "branch_last_aligned"  # branch, finished request's end, input end on coarse grids
 
 
 class EvictionPolicy(enum.Enum):
@@ -53,10 +55,15 @@ class PrefixCacheConfig:
     every_n: int = 8
     alpha: float = 1.0
     evict_batch_fraction: float = 0.01
+    align_tokens: tuple[int, ...] = DEFAULT_ALIGN_TOKENS  # branch_last_aligned: back-off grids, finest first
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "checkpoint", CheckpointPolicy(self.checkpoint))
         object.__setattr__(self, "eviction", EvictionPolicy(self.eviction))
+        align = (self.align_tokens,) if isinstance(self.align_tokens, int) else tuple(self.align_tokens)
+        if not align or any(not isinstance(a, int) or a <= 0 for a in align):
+            raise ValueError(f"align_tokens must be positive numbers of tokens, got {self.align_tokens!r}")
+        object.__setattr__(self, "align_tokens", align)
         if self.every_n <= 0:
             raise ValueError(f"every_n must be a positive number of blocks, got {self.every_n}")
 
@@ -307,16 +314,21 @@ class PrefixCache:
         self._kv_tick[kept] = now
         return ids[~keep]
 
-    def wants_checkpoint(self, position: int, input_len: int, branch: int) -> bool:
+    def wants_checkpoint(self, position: int, input_len: int, branch: int, final: bool = False) -> bool:
         """Whether the policy checkpoints at ``position`` of an input of ``input_len`` tokens that
-        left the cached prefixes at ``branch`` (block-aligned positions only)."""
+        left the cached prefixes at ``branch`` (block-aligned positions only). ``final``: the
+        position is the last block boundary of a finishing request's tokens, reply included (a later
+        turn that repeats the conversation hits there): ``branch_and_last`` and
+        ``branch_last_aligned`` take it, ``every_n_blocks`` only on its grid."""
         cfg, bs = self.config, self.block_size
         if position <= 0 or position % bs or not self.m.num_state_groups:
             return False
         if cfg.checkpoint is CheckpointPolicy.EVERY_N_BLOCKS:
             return (position // bs) % cfg.every_n == 0
+        if cfg.checkpoint is CheckpointPolicy.BRANCH_LAST_ALIGNED:
+            return final or branch_last_aligned(position, input_len, branch, bs, cfg.align_tokens)
         if cfg.checkpoint is CheckpointPolicy.BRANCH_AND_LAST:
-            return position == branch or position == (input_len // bs) * bs
+            return final or position == branch or position == (input_len // bs) * bs
         return False
 
     def has_checkpoint(self, key: int) -> bool:
