@@ -154,3 +154,63 @@ def test_contiguous_state_sets_in_a_fresh_pool():
     for i in range(10):
         state = m.state_table([i])[:, 0].ravel()
         assert np.all(np.diff(state) == 1)
+
+
+def test_pool_single_block_fast_path_keeps_state_sets_whole():
+    """Freed single ids are reused last-in first-out by allocate(1); an n > 1 allocation that no
+    extent holds merges them back first, so it still comes out as one run."""
+    from hybridkv.blockmgr.pool import BlockPool
+
+    p = BlockPool(12)  # ids 1..11
+    singles = [p.allocate(1) for _ in range(4)]
+    assert [int(s[0]) for s in singles] == [1, 2, 3, 4]  # from the extents: best fit, in id order
+    rest = p.allocate(7)  # 5..11: the pool is full
+    p.release(singles[1])
+    p.release(singles[2])
+    assert p.num_free == 2 and p.check_free_extents() == []
+    again = p.allocate(1)
+    assert int(again[0]) == 3 and p.ref_counts[3] == 1  # the most recently freed id
+    with pytest.raises(ValueError):
+        again[0] = 9  # one-id results are read-only views
+    p.release(again)
+    run = p.allocate(2)  # no extent holds 2: the loose ids 2, 3 merge into one
+    assert run.tolist() == [2, 3] and p.last_allocation_was_run
+    p.release(run)
+    p.release(singles[0])
+    assert p.free_extents() == [(1, 4)] and p.largest_free_extent() == 3  # views merge loose ids
+    p.release(rest)
+    p.release(singles[3])
+    assert p.free_extents() == [(1, 12)] and p.num_free == 11 and p.check_free_extents() == []
+
+
+def test_pool_integrity_sees_a_bad_loose_id():
+    from hybridkv.blockmgr.pool import BlockPool
+
+    p = BlockPool(12)
+    a = p.allocate(1)
+    p.release(a)
+    assert p.check_free_extents() == []
+    p._loose.append(5)  # 5 is inside the free extent [2, 12): freed twice
+    assert any("loose" in msg for msg in p.check_free_extents())
+    p._loose.pop()
+    b = p.allocate(1)
+    p.ref_counts[b] = 0
+    p._loose.append(int(b[0]))
+    p.ref_counts[b] = 1  # a loose id that is referenced
+    assert any("loose" in msg for msg in p.check_free_extents())
+
+
+def test_manager_decode_appends_reuse_freed_single_blocks():
+    m = tiny_manager()
+    m.allocate("a", 4)  # 1 KV + 2 state sets
+    m.allocate("b", 4)
+    m.append("a", 1)  # a second KV block, from the extents
+    m.free("b")
+    m.check_integrity()
+    m.allocate("c", 4)
+    m.append("c", 1)
+    m.check_integrity()
+    for r in ("a", "c"):
+        m.free(r)
+    m.check_integrity()
+    assert m.pool.free_extents() == [(1, 40)] and m.usage().free == 39

@@ -274,3 +274,71 @@ def test_checkpoints_with_pending_copies_are_not_evicted_until_released():
     m.allocate("big", 120)
     assert m.usage().checkpoints == 0
     m.check_integrity()
+
+
+def test_registered_chain_keys_are_chain_keys():
+    """register() inlines the hash-chain rule: its keys must be chain_keys' (a hit depends on it)."""
+    m = cached_manager(checkpoint="branch_and_last")
+    tokens = list(range(300, 323))  # 5 full blocks and 3 tokens
+    prefill(m, "a", tokens)
+    keys = chain_keys(tokens, 4)
+    assert m.requests["a"].block_keys == keys
+    assert all(m.prefix_cache.nodes[k].tokens == tuple(tokens[4 * j : 4 * j + 4]) for j, k in enumerate(keys))
+    m.free("a")
+    m.check_integrity()
+
+
+def test_checkpoint_mirror_is_checked():
+    m = cached_manager()
+    prefill(m, "a", PREFIX + [1])
+    m.free("a")
+    assert m.prefix_cache.check() == []
+    node = next(n for n in m.prefix_cache.nodes.values() if n.checkpoint is not None)
+    slot = int(node.checkpoint[0])
+    m.prefix_cache._ck_tick[slot] += 1  # a stale tick would rank it wrongly
+    assert any("mirror" in p for p in m.prefix_cache.check())
+    m.prefix_cache._ck_tick[slot] -= 1
+    m.prefix_cache._ck_live[slot] = False
+    assert any("mirror" in p for p in m.prefix_cache.check())
+
+
+def reference_flop_aware(cache, target, protect=frozenset(), protect_ckpt=frozenset()):
+    """The ranking as first written: every candidate node in Python, a full stable argsort."""
+    kv = [n for n in cache._evictable_kv.values() if n.key not in protect]
+    kv.sort(key=lambda n: n.kv_block)  # candidates in block id order
+    ck = [n for n in cache._checkpoints.values() if n.key not in protect_ckpt and n.key not in cache.pinned]
+    fpb = np.array([n.kv_flops_per_byte for n in kv] + [n.ckpt_flops_per_byte for n in ck])
+    if not fpb.size:
+        return set()
+    tick = np.array([n.kv_tick for n in kv] + [n.ckpt_tick for n in ck], dtype=np.float64)
+    size = np.array([1] * len(kv) + [cache.m.num_state_blocks] * len(ck))
+
+    def norm(x):
+        span = x.max() - x.min()
+        return (x - x.min()) / span if span > 0 else np.zeros_like(x)
+
+    order = np.argsort(cache.config.alpha * norm(np.log1p(fpb)) + norm(tick), kind="stable")
+    count = int(np.searchsorted(np.cumsum(size[order]), target)) + 1
+    return {("kv", kv[i].key) if i < len(kv) else ("ckpt", ck[i - len(kv)].key) for i in order[:count].tolist()}
+
+
+@pytest.mark.parametrize("alpha", [1.0, 0.0])  # alpha 0: recency only, many ties (blocks released together)
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_flop_aware_victims_match_a_full_ranking(alpha, data):
+    layout = plan(tiny_model(), 200 * 256, block_size=4)
+    config = PrefixCacheConfig(CheckpointPolicy("every_n_blocks"), EvictionPolicy("flop_aware"), every_n=2, alpha=alpha)
+    m = HybridBlockManager(layout, prefix_cache=config)
+    for r in range(data.draw(st.integers(1, 6))):
+        tokens = [data.draw(st.integers(0, 2)) for _ in range(data.draw(st.integers(4, 30)))]
+        if not m.can_allocate(len(tokens), token_ids=tokens):
+            break
+        m.allocate(r, len(tokens), token_ids=tokens)
+        m.checkpoint(r)
+        m.release_pins()
+        m.free(r)
+    cache = m.prefix_cache
+    protect = {k for k in cache.nodes if data.draw(st.booleans())} if cache.nodes else set()
+    for target in (1, 2, 7, cache.num_evictable):
+        got = {(kind, node.key) for kind, node in cache._flop_aware_victims(target, protect, set())}
+        assert got == reference_flop_aware(cache, target, protect)

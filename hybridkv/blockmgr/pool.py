@@ -64,6 +64,7 @@ class BlockPool:
         self._loose_cap = LOOSE_CAP
         self._ids = np.arange(num_blocks, dtype=np.int32)  # read-only: one-id results are views of it
         self._ids.flags.writeable = False
+        self._one: dict[int, np.ndarray] = {}  # id -> its one-id view, made on first use
         self._insert(first, num_blocks)
 
     # ---- counts ------------------------------------------------------------------------------
@@ -116,7 +117,10 @@ class BlockPool:
             self._num_free -= 1
             self._rc[i] = 1
             self.last_allocation_was_run = True
-            return self._ids[i : i + 1]
+            one = self._one.get(i)
+            if one is None:
+                one = self._one[i] = self._ids[i : i + 1]
+            return one
         if n <= 0:
             self.last_allocation_was_run = False
             return _EMPTY
@@ -218,7 +222,11 @@ class BlockPool:
             count = self._rc[i] - 1
             self._rc[i] = count
             if count == 0:
-                self.free(ids)
+                if len(self._loose) < self._loose_cap and self.first_id <= i:
+                    self._loose.append(i)
+                    self._num_free += 1
+                else:
+                    self.free(ids)
             return
         self.free(self.decref(ids))
 

@@ -95,7 +95,8 @@ def chain(
     token_ids: Sequence[int], block_size: int, start: int = 0, end: int | None = None, key: int = ROOT_KEY
 ) -> Iterator[tuple[int, tuple[int, ...], int]]:
     """``(block index, its token ids, chain key)`` of the full blocks ``[start, end)`` of ``token_ids``;
-    ``key`` is the chain key of block ``start - 1``. The one place the hash-chain rule lives."""
+    ``key`` is the chain key of block ``start - 1``. The hash-chain rule (``PrefixCache.register``
+    inlines the same rule for speed; ``test_prefix`` checks the two agree)."""
     end = len(token_ids) // block_size if end is None else end
     for j in range(start, end):
         tokens = tuple(token_ids[j * block_size : (j + 1) * block_size])
@@ -144,6 +145,13 @@ class PrefixCache:
         self._kv_evictable = np.zeros(layout.num_blocks, dtype=bool)
         self._kv_tick = np.zeros(layout.num_blocks, dtype=np.int64)
         self._kv_fpb = np.zeros(layout.num_blocks, dtype=np.float64)
+        # the same for checkpoints, indexed by each checkpoint's first block id (its slot): tick and
+        # FLOPs per byte of the live ones, so flop_aware ranks them without walking Python objects
+        self._ck_live = np.zeros(layout.num_blocks, dtype=bool)
+        self._ck_tick = np.zeros(layout.num_blocks, dtype=np.int64)
+        self._ck_fpb = np.zeros(layout.num_blocks, dtype=np.float64)
+        self._ck_node: dict[int, Node] = {}  # slot -> node
+        self._bytes_per_block = layout.bytes_per_block
 
     # ---- counts ------------------------------------------------------------------------------
     @property
@@ -237,6 +245,7 @@ class PrefixCache:
             self.m.use[ids] = BlockUse.KV
         if hit.checkpoint is not None:
             hit.checkpoint.ckpt_tick = now
+            self._ck_tick[hit.checkpoint.checkpoint[0]] = now  # type: ignore[index]
             self._checkpoints.move_to_end(hit.checkpoint.key)
             self.pinned[hit.checkpoint.key] = self.m.pin_epoch
         self.stats.hit_tokens += hit.num_tokens
@@ -254,9 +263,37 @@ class PrefixCache:
         end = min(num_tokens, len(token_ids)) // self.block_size
         if start and end > start:
             self.ensure(token_ids, keys, kv_blocks, start - 1)  # a parent to hang the new blocks on
-        for j, tokens, key in chain(token_ids, self.block_size, start, end, keys[-1] if keys else ROOT_KEY):
+        if not self.m._has_kv:
+            for j, tokens, key in chain(token_ids, self.block_size, start, end, keys[-1] if keys else ROOT_KEY):
+                keys.append(key)
+                self._place(key, tokens, j, kv_blocks)
+            return
+        # KV models: _place for a run of blocks, inlined (the decode and prefill hot path); the
+        # chain rule is chain()'s, and the mirror of FLOPs per byte is written once at the end
+        bs, nodes, block_node = self.block_size, self.nodes, self.block_node
+        (lin, quad), bpb = self._flops, self._bytes_per_block
+        blocks = kv_blocks[start:end].tolist()
+        new_blocks: list[int] = []
+        new_fpb: list[float] = []
+        key = keys[-1] if keys else ROOT_KEY
+        for j in range(start, end):
+            tokens = tuple(token_ids[j * bs : (j + 1) * bs])
+            key = hash((key, tokens))
             keys.append(key)
-            self._place(key, tokens, j, kv_blocks)
+            node = nodes.get(key)
+            if node is None:
+                pos = (j + 1) * bs
+                fpb = (lin * bs + quad * (2 * pos - bs) * bs) / bpb
+                node = nodes[key] = Node(key, tokens, pos, kv_flops_per_byte=fpb)
+            if not node.kv_block:
+                block = blocks[j - start]
+                if block not in block_node:
+                    node.kv_block = block
+                    block_node[block] = node
+                    new_blocks.append(block)
+                    new_fpb.append(node.kv_flops_per_byte)
+        if new_blocks:
+            self._kv_fpb[new_blocks] = new_fpb
 
     def ensure(self, token_ids: Sequence[int], keys: list[int], kv_blocks: np.ndarray, j: int) -> Node:
         """The node of block ``j`` of a request's chain, re-created with any missing ancestors.
@@ -282,7 +319,7 @@ class PrefixCache:
             node = Node(key, tokens, (j + 1) * self.block_size)
             (lin, quad), bs, pos = self._flops, self.block_size, node.position
             # FLOPs of this block's tokens, per byte of one block
-            node.kv_flops_per_byte = (lin * bs + quad * (2 * pos - bs) * bs) / self.m.layout.bytes_per_block
+            node.kv_flops_per_byte = (lin * bs + quad * (2 * pos - bs) * bs) / self._bytes_per_block
             self.nodes[key] = node
         if self.m._has_kv:
             if not node.kv_block and int(kv_blocks[j]) not in self.block_node:
@@ -342,6 +379,11 @@ class PrefixCache:
         node.ckpt_tick = self._now()
         node.ckpt_flops_per_byte = prefill_flops(self._flops, node.position) / self._ckpt_bytes
         self._checkpoints[key] = node
+        slot = int(blocks[0])
+        self._ck_live[slot] = True
+        self._ck_tick[slot] = node.ckpt_tick
+        self._ck_fpb[slot] = node.ckpt_flops_per_byte
+        self._ck_node[slot] = node
         self._bare.pop(key, None)
         self.pinned[key] = self.m.pin_epoch
         self.m.use[blocks] = BlockUse.CHECKPOINT
@@ -363,6 +405,13 @@ class PrefixCache:
             problems.append("bare chain nodes over their bound or holding blocks")
         if any(k not in self._checkpoints for k in self.pinned):
             problems.append("a pinned key has no checkpoint")
+        slots = {int(n.checkpoint[0]): n for n in self._checkpoints.values()}  # type: ignore[index]
+        live = np.zeros_like(self._ck_live)
+        live[list(slots)] = True
+        if slots != self._ck_node or not np.array_equal(live, self._ck_live):
+            problems.append("the prefix cache's checkpoint mirror differs from its checkpoints")
+        elif any(self._ck_tick[s] != n.ckpt_tick or self._ck_fpb[s] != n.ckpt_flops_per_byte for s, n in slots.items()):
+            problems.append("the prefix cache's checkpoint mirror holds stale ticks or FLOPs")
         return problems
 
     # ---- eviction ----------------------------------------------------------------------------
@@ -385,11 +434,32 @@ class PrefixCache:
             victims = self._lru_victims(target, protect, protect_ckpt)
         else:
             victims = self._flop_aware_victims(target, protect, protect_ckpt)
-        freed = [self._drop(kind, node) for kind, node in victims]
-        ids = np.concatenate(freed) if freed else np.empty(0, dtype=np.int32)
+        ids = self._drop_all(victims)
         self.m.pool.ref_counts[ids] = 0
         self.m.use[ids] = BlockUse.FREE
         return ids
+
+    def _drop_all(self, victims: list[tuple[str, Node]]) -> np.ndarray:
+        """:meth:`_drop` of every victim, the per-block work on KV blocks batched; the freed ids."""
+        kv: list[int] = []
+        parts: list[np.ndarray] = []
+        evictable, block_node, nodes, bare = self._evictable_kv, self.block_node, self.nodes, self._bare
+        for kind, node in victims:
+            if kind == "kv":
+                block = node.kv_block
+                del evictable[block]
+                del block_node[block]
+                node.kv_block = 0
+                kv.append(block)
+            else:
+                parts.append(self._drop(kind, node))
+                continue  # _drop dropped the node if it holds nothing now
+            if node.checkpoint is None:
+                nodes.pop(node.key, None)
+                bare.pop(node.key, None)
+        self._kv_evictable[kv] = False
+        self.stats.kv_evicted += len(kv)
+        return np.concatenate([np.array(kv, dtype=np.int32), *parts])
 
     def _drop(self, kind: str, node: Node) -> np.ndarray:
         if kind == "kv":
@@ -403,6 +473,9 @@ class PrefixCache:
         else:
             del self._checkpoints[node.key]
             ids, node.checkpoint = node.checkpoint, None  # type: ignore[assignment]
+            slot = int(ids[0])
+            self._ck_live[slot] = False
+            del self._ck_node[slot]
             self.stats.checkpoints_evicted += 1
         if not node.kv_block and node.checkpoint is None:
             self.nodes.pop(node.key, None)
@@ -446,30 +519,45 @@ class PrefixCache:
         """Lowest utility first: ``alpha * norm(log1p(FLOPs saved per byte)) + norm(recency)`` over
         all candidates. A checkpoint saves the FLOPs of the prefix it ends, a KV block those of its
         own tokens; FLOPs per byte spans orders of magnitude, so it is compared on a log scale."""
-        mask = self._kv_evictable.copy()
-        for key in protect:
-            node = self.nodes.get(key)
-            if node is not None and node.kv_block:
-                mask[node.kv_block] = False
+        mask = self._kv_evictable
+        kept = [n.kv_block for k in protect if (n := self.nodes.get(k)) is not None and n.kv_block]
+        if kept:
+            mask = mask.copy()
+            mask[kept] = False
         kv_ids = np.flatnonzero(mask)
-        ckpts = [n for n in self._checkpoints.values() if n.key not in protect_ckpt and n.key not in self.pinned]
-        fpb = np.concatenate((self._kv_fpb[kv_ids], [n.ckpt_flops_per_byte for n in ckpts]))
+        # checkpoints in LRU order (ascending tick: both ways of moving one to the end set a new tick)
+        held = [n.checkpoint[0] for k in (*protect_ckpt, *self.pinned) if (n := self.nodes.get(k)) is not None
+                and n.checkpoint is not None]  # fmt: skip
+        if held:
+            ck_mask = self._ck_live.copy()
+            ck_mask[held] = False
+            slots = np.flatnonzero(ck_mask)
+        else:
+            slots = np.flatnonzero(self._ck_live)
+        slots = slots[np.argsort(self._ck_tick[slots], kind="stable")]
+        fpb = np.concatenate((self._kv_fpb[kv_ids], self._ck_fpb[slots]))
         if not fpb.size:
             return []
-        tick = np.concatenate((self._kv_tick[kv_ids], [n.ckpt_tick for n in ckpts])).astype(np.float64)
-        size = np.concatenate((np.ones(kv_ids.size, dtype=np.int64), np.full(len(ckpts), self.m.num_state_blocks)))
+        tick = np.concatenate((self._kv_tick[kv_ids], self._ck_tick[slots])).astype(np.float64)
+        size = np.concatenate((np.ones(kv_ids.size, dtype=np.int64), np.full(slots.size, self.m.num_state_blocks)))
 
         def norm(x: np.ndarray) -> np.ndarray:
             span = x.max() - x.min()
             return (x - x.min()) / span if span > 0 else np.zeros_like(x)
 
         utility = self.config.alpha * norm(np.log1p(fpb)) + norm(tick)
-        order = np.argsort(utility, kind="stable")
+        # the victims are a prefix of the stable order by utility, at most ``target`` candidates
+        # long (each frees >= 1 block): rank only the candidates at or below the target-th utility
+        # (ties included, in index order), which is that prefix exactly
+        k = min(utility.size, target)
+        if k < utility.size:
+            near = np.flatnonzero(utility <= np.partition(utility, k - 1)[k - 1])
+            order = near[np.argsort(utility[near], kind="stable")]
+        else:
+            order = np.argsort(utility, kind="stable")
         count = int(np.searchsorted(np.cumsum(size[order]), target)) + 1
-        victims: list[tuple[str, Node]] = []
-        for i in order[:count].tolist():
-            if i < kv_ids.size:
-                victims.append(("kv", self.block_node[int(kv_ids[i])]))
-            else:
-                victims.append(("ckpt", ckpts[i - kv_ids.size]))
-        return victims
+        chosen, n_kv = order[:count], kv_ids.size
+        block_node, ck_node = self.block_node, self._ck_node
+        kv = [("kv", block_node[b]) for b in kv_ids[chosen[chosen < n_kv]].tolist()]
+        ck = [("ckpt", ck_node[s]) for s in slots[chosen[chosen >= n_kv] - n_kv].tolist()]
+        return kv + ck
