@@ -1,17 +1,31 @@
-"""Prefix-cache hit rates on the Mooncake synthetic trace, per checkpoint x eviction policy.
+"""Prefix-cache hit rates, paged vs padded layout at the same memory, per checkpoint x eviction policy.
 
-Replays ``shared/traces/mooncake_synthetic_trace.jsonl`` (hash ids -> deterministic 512-token
-blocks) in arrival order through the real block manager and prefix cache: each request is admitted
-with its cache hit, prefilled in chunks that end where the checkpoint policy wants a checkpoint,
-decoded (KV for its output tokens), and freed once ``--concurrency`` newer requests have arrived.
-Everything (running requests, cached KV, checkpoints) shares one block budget.
+Replays a workload in arrival order through the real block manager and prefix cache: each request
+is admitted with its cache hit, prefilled in chunks that end where the checkpoint policy wants a
+checkpoint, decoded (KV for its output tokens), and freed once ``--concurrency`` newer requests
+have arrived. Everything (running requests, cached KV, checkpoints) shares one block budget.
+Every run includes the vLLM-style rows (padded layout, a state at every block: ``every_n_blocks``
+with n = 1) and the padded layout with the project's policies, and reports each paged row's ratio
+to the best padded row at the same memory.
 
-    python benchmarks/bench_prefix.py              # both models, 3 budgets, 4 policy pairs (minutes)
-    python benchmarks/bench_prefix.py --quick      # first 400 requests, one budget per model
+Workloads (``--workloads``):
+
+- ``trace``: the Mooncake synthetic trace as the simulator reads it (hash id -> a fixed 512-token
+  block, the last cut to the input length). Replies are never part of a later prompt, and a
+  partial last block shares nothing with the next turn's block at that index.
+- ``trace-sessions``: the same trace with sessions reconstructed. ASSUMPTION (not in the data):
+  a request that repeats an earlier prompt's whole blocks continues it; the earlier prompt's last
+  partial hash block is a prefix of the next turn's block, and its reply is the next turn's tokens
+  right after it (see :func:`trace_session_items`). Replies are decoded with their token ids and the
+  state at the reply's last block boundary is offered to the policy (``checkpoint(final=True)``).
+- ``multiturn``: synthetic conversations, each turn = previous prompt + its reply + a new message.
+
+    python benchmarks/bench_prefix.py --workloads trace        # both models, 3 budgets, all configs
+    python benchmarks/bench_prefix.py --workloads multiturn --sessions 400 --name prefix_multiturn
+    python benchmarks/bench_prefix.py --quick                  # first 400 requests, one budget
 
 ``--quick`` is a sample for checking that the replay runs, not a result: 400 requests barely fill the
-cache, so eviction (where the policies differ) hardly happens, and its ranking of the policy pairs
-can be the opposite of the full run's. Quote only the full run (about 22 minutes on 2 cores).
+cache, so eviction (where the policies differ) hardly happens.
 """
 
 from __future__ import annotations
@@ -52,10 +66,11 @@ MODELS = {  # name -> (preset, state dtype, tp, budgets in GiB)
 CONFIGS = [
     ("padded", "every_n_blocks", "lru", 1),
     ("padded", "branch_and_last", "flop_aware", 8),
+    ("padded", "branch_and_last", "lru", 8),
     ("padded", "branch_last_aligned", "flop_aware", 8),
-    ("paged", "every_n_blocks", "lru", 8),
+    ("padded", "branch_last_aligned", "lru", 8),
     ("paged", "branch_and_last", "flop_aware", 8),
-    ("paged", "branch_last_aligned", "flop_aware", 8),
+    ("paged", "branch_last_aligned", "lru", 8),
 ]
 WORKLOADS = ("trace", "trace-sessions", "multiturn")
 

@@ -19,6 +19,9 @@ def test_branch_last_aligned_positions():
     assert wanted == [8, 64, 96]
     # one that shared nothing: only the coarsest grid's back-off point (never the exact end)
     assert [p for p in range(4, 101, 4) if branch_last_aligned(p, 100, 0, 4, grids)] == [64]
+    # cold: the coarsest *nonzero* point; shorter than every grid: the block-aligned end
+    assert [p for p in range(4, 61, 4) if branch_last_aligned(p, 60, 0, 4, grids)] == [48]
+    assert [p for p in range(4, 15, 4) if branch_last_aligned(p, 14, 0, 4, grids)] == [12]
     # a grid that is not a multiple of the block size lands on the block boundary below it
     assert aligned_end(aligned_end(1500, 512), 544) == 544
     assert branch_last_aligned(544, 1500, 0, 544, (512,)) and not branch_last_aligned(1088, 1500, 0, 544, (512,))
@@ -85,8 +88,8 @@ def test_next_turn_hits_the_end_of_the_previous_reply():
     assert run(m, "t2", turn2) == (len(prompt) + len(reply)) // 4 * 4 == 72
     m2 = manager("branch_last_aligned")
     run(m2, "t1", prompt)  # reply decoded without its ids: no final checkpoint, no reply in the cache
-    # t1 shared nothing, so only the coarsest grid (64) backs off: below 50 tokens, no checkpoint at all
-    assert run(m2, "t2", turn2) == 0
+    # t1 shared nothing, so it backs off to the coarsest nonzero grid point only (64 -> 0, 16 -> 48)
+    assert run(m2, "t2", turn2) == 48
 
 
 def req(i, n_in, n_out, ids):

@@ -47,8 +47,19 @@ def branch_last_aligned(
     finished request's end is the caller's ``final`` flag, see ``PrefixCache.wants_checkpoint``)."""
     if position == branch:
         return True
-    # admission by expected reuse: a request that shared no cached prefix (branch 0) gets only the
-    # coarsest back-off point (one checkpoint), one that did gets all of them
-    grids = align_tokens if branch > 0 else align_tokens[-1:]
-    # the back-off points, each on a block boundary (a grid need not be a multiple of block_size)
-    return any(position == aligned_end(aligned_end(input_len, a), block_size) for a in grids)
+    return position in back_off_points(input_len, branch, block_size, align_tokens)
+
+
+def back_off_points(input_len: int, branch: int, block_size: int, align_tokens: tuple[int, ...]) -> set[int]:
+    """The input positions ``branch_last_aligned`` backs off to: the input end rounded down to each
+    grid, then to a block boundary (a grid need not be a multiple of ``block_size``), zeros dropped.
+
+    Admission by expected reuse: a request that shared no cached prefix (``branch`` 0) gets only
+    the coarsest nonzero point (one checkpoint), one that did gets all of them. An input shorter
+    than every grid gets its block-aligned end instead (a short prompt is cheap to keep whole)."""
+    points = [aligned_end(aligned_end(input_len, a), block_size) for a in align_tokens]
+    points = [p for p in points if p > 0]
+    if not points:
+        end = aligned_end(input_len, block_size)
+        return {end} if end > 0 else set()
+    return set(points) if branch > 0 else {min(points)}
