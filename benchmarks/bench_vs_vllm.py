@@ -18,8 +18,9 @@ Rows (the table of issue 14):
   allocate with the token ids, the prefill's ``checkpoint`` (registers every block, checkpoints at
   the input's end), free; vLLM in align mode at 1,024: ``Request`` (its block hashes),
   ``get_computed_blocks``, ``allocate_slots``, free).
-- ``prefix_hit``: the same with a prompt whose first ``--prefix-tokens`` tokens are cached (hybridkv
-  restores a checkpoint; vLLM's align-mode hit), per admitted token.
+- ``prefix_hit``: the same with prompts that extend an earlier prompt of ``--prefix-tokens`` tokens
+  (a conversation's next turn: hybridkv restores the checkpoint at that prompt's end, vLLM's
+  align-mode hit reads its state there), per admitted token.
 
 The scheduler-step row of the issue is not measured here (vLLM's ``Scheduler`` needs a full
 ``VllmConfig``). Run with a Python that has vLLM (see ``shared/peer/README.md``)::
@@ -251,9 +252,10 @@ def _prefix_rows(v: Vllm, repeats: int, number: int, args: argparse.Namespace, h
     for eviction in args.evictions:
         config = PrefixCacheConfig(CheckpointPolicy.BRANCH_AND_LAST, EvictionPolicy(eviction))
         ours = _minimax(args.prefix_budget_gib, config)
-        # fill the cache until evictions run (steady state), the shared prefix's checkpoint last
+        # fill the cache until evictions run (steady state); the shared prefix last, as a prompt of
+        # its own (an earlier turn), so both systems hold its state at its end
         warm = 2 * ours.pool.num_usable // ours.blocks_to_admit(n_tok) + 2
-        prompts = [prompt() for _ in range(max(warm, 4))] + [shared + fresh(n_tok - n_pre)]
+        prompts = [prompt() for _ in range(max(warm, 4))] + [shared]
         for p in prompts:
             rid = next(counter)
             ours.allocate(rid, len(p), token_ids=p)
