@@ -276,8 +276,9 @@ class PrefixCache:
         new_blocks: list[int] = []
         new_fpb: list[float] = []
         key = keys[-1] if keys else ROOT_KEY
+        span = tuple(token_ids[start * bs : end * bs])  # one copy; slicing a tuple makes each block's in one step
         for j in range(start, end):
-            tokens = tuple(token_ids[j * bs : (j + 1) * bs])
+            tokens = span[(j - start) * bs : (j - start + 1) * bs]
             key = hash((key, tokens))
             keys.append(key)
             node = nodes.get(key)
@@ -456,7 +457,8 @@ class PrefixCache:
                 continue  # _drop dropped the node if it holds nothing now
             if node.checkpoint is None:
                 nodes.pop(node.key, None)
-                bare.pop(node.key, None)
+                if bare:
+                    bare.pop(node.key, None)
         self._kv_evictable[kv] = False
         self.stats.kv_evicted += len(kv)
         return np.concatenate([np.array(kv, dtype=np.int32), *parts])
