@@ -8,7 +8,7 @@ import numpy as np
 
 from hybridkv.blockmgr.errors import IntegrityError
 from hybridkv.blockmgr.layout import NULL_BLOCK
-from hybridkv.blockmgr.records import BlockUse, RequestStatus, SwapDirection
+from hybridkv.blockmgr.records import BlockUse, RequestStatus, SwapDirection, SwapPlan
 
 if TYPE_CHECKING:
     from hybridkv.blockmgr.manager import HybridBlockManager
@@ -42,7 +42,7 @@ def check_integrity(m: HybridBlockManager) -> None:
                 )
         else:
             host.append(rec.host_blocks)
-        plan = rec.pending
+        plan = rec.pending if isinstance(rec.pending, SwapPlan) else None  # a transfer plan holds no extra blocks
         if plan is not None and plan.direction is SwapDirection.OUT:
             host.append(plan.host_blocks)  # reserved host copies
         elif plan is not None:  # reserved device blocks: KV first, then the live state sets
@@ -113,7 +113,7 @@ def check_integrity(m: HybridBlockManager) -> None:
         problems += [f"host: {p}" for p in m.host_pool.check_free_extents()]
         if host_expected.max(initial=0) > 1:
             problems.append("a host block is held twice")
-    elif host:
+    elif any(h.size for h in host):
         problems.append("swapped requests without a host pool")
     if problems:
         raise IntegrityError("; ".join(problems))

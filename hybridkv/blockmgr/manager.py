@@ -34,6 +34,7 @@ from hybridkv.blockmgr.records import (
     RequestId,
     RequestRecord,
     RequestStatus,
+    SwapPlan,
     Usage,
 )
 from hybridkv.blockmgr.speculation import SpeculationMixin
@@ -471,7 +472,8 @@ class HybridBlockManager(CheckpointMixin, SpeculationMixin, SwapMixin, TransferM
     def _running(self, request_id: RequestId) -> RequestRecord:
         rec = self._get(request_id)
         if rec.status is not RequestStatus.RUNNING or rec.pending is not None:
-            what = "has a pending swap plan" if rec.pending is not None else "is swapped out"
+            kind = "swap" if isinstance(rec.pending, SwapPlan) else "transfer"
+            what = f"has a pending {kind} plan" if rec.pending is not None else "is swapped out"
             raise RequestStateError(f"request {request_id!r} {what}: swap it in (or settle the plan) first")
         return rec
 
