@@ -165,6 +165,21 @@ class HybridBlockManager(CheckpointMixin, SpeculationMixin, SwapMixin, TransferM
             self.use[waiting[ready]] = BlockUse.FREE
             self.pool.free(waiting[ready])
 
+    def cancel_checkpoints(self, epoch: int) -> np.ndarray:
+        """Drop the checkpoints taken in pin ``epoch`` whose copies were not handed to an executor yet
+        (a scheduler does this rather than preempt a request, when those checkpoints are all that
+        stands in the way); their blocks are free again. Returns the dropped checkpoints' block ids:
+        the caller removes the copies that write them. Nothing else changes."""
+        if self.prefix_cache is None:
+            return _EMPTY
+        ids = self.prefix_cache.cancel_checkpoints(as_count(epoch, "epoch"))
+        if ids.size:
+            self._pin_of[ids] = 0  # their copy will not run
+            self.pool.ref_counts[ids] = 0
+            self.use[ids] = BlockUse.FREE
+            self.pool.free(ids)
+        return ids
+
     def _pin(self, copies: BlockCopies) -> BlockCopies:
         """Pin the blocks of copies handed out (when pins are on) and return the copies."""
         if self._pin_epoch and len(copies):

@@ -159,6 +159,16 @@ class PrefixCache:
         """Blocks eviction can free now (checkpoints pinned by this step's copies excluded)."""
         return len(self._evictable_kv) + (len(self._checkpoints) - len(self.pinned)) * self.m.num_state_blocks
 
+    def cancel_checkpoints(self, epoch: int) -> np.ndarray:
+        """Drop the checkpoints pinned in ``epoch`` (taken then, their copies not yet handed to an
+        executor); returns their block ids (the caller frees them and drops the copies)."""
+        keys = [k for k, e in self.pinned.items() if e == epoch]
+        parts = []
+        for key in keys:
+            del self.pinned[key]
+            parts.append(self._drop("ckpt", self.nodes[key]))
+        return np.concatenate(parts) if parts else np.empty(0, dtype=np.int32)
+
     def release_pins(self, before: int | None = None) -> None:
         """The copies reading or writing checkpoints pinned in epochs ``< before`` (all: None) ran."""
         if before is None:

@@ -25,6 +25,8 @@ import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from hybridkv.blockmgr.errors import DuplicateRequestError, RequestStateError, UnknownRequestError
 from hybridkv.blockmgr.manager import HybridBlockManager
 from hybridkv.blockmgr.records import BlockCopies, RequestId, SwapPlan
@@ -174,7 +176,7 @@ class Scheduler:
         self.manager.release_pins(before=self._update_epoch)
         self.manager.begin_pin_epoch()
         s = _StepBuilder(self.config.max_num_batched_tokens)
-        checkpoints, self._carried_copies = self._carried_copies, BlockCopies.empty()
+        s.checkpoints, self._carried_copies = self._carried_copies, BlockCopies.empty()
         self._schedule_running(s)
         if not s.preempted:
             self._resume_swapped(s)
@@ -188,7 +190,7 @@ class Scheduler:
             tuple(s.admitted),
             tuple(s.swap_out),
             tuple(s.swap_in),
-            checkpoints,
+            s.checkpoints,
             s.copies,
             self.config.max_num_batched_tokens - s.budget,
         )
@@ -270,6 +272,8 @@ class Scheduler:
             n, drafts = self._demand(req, s.budget)
             if exact:
                 while not self._can_grow(req, n + drafts, drafts):
+                    if len(s.checkpoints) and self._cancel_checkpoints(s):
+                        continue  # the last update's checkpoints (not handed out yet) gave way
                     victim = self.preemptor.choose_victim(self.running, req)
                     self._preempt(victim, s)
                     if victim is req:
@@ -277,6 +281,19 @@ class Scheduler:
                 if req.state is not RequestState.RUNNING:
                     break  # it preempted itself: everything after it is gone too
             self._run(req, n, drafts, s)
+
+    def _cancel_checkpoints(self, s: _StepBuilder) -> bool:
+        """Drop the checkpoints of the last update (their copies are still in this step's hands)
+        rather than preempt a running request: they are pinned until their copy runs, so otherwise a
+        request whose own checkpoint fills the pool would preempt itself every time it gets there."""
+        if not self._checkpoints:
+            return False
+        dropped = self.manager.cancel_checkpoints(self._update_epoch)
+        if not dropped.size:
+            return False
+        keep = ~np.isin(s.checkpoints.dst, dropped)
+        s.checkpoints = BlockCopies(s.checkpoints.src[keep], s.checkpoints.dst[keep])
+        return True
 
     def _all_fit(self, budget: int) -> bool:
         """An O(1) upper bound on what the running requests can take this step (``budget`` tokens
@@ -437,3 +454,4 @@ class _StepBuilder:
     swap_out: list[SwapPlan] = field(default_factory=list)
     swap_in: list[SwapPlan] = field(default_factory=list)
     copies: BlockCopies = field(default_factory=BlockCopies.empty)
+    checkpoints: BlockCopies = field(default_factory=BlockCopies.empty)  # carried from the last update
