@@ -253,3 +253,20 @@ def test_update_with_a_missing_sampled_token_changes_nothing():
     assert p.scheduled[0].num_scheduled_tokens == 6
     nxt = s.step()
     assert nxt.scheduled[0].num_scheduled_tokens == 1, "no 0-token row"
+
+
+# ---- liveness of the pins (found by test_scheduler_property after the fixes above) -------------------
+def test_a_request_whose_own_checkpoint_fills_the_pool_still_finishes():
+    from hybridkv.scheduler_adapter.synthetic import SyntheticEngine
+
+    m = manager([ATTN, UNIFORM], num_blocks=20, num_host_blocks=0, prefix=PrefixCacheConfig("every_n_blocks", "lru", 1))
+    s = Scheduler(m, SchedulerConfig(1, 4, 0, PreemptionMode.RECOMPUTE))
+    engine = SyntheticEngine(0.0, 0)
+    s.add_request(0, [8000 + j for j in range(8)] + [40_000], 37)  # 46 tokens: 12 KV + 2 state of 19 blocks
+    for _ in range(400):
+        if not s.has_unfinished:
+            break
+        s.update(engine.run(s.step()))
+        m.check_integrity()
+    assert not s.has_unfinished, "the request kept preempting itself"
+    assert s.finished[0].num_preemptions <= 1
