@@ -1,4 +1,4 @@
-"""GPU benchmark of the paged in-place lightning decode (BENCH.md), MiniMax-M1 TP8 shapes.
+"""GPU benchmark of the paged in-place lightning decode (docs/bench.md), MiniMax-M1 TP8 shapes.
 
 One lightning layer's decode step, state ``[8, 128, 128]`` fp32 (512 KiB) per request, B = 1, 8, 64,
 three ways:
@@ -12,7 +12,7 @@ three ways:
   into contiguous buffers, the kernel on the buffers, ``scatter_states``; reported per layer
   (the group's time / 10, the decode itself once per layer).
 
-Targets (BENCH.md): paged at least as fast as contiguous, and >= 2x faster than gather -> decode ->
+Targets (docs/bench.md): paged at least as fast as contiguous, and >= 2x faster than gather -> decode ->
 scatter. Bandwidth counts the state bytes read + written. ``triton.testing.do_bench`` medians; the
 device copy rate measured in the same process is the denominator.
 
@@ -157,7 +157,7 @@ def run_case(batch: int, copy_gbps: float, quick: bool, check: bool = True) -> l
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="GPU benchmark of the paged lightning decode (BENCH.md)")
+    parser = argparse.ArgumentParser(description="GPU benchmark of the paged lightning decode (docs/bench.md)")
     parser.add_argument("--quick", action="store_true", help="shorter timing")
     parser.add_argument("--no-check", action="store_true", help="skip the kernel-vs-reference check before timing")
     parser.add_argument("--no-save", action="store_true", help="print only, do not write the JSON")

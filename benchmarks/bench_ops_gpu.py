@@ -1,4 +1,4 @@
-"""GPU benchmark of hybridkv.ops against the device copy rate and per-layer torch indexing (BENCH.md).
+"""GPU benchmark of hybridkv.ops against the device copy rate and per-layer torch indexing (docs/bench.md).
 
 Cases: gather/scatter of MiniMax-M1 TP1 states (70 lightning layers x [64, 128, 128] fp32, B = 1, 8,
 32), Mamba2-2.7B ssm states (64 layers x [80, 64, 128] fp32, B = 64) and Mamba2-2.7B conv states
@@ -345,7 +345,7 @@ def print_table(copy: dict[str, Any], pinned: dict[str, float], records: list[di
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="GPU benchmark of hybridkv.ops (see BENCH.md)")
+    parser = argparse.ArgumentParser(description="GPU benchmark of hybridkv.ops (see docs/bench.md)")
     parser.add_argument("--quick", action="store_true", help="smaller sizes and fewer cases (a smoke run)")
     parser.add_argument("--no-check", action="store_true", help="skip the Triton-vs-reference check before timing")
     parser.add_argument("--no-save", action="store_true", help="print only, do not write the JSON")

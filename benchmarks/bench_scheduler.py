@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -130,10 +131,15 @@ def main(argv: list[str] | None = None) -> dict:
         "mixed": lambda: case_mixed(args.iters),
     }
     results = {}
+    progress = tqdm(total=len(cases) * args.repeats, desc="bench_scheduler", unit="run", file=sys.stderr)
     for name, run in cases.items():  # best of --repeats runs: other work on a shared machine adds noise
-        runs = [summarize(run()) for _ in range(args.repeats)]
+        runs = []
+        for _ in range(args.repeats):
+            runs.append(summarize(run()))
+            progress.update()
         results[name] = min(runs, key=lambda r: r["step_plus_metadata_median_us"])
         results[name]["medians_of_all_runs_us"] = [r["step_plus_metadata_median_us"] for r in runs]
+    progress.close()
     report = {
         "config": {
             "model": "minimax-m1 TP8 (fp32 state)",

@@ -14,6 +14,10 @@ kernels' run table, cached per layout and buffer shape, is then built once for t
 
 from __future__ import annotations
 
+import sys
+
+from tqdm import tqdm
+
 from hybridkv.blockmgr.layout import plan
 from hybridkv.blockmgr.manager import HybridBlockManager
 from hybridkv.blockmgr.prefix import PrefixCacheConfig
@@ -48,6 +52,7 @@ def main() -> None:
 
     seen: dict[object, float] = {}  # tokens each request's state has absorbed, by our own count
     steps = preempted = swapped = hit_tokens = 0
+    progress = tqdm(total=len(scheduler.requests), desc="serve_loop", unit="req", file=sys.stderr)
     while scheduler.has_unfinished:
         step = scheduler.step()
         # the executor, in StepPlan's order: checkpoints, swap-outs, swap-ins, then this step's copies
@@ -74,6 +79,7 @@ def main() -> None:
             seen[r.request_id] += r.num_scheduled_tokens
         scatter_states(pools, meta.state_tables, None, bufs)
         result = scheduler.update(engine.run(step))
+        progress.update(len(result.finished))
         for rid in result.finished:
             seen.pop(rid, None)
         steps += 1
@@ -81,6 +87,7 @@ def main() -> None:
         swapped += len(step.swap_out)
         manager.check_integrity()
     u = manager.usage()
+    progress.close()
     print(f"{steps} steps, {preempted} preemptions ({swapped} swapped out), {hit_tokens} prompt tokens from the cache")
     print(f"at the end: {u.free} free, {u.kv_cached} cached KV and {u.checkpoints} checkpoint blocks")
 

@@ -4,7 +4,7 @@ MiniMax-M1's pattern in miniature: lightning-attention layers and one softmax-at
 (``pattern``), seeded random weights, small dims. Per layer: ``x += mixer(rmsnorm(x))``, then
 ``x += mlp(rmsnorm(x))``.
 
-- Lightning layers (MODELS.md): SiLU on one fused projection laid out per head as ``[q_h | k_h | v_h]``,
+- Lightning layers (docs/models.md): SiLU on one fused projection laid out per head as ``[q_h | k_h | v_h]``,
   the recurrence with MiniMax's per-layer slopes, RMSNorm over ``H x D`` (fp32 or wider, eps 1e-6), a
   sigmoid output gate, the output projection. The state lives in the pool: decode rows run
   :func:`hybridkv.ops.lightning.lightning_decode` in place through the state table (the verify step of

@@ -9,7 +9,7 @@ Two layouts:
 
 - ``paged`` (default): the block size is what attention wants (16-64 tokens); a state spans
   ``ceil(state_bytes / block_bytes)`` blocks. Waste is only each state's unused tail.
-- ``padded``: vLLM v1's rule (MODELS.md): one state per block, the attention block size raised
+- ``padded``: vLLM v1's rule (docs/models.md): one state per block, the attention block size raised
   (in steps of 16 tokens) until one attention page holds one layer's state.
 """
 

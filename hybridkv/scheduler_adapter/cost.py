@@ -66,7 +66,7 @@ class GpuSpec:
         return self.hbm_bytes_per_s * self.hbm_efficiency
 
 
-# H200: host link measured here (shared/BENCH.md: 55.3 GB/s pinned, both directions);
+# H200: host link measured here (docs/bench.md: 55.3 GB/s pinned, both directions);
 # H100 SXM has the same PCIe 5 link; A100 SXM sits on PCIe 4 (about half).
 H200 = GpuSpec("H200", 989e12, 55.3e9, 4.8e12)
 H100 = GpuSpec("H100", 989e12, 55.3e9, 3.35e12)

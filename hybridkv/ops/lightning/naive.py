@@ -1,6 +1,6 @@
 """Lightning attention (MiniMax), the reference: decay slopes, the token recurrence, the block-wise prefill.
 
-The math follows ``shared/MODELS.md`` ("Lightning attention"). Per head ``h`` with slope ``s_h`` and
+The math follows ``docs/models.md``. Per head ``h`` with slope ``s_h`` and
 ``lambda_h = exp(-s_h)``, a state ``S`` of shape ``[d_k, d_v]``:
 
 - decode (one token): ``S <- lambda_h * S + k^T v``; ``o = q S`` (the output reads the updated state);
@@ -163,7 +163,7 @@ def lightning_prefill_varlen_naive(
 def decay_factors(slopes: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``exp(-s_h)`` computed in float64, returned in ``dtype`` (float32 or wider: bf16 rounds it to 1)."""
     if dtype in (torch.bfloat16, torch.float16):
-        raise ValueError("decay factors must be float32 or wider (MODELS.md: bf16 rounds exp(-s) to 1.0)")
+        raise ValueError("decay factors must be float32 or wider (docs/models.md: bf16 rounds exp(-s) to 1.0)")
     return torch.exp(-slopes.to(torch.float64)).to(dtype)
 
 
