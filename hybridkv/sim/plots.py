@@ -22,12 +22,15 @@ PLOTS: tuple[tuple[str, str, tuple[int, int, int]], ...] = (
     ("latency", "TTFT and TPOT distributions", (1, 254, 160)),
     ("capacity", "Capacity: paged vs padded on the same budget", (1, 254, 210)),
 )
+# device blocks by category, stacked bottom to top (they add up to the pool, less the null block)
+BLOCK_CATEGORIES = ("kv_live", "state_live", "state_speculative", "kv_cached", "checkpoints", "pending_free", "free")
 _CATEGORY_COLOURS = {
     "kv_live": "#1f77b4",
     "state_live": "#d62728",
     "state_speculative": "#ff9896",
     "kv_cached": "#aec7e8",
     "checkpoints": "#9467bd",
+    "pending_free": "#c7c7c7",  # given back, free once the copies touching them ran
     "free": "#e8e8e8",
 }
 DPI = 100
@@ -52,7 +55,6 @@ def _png(fig: Any) -> str:
 
 
 def _blocks(summaries: list[dict[str, Any]]) -> Any:
-    from hybridkv.sim.report import BLOCK_CATEGORIES
 
     n = len(summaries)
     fig, axes = _figure("blocks", n, 1, 2.2 + 2.0 * n)

@@ -18,10 +18,10 @@ import numpy as np
 from hybridkv.blockmgr.layout import LayoutKind, plan
 from hybridkv.blockmgr.spec_io import resolve_model
 from hybridkv.blockmgr.units import format_bytes, parse_bytes
+from hybridkv.sim.plots import BLOCK_CATEGORIES, render_html
 
 MAX_POINTS = 600  # time-series points per configuration in the report
 CAPACITY_CONTEXTS = (1500, 3000, 6000, 12000, 24000, 48000, 96000)  # not multiples of padded blocks
-BLOCK_CATEGORIES = ("kv_live", "state_live", "state_speculative", "kv_cached", "checkpoints", "free")
 _STOCKS = (*BLOCK_CATEGORIES, "host_used", "waiting", "running", "swapped")
 _FLOWS = ("preempt_recompute", "preempt_swap", "swap_out_blocks", "swap_in_blocks", "copy_blocks", "batched_tokens")
 
@@ -140,7 +140,6 @@ def write_reports(summaries: list[dict[str, Any]], out_dir: str | Path, title: s
     paths = [out / "report.json", out / "report.md", out / "report.html"]
     paths[0].write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
     paths[1].write_text(markdown(summaries, title))
-    from hybridkv.sim.plots import render_html
 
     paths[2].write_text(render_html(summaries, title, comparison_table(summaries)))
     return paths
