@@ -367,6 +367,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.cpu_smoke:
         _RUN.update(device="cpu", smoke=True)
         args.quick, args.no_save = True, True
+        print(
+            "CPU SMOKE RUN: checks that every case runs; the figures below are NOT measurements "
+            "(a CPU, tiny sizes, one call each; 'NO' in the target columns means nothing)",
+            flush=True,
+        )
     elif not torch.cuda.is_available():
         print("bench_ops_gpu: no CUDA device here; this benchmark measures GPU ops, nothing to do", file=sys.stderr)
         return 0
