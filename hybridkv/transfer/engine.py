@@ -20,9 +20,12 @@ Contract (what raises, what is left behind):
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable
+from collections.abc import Callable, Container
 
-from hybridkv.transfer.descriptors import DescriptorPairs, PoolRegions
+import numpy as np
+
+from hybridkv.transfer.descriptors import DescriptorPairs, Descriptors, PoolRegions
+from hybridkv.transfer.errors import TransferError
 
 Exchange = Callable[[bytes], bytes]
 """Sends this side's metadata to the peer and returns the peer's (both sides call it once)."""
@@ -74,3 +77,50 @@ class TransferEngine(abc.ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class OneSidedEngine(TransferEngine):
+    """An engine whose ``read`` and ``write`` are one ``_transfer(op, ...)`` with this side's and the
+    peer's descriptors in the order the engine's call takes them (NIXL, Mooncake). The peer and the
+    pairs are checked here, once for every such engine."""
+
+    _peers: Container[str]
+
+    def read(
+        self, peer: str, pairs: DescriptorPairs, remote: PoolRegions, notification: bytes, timeout_s: float
+    ) -> None:
+        self._checked("READ", peer, pairs.dst, pairs.src, remote, notification, timeout_s)
+
+    def write(
+        self, peer: str, pairs: DescriptorPairs, remote: PoolRegions, notification: bytes, timeout_s: float
+    ) -> None:
+        self._checked("WRITE", peer, pairs.src, pairs.dst, remote, notification, timeout_s)
+
+    def _checked(
+        self,
+        op: str,
+        peer: str,
+        local: Descriptors,
+        remote_descs: Descriptors,
+        remote: PoolRegions,
+        notification: bytes,
+        timeout_s: float,
+    ) -> None:
+        if peer not in self._peers:
+            raise TransferError(f"{op} to unknown peer {peer!r}: connect() to it first")
+        if len(local) != len(remote_descs) or not np.array_equal(local.length, remote_descs.length):
+            raise TransferError(f"{op}: local and remote descriptors differ in count or lengths")
+        self._transfer(op, peer, local, remote_descs, remote, notification, timeout_s)
+
+    @abc.abstractmethod
+    def _transfer(
+        self,
+        op: str,
+        peer: str,
+        local: Descriptors,
+        remote_descs: Descriptors,
+        remote: PoolRegions,
+        notification: bytes,
+        timeout_s: float,
+    ) -> None:
+        """Move ``local`` <-> ``remote_descs`` (``op``: "READ" pulls, "WRITE" pushes), checked pairs."""

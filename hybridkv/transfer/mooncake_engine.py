@@ -22,10 +22,8 @@ import json
 import time
 from typing import Any
 
-import numpy as np
-
-from hybridkv.transfer.descriptors import DescriptorPairs, Descriptors, MemoryKind, PoolRegions
-from hybridkv.transfer.engine import Exchange, TransferEngine
+from hybridkv.transfer.descriptors import Descriptors, MemoryKind, PoolRegions
+from hybridkv.transfer.engine import Exchange, OneSidedEngine
 from hybridkv.transfer.errors import TransferError, TransferTimeoutError, TransferUnavailableError
 
 DEFAULT_MAX_BATCH = 1024
@@ -44,7 +42,7 @@ def _as_str(notification: bytes) -> str:
     return notification.decode("latin-1")
 
 
-class MooncakeEngine(TransferEngine):
+class MooncakeEngine(OneSidedEngine):
     """One Mooncake engine on ``hostname`` (its RPC port is picked by Mooncake) with ``pool`` registered.
 
     ``protocol``: ``"tcp"`` (or ``"rdma"`` with ``device_name``). Raises :class:`TransferUnavailableError`
@@ -106,16 +104,6 @@ class MooncakeEngine(TransferEngine):
             self.engine.unregister_memory(address)
 
     # ---- transfers -----------------------------------------------------------------------------
-    def read(
-        self, peer: str, pairs: DescriptorPairs, remote: PoolRegions, notification: bytes, timeout_s: float
-    ) -> None:
-        self._transfer("READ", peer, pairs.dst, pairs.src, remote, notification, timeout_s)
-
-    def write(
-        self, peer: str, pairs: DescriptorPairs, remote: PoolRegions, notification: bytes, timeout_s: float
-    ) -> None:
-        self._transfer("WRITE", peer, pairs.src, pairs.dst, remote, notification, timeout_s)
-
     def _transfer(
         self,
         op: str,
@@ -126,11 +114,7 @@ class MooncakeEngine(TransferEngine):
         notification: bytes,
         timeout_s: float,
     ) -> None:
-        session = self._peers.get(peer)
-        if session is None:
-            raise TransferError(f"{op} to unknown peer {peer!r}: connect() to it first")
-        if len(local) != len(remote_descs) or not np.array_equal(local.length, remote_descs.length):
-            raise TransferError(f"{op}: local and remote descriptors differ in count or lengths")
+        session = self._peers[peer]  # a known peer: OneSidedEngine checked
         if not len(local):
             raise TransferError(f"{op} of no bytes: Mooncake carries a notification only with a transfer")
         mine = local.addresses(self.pool)[:, 0].tolist()

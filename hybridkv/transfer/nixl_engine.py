@@ -19,8 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from hybridkv.transfer.descriptors import DescriptorPairs, Descriptors, PoolRegions
-from hybridkv.transfer.engine import Exchange, TransferEngine
+from hybridkv.transfer.descriptors import Descriptors, PoolRegions
+from hybridkv.transfer.engine import Exchange, OneSidedEngine
 from hybridkv.transfer.errors import TransferError, TransferTimeoutError, TransferUnavailableError
 
 _LOCAL = "NIXL_INIT_AGENT"
@@ -42,7 +42,7 @@ def _kind(pool: PoolRegions) -> str:
     return kinds.pop()
 
 
-class NixlEngine(TransferEngine):
+class NixlEngine(OneSidedEngine):
     """One NIXL agent named ``name`` with ``pool`` registered. ``backends``: NIXL backends (UCX).
 
     ``poll_interval_s``: sleep between state polls (0 spins; the notification and transfer polls
@@ -93,16 +93,6 @@ class NixlEngine(TransferEngine):
         self.agent.deregister_memory(self._registration)
 
     # ---- transfers -----------------------------------------------------------------------------
-    def read(
-        self, peer: str, pairs: DescriptorPairs, remote: PoolRegions, notification: bytes, timeout_s: float
-    ) -> None:
-        self._transfer("READ", peer, pairs.dst, pairs.src, remote, notification, timeout_s)
-
-    def write(
-        self, peer: str, pairs: DescriptorPairs, remote: PoolRegions, notification: bytes, timeout_s: float
-    ) -> None:
-        self._transfer("WRITE", peer, pairs.src, pairs.dst, remote, notification, timeout_s)
-
     def _transfer(
         self,
         op: str,
@@ -113,10 +103,6 @@ class NixlEngine(TransferEngine):
         notification: bytes,
         timeout_s: float,
     ) -> None:
-        if peer not in self._peers:
-            raise TransferError(f"{op} to unknown peer {peer!r}: connect() to it first")
-        if len(local) != len(remote_descs) or not np.array_equal(local.length, remote_descs.length):
-            raise TransferError(f"{op}: local and remote descriptors differ in count or lengths")
         if not len(local):  # nothing to move (a KV-only request of 0 tokens): only the message
             if notification:
                 self.agent.send_notif(peer, notification)
