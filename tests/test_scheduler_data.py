@@ -22,13 +22,13 @@ from hypothesis import event as _hypothesis_event
 from hypothesis import strategies as st
 from hypothesis.errors import InvalidArgument
 
-from hybridkv.blockmgr.errors import RequestTooLargeError
 from hybridkv.blockmgr.layout import plan
 from hybridkv.blockmgr.manager import HybridBlockManager
 from hybridkv.blockmgr.prefix import CheckpointPolicy, EvictionPolicy, PrefixCacheConfig
 from hybridkv.blockmgr.spec import AttentionLayerSpec, DType, ModelSpec, RecurrentLayerSpec, StateComponent
 from hybridkv.scheduler_adapter import PreemptionMode, RequestState, Scheduler, SchedulerConfig, StepOutputs
 from tests.shadow import Shadow, prefix_hashes
+from tests.test_scheduler_property import play
 
 EXAMPLES = int(os.environ.get("SCHEDULER_DATA_EXAMPLES", "100"))
 
@@ -202,7 +202,7 @@ def run_data_workload(
     ex = DataExecutor(s, shadow, accept_rate, seed)
     ex.sync_swaps = sync_swaps
     executor_box.append(ex)
-    wanted, aborted = {}, set()
+    aborted: set = set()
 
     def one_step(abort_mid):
         p = s.step()
@@ -222,37 +222,6 @@ def run_data_workload(
         m.check_integrity()
         ex.check_all()
 
-    for i, action in enumerate(actions):
-        if action[0] == "add":
-            _, own, max_new, prio, template, shared = action
-            ids = [template * 1000 + j for j in range(shared)] + [(i + 1) * 10_000 + j for j in range(own)]
-            try:
-                s.add_request(i, ids, max_new, prio)
-                wanted[i] = max_new
-            except RequestTooLargeError:
-                pass
-        elif action[0] == "abort":
-            live = sorted(s.requests)
-            if live:
-                rid = live[action[1] % len(live)]
-                s.abort(rid)
-                aborted.add(rid)
-        else:
-            one_step(action[1])
-    for _ in range(3000):
-        if not s.has_unfinished:
-            break
-        one_step(None)
-    assert not s.has_unfinished, "the scheduler stopped making progress"
-    for rid, n in wanted.items():
-        req = s.finished[rid]
-        if rid in aborted:
-            assert req.state is RequestState.ABORTED
-        else:
-            assert req.state is RequestState.FINISHED and len(req.output_token_ids) == n
+    play(s, actions, one_step, aborted)
     if prefix is not None and any(r.num_cached_tokens for r in s.finished.values()):
         event("prefix hit")
-    m.release_pins()
-    m.check_integrity()
-    u = m.usage()
-    assert not m.requests and u.free + u.evictable == u.total - 1 and u.used == 0 and u.host_used == 0

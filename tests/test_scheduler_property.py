@@ -89,13 +89,21 @@ def run_workload(
     cfg = SchedulerConfig(max_num_seqs, max_tokens, k, mode)
     s = Scheduler(m, cfg)
     engine = SyntheticEngine(accept_rate, seed)
-    wanted, aborted = {}, set()
+    aborted: set = set()
+    play(s, actions, lambda abort_mid: _step(s, engine, abort_mid, aborted), aborted, give_ids=prefix is not None)
+
+
+def play(s: Scheduler, actions, step, aborted: set, give_ids: bool = True, max_steps: int = 3000) -> None:
+    """Submit, abort and step as ``actions`` say (``step(abort_mid)`` runs one step; aborts go into
+    ``aborted``), then step until every request is done. Checks that each request finished with all
+    its tokens or was aborted, and that every block came back."""
+    wanted = {}
     for i, action in enumerate(actions):
         if action[0] == "add":
             _, own, max_new, prio, template, shared = action
             ids = [template * 1000 + j for j in range(shared)] + [(i + 1) * 10_000 + j for j in range(own)]
             try:
-                s.add_request(i, ids if prefix is not None else len(ids), max_new, prio)
+                s.add_request(i, ids if give_ids else len(ids), max_new, prio)
                 wanted[i] = max_new
             except RequestTooLargeError:
                 pass
@@ -106,11 +114,11 @@ def run_workload(
                 s.abort(rid)
                 aborted.add(rid)
         else:
-            _step(s, engine, action[1], aborted)
-    for _ in range(2000):
+            step(action[1])
+    for _ in range(max_steps):
         if not s.has_unfinished:
             break
-        _step(s, engine, None, aborted)
+        step(None)
     assert not s.has_unfinished, "the scheduler stopped making progress"
     for rid, n in wanted.items():
         req = s.finished[rid]
@@ -118,6 +126,8 @@ def run_workload(
             assert req.state is RequestState.ABORTED
         else:
             assert req.state is RequestState.FINISHED and len(req.output_token_ids) == n
+    m = s.manager
     m.release_pins()  # the executor ran every copy handed out: pending-free blocks go back
+    m.check_integrity()
     u = m.usage()
     assert not m.requests and u.free + u.evictable == u.total - 1 and u.used == 0 and u.host_used == 0
