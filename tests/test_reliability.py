@@ -7,12 +7,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from hybridkv.blockmgr.errors import RequestStateError
 from hybridkv.blockmgr.layout import plan
 from hybridkv.blockmgr.manager import HybridBlockManager
 from hybridkv.blockmgr.prefix import PrefixCacheConfig
 from hybridkv.blockmgr.spec import AttentionLayerSpec, DType, ModelSpec, RecurrentLayerSpec, StateComponent
 from hybridkv.scheduler_adapter import PreemptionMode, Scheduler, SchedulerConfig, StepOutputs
 from tests.shadow import Shadow, prefix_hashes
+from tests.test_scheduler_data import run_data_workload
 
 ATTN = AttentionLayerSpec(1, 8, DType.BFLOAT16)  # 16 B per token and segment
 SMALL = RecurrentLayerSpec("gla", (StateComponent("kv", (8,), DType.FLOAT32),))  # 32 B
@@ -270,3 +272,47 @@ def test_a_request_whose_own_checkpoint_fills_the_pool_still_finishes():
         m.check_integrity()
     assert not s.has_unfinished, "the request kept preempting itself"
     assert s.finished[0].num_preemptions <= 1
+
+
+# ---- Scheduler.fork (its copies ride with the next plan's checkpoint copies) -------------------------
+@pytest.mark.parametrize("sync_swaps", [False, True])
+def test_forks_of_forks_and_preempted_fork_children_keep_their_state(sync_swaps):
+    """A fork of a child whose own state copy is still pending copies from the original source; a
+    child preempted before its copy ran recomputes instead of swapping out state it does not hold."""
+    actions = (
+        [("add", 3, 10, 0, 1, 8)] * 3
+        + [("step", None)] * 3
+        + [("fork", 0, 5), ("fork", 1, 5), ("step", None), ("fork", 2, 3), ("step", 0)]
+        + [("step", None)] * 5
+    )
+    run_data_workload(
+        kind="mixed",
+        actions=actions,
+        mode=PreemptionMode.SWAP,
+        k=2,
+        num_blocks=40,
+        num_host_blocks=48,
+        watermark=0.0,
+        max_num_seqs=5,
+        max_tokens=16,
+        prefix=PrefixCacheConfig("every_n_blocks", "lru", 1),
+        sync_swaps=sync_swaps,
+        run_aborted=False,
+        accept_rate=0.5,
+        seed=1,
+    )
+
+
+def test_fork_between_update_and_step_only():
+    m = manager([ATTN, UNIFORM])
+    s = Scheduler(m, SchedulerConfig(max_num_batched_tokens=64))
+    s.add_request("a", 6, 4)
+    s.step()
+    with pytest.raises(RequestStateError, match="after update"):
+        s.fork("a", "b", 2)
+    s.update(StepOutputs({"a": [1]}))
+    child = s.fork("a", "b", 2)
+    assert child.output_token_ids == [1] and child.max_new_tokens == 3
+    p = s.step()
+    assert len(p.checkpoint_copies) == m.num_state_blocks, "the state copy runs first in the next plan"
+    m.check_integrity()

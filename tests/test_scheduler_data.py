@@ -145,8 +145,9 @@ add = st.tuples(
     st.sampled_from([0, 4, 8, 12, 16]),  # shared prefix tokens
 )
 abort = st.tuples(st.just("abort"), st.integers(0, 1000))
+fork = st.tuples(st.just("fork"), st.integers(0, 1000), st.integers(1, 12))  # parent, tokens the child adds
 step = st.tuples(st.just("step"), st.one_of(st.none(), st.none(), st.integers(0, 1000)))  # abort mid-step
-actions = st.lists(st.one_of(add, abort, step, step, step), min_size=1, max_size=50)
+actions = st.lists(st.one_of(add, abort, fork, step, step, step), min_size=1, max_size=50)
 burst = st.lists(add, min_size=2, max_size=10)
 prefix_configs = st.one_of(
     st.none(),

@@ -6,7 +6,7 @@ import os
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from hybridkv.blockmgr.errors import RequestTooLargeError
+from hybridkv.blockmgr.errors import AllocationError, RequestStateError, RequestTooLargeError
 from hybridkv.blockmgr.prefix import CheckpointPolicy, EvictionPolicy, PrefixCacheConfig
 from hybridkv.scheduler_adapter import PreemptionMode, RequestState, Scheduler, SchedulerConfig, build_step_metadata
 from hybridkv.scheduler_adapter.synthetic import SyntheticEngine
@@ -107,6 +107,15 @@ def play(s: Scheduler, actions, step, aborted: set, give_ids: bool = True, max_s
                 wanted[i] = max_new
             except RequestTooLargeError:
                 pass
+        elif action[0] == "fork":
+            running = [r for r in s.running if r.state is RequestState.RUNNING]
+            if running and hasattr(s, "fork"):
+                parent = running[action[1] % len(running)]
+                try:
+                    child = s.fork(parent.request_id, 100_000 + i, action[2])
+                    wanted[100_000 + i] = child.max_new_tokens
+                except (AllocationError, RequestStateError):
+                    pass
         elif action[0] == "abort":
             live = sorted(s.requests)
             if live:

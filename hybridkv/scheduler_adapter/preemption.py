@@ -54,10 +54,11 @@ class Preemptor:
             return PreemptionMode.RECOMPUTE
         return self.cost(req).mode if self.mode is PreemptionMode.AUTO else PreemptionMode.SWAP
 
-    def preempt(self, req: SchedRequest) -> tuple[PreemptionMode, SwapPlan | None]:
+    def preempt(self, req: SchedRequest, allow_swap: bool = True) -> tuple[PreemptionMode, SwapPlan | None]:
         """Give the victim's device blocks back: a settled swap-out plan, or everything freed
-        (a failed swap copy falls back to recompute). Returns the mode used and the plan."""
-        if self.mode_for(req) is PreemptionMode.SWAP:
+        (a failed swap copy falls back to recompute; ``allow_swap=False`` recomputes). Returns the
+        mode used and the plan."""
+        if allow_swap and self.mode_for(req) is PreemptionMode.SWAP:
             plan = self.manager.swap_out(req.request_id)
             if self.settle(plan):
                 return PreemptionMode.SWAP, plan

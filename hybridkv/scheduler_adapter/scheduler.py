@@ -118,6 +118,7 @@ class Scheduler:
         # pin epochs (HybridBlockManager.begin_pin_epoch): copies handed out in update() run at the
         # start of the next plan, so their blocks stay pinned one step longer than the step's own
         self._update_epoch = 0
+        self._forked: set[RequestId] = set()  # children whose state copy is in _carried_copies
 
     # ---- submission ------------------------------------------------------------------------------
     def add_request(
@@ -145,6 +146,54 @@ class Scheduler:
         self.requests[request_id] = req
         bisect.insort(self.waiting, req, key=_key)
         return req
+
+    def fork(self, parent_id: RequestId, child_id: RequestId, max_new_tokens: int) -> SchedRequest:
+        """Fork a running request between ``update()`` and the next ``step()`` (parallel sampling,
+        beam-style branching): the child shares the parent's KV (copy-on-write), gets a copy of its
+        live state (the copy runs with the next plan's ``checkpoint_copies``) and its tokens so far,
+        and generates ``max_new_tokens`` more. Raises :class:`RequestStateError` inside a step, when
+        the parent is not running or has a pending plan, :class:`DuplicateRequestError`, and
+        :class:`~hybridkv.blockmgr.errors.NoFreeBlocksError` (nothing changed) when the pool cannot
+        hold the child's state sets now."""
+        if self._pending is not None:
+            raise RequestStateError(f"step {self._pending.step} has no outputs yet: fork after update()")
+        if child_id in self.requests or child_id in self.finished:
+            raise DuplicateRequestError(f"request {child_id!r} was already submitted: use a new id")
+        parent = self.requests.get(parent_id)
+        if parent is None or parent.state is not RequestState.RUNNING:
+            raise RequestStateError(f"request {parent_id!r} is not running: only a running request can be forked")
+        if max_new_tokens < 1:
+            raise ValueError(f"fork {child_id!r}: max_new_tokens must be >= 1, got {max_new_tokens}")
+        if len(self.running) >= self.config.max_num_seqs:
+            raise RequestStateError(f"fork {child_id!r}: max_num_seqs={self.config.max_num_seqs} requests run already")
+        outputs = list(parent.output_token_ids)
+        self.manager.check_fits(parent.num_prompt_tokens + len(outputs) + max_new_tokens)
+        copies = self.manager.fork(parent_id, child_id)  # raises before any change when it does not fit
+        child = SchedRequest(
+            request_id=child_id,
+            num_prompt_tokens=parent.num_prompt_tokens,
+            max_new_tokens=len(outputs) + max_new_tokens,
+            priority=parent.priority,
+            arrival=self._arrivals,
+            prompt_token_ids=parent.prompt_token_ids,
+            output_token_ids=outputs,
+            num_computed_tokens=parent.num_computed_tokens,
+            num_allocated_tokens=parent.num_allocated_tokens,
+            num_spec_sets=0,  # the child gets its own speculative sets when it drafts
+            token_ids_given=parent.token_ids_given,
+            state=RequestState.RUNNING,
+        )
+        self._arrivals += 1
+        self.requests[child_id] = child
+        bisect.insort(self.running, child, key=_key)
+        carried = self._carried_copies
+        if len(carried):  # a parent whose own state is still being copied in (a fork of a fork):
+            pending = dict(zip(carried.dst.tolist(), carried.src.tolist(), strict=True))  # copy from the source
+            src = np.array([pending.get(b, b) for b in copies.src.tolist()], dtype=copies.src.dtype)
+            copies = BlockCopies(src, copies.dst)
+        self._carried_copies = carried.concat(copies)
+        self._forked.add(child_id)
+        return child
 
     def abort(self, request_id: RequestId) -> None:
         """Drop a request in any state, giving its blocks back; a plan that scheduled it stays valid
@@ -196,6 +245,7 @@ class Scheduler:
         )
         self.num_steps += 1
         self._pending = plan
+        self._forked.clear()  # their copies are in this plan
         return plan
 
     def update(self, outputs: StepOutputs) -> StepResult:
@@ -417,7 +467,9 @@ class Scheduler:
         s.budget -= n + drafts
 
     def _preempt(self, victim: SchedRequest, s: _StepBuilder) -> None:
-        mode, plan = self.preemptor.preempt(victim)
+        # a child forked since the last update holds no state until this plan's first copies run:
+        # a swap-out (run inside step() by a swap executor) would save nothing, so it recomputes
+        mode, plan = self.preemptor.preempt(victim, allow_swap=victim.request_id not in self._forked)
         self.running.remove(victim)
         victim.num_preemptions += 1
         victim.num_spec_sets = 0  # a swap-out commit and a free both drop the speculative sets
