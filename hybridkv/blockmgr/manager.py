@@ -176,8 +176,7 @@ class HybridBlockManager(CheckpointMixin, SpeculationMixin, SwapMixin, TransferM
         if ids.size:
             self._pin_of[ids] = 0  # their copy will not run
             self.pool.ref_counts[ids] = 0
-            self.use[ids] = BlockUse.FREE
-            self.pool.free(ids)
+            self._give_back(ids)
         return ids
 
     def _pin(self, copies: BlockCopies) -> BlockCopies:

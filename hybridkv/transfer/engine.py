@@ -27,6 +27,16 @@ import numpy as np
 from hybridkv.transfer.descriptors import DescriptorPairs, Descriptors, PoolRegions
 from hybridkv.transfer.errors import TransferError
 
+
+def importable(module: str) -> bool:
+    """Whether an engine's Python module imports here (adapters import theirs lazily; tests skip without)."""
+    try:
+        __import__(module)
+    except ImportError:
+        return False
+    return True
+
+
 Exchange = Callable[[bytes], bytes]
 """Sends this side's metadata to the peer and returns the peer's (both sides call it once)."""
 

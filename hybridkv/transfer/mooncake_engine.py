@@ -23,7 +23,7 @@ import time
 from typing import Any
 
 from hybridkv.transfer.descriptors import Descriptors, MemoryKind, PoolRegions
-from hybridkv.transfer.engine import Exchange, OneSidedEngine
+from hybridkv.transfer.engine import Exchange, OneSidedEngine, importable
 from hybridkv.transfer.errors import TransferError, TransferTimeoutError, TransferUnavailableError
 
 DEFAULT_MAX_BATCH = 1024
@@ -31,11 +31,7 @@ DEFAULT_MAX_BATCH = 1024
 
 def mooncake_available() -> bool:
     """Whether Mooncake's engine imports here (tests skip without it)."""
-    try:
-        import mooncake.engine  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return importable("mooncake.engine")
 
 
 def _as_str(notification: bytes) -> str:

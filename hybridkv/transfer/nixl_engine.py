@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from hybridkv.transfer.descriptors import Descriptors, PoolRegions
-from hybridkv.transfer.engine import Exchange, OneSidedEngine
+from hybridkv.transfer.engine import Exchange, OneSidedEngine, importable
 from hybridkv.transfer.errors import TransferError, TransferTimeoutError, TransferUnavailableError
 
 _LOCAL = "NIXL_INIT_AGENT"
@@ -28,11 +28,7 @@ _LOCAL = "NIXL_INIT_AGENT"
 
 def nixl_available() -> bool:
     """Whether ``nixl`` imports here (tests skip without it)."""
-    try:
-        import nixl._api  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return importable("nixl._api")
 
 
 def _kind(pool: PoolRegions) -> str:
