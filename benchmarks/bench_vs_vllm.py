@@ -21,23 +21,35 @@ Rows (the table of issue 14):
 - ``prefix_hit``: the same with prompts that extend an earlier prompt of ``--prefix-tokens`` tokens
   (a conversation's next turn: hybridkv restores the checkpoint at that prompt's end, vLLM's
   align-mode hit reads its state there), per admitted token.
+- ``scheduler_step``: one scheduler step and its update with 256 requests decoding (2,048-token
+  prompts, one sampled token per request, no finishing or preemption), per step. hybridkv: the
+  ``scheduler_adapter`` ``Scheduler`` of ``bench_scheduler.py`` (MiniMax-M1 TP8, fp32 state, 64-token
+  blocks, no prefix cache), ``step()`` + ``update()``; also reported with ``build_step_metadata``
+  in the step (``with_metadata``). vLLM: the v1 ``Scheduler`` over the ``manager_admit_free`` groups
+  (one full-attention group of 1,024-token blocks + 7 mamba groups), its ``VllmConfig`` from a
+  2-layer llama ``config.json`` written to a temporary directory, ``schedule()`` +
+  ``update_from_output()``. The outputs of a step (the same on every step of the steady state) are
+  built outside the timed batch on both sides.
 
-The scheduler-step row of the issue is not measured here (vLLM's ``Scheduler`` needs a full
-``VllmConfig``). Run with a Python that has vLLM (see ``shared/peer/README.md``)::
+Run with a Python that has vLLM (see ``shared/peer/README.md``)::
 
     VLLM_TARGET_DEVICE=cpu python benchmarks/bench_vs_vllm.py            # all rows, JSON saved
     python benchmarks/bench_vs_vllm.py --rows pool_one_block --repeats 5
+    VLLM_TARGET_DEVICE=cpu python benchmarks/bench_vs_vllm.py --rows scheduler_step --save-as vs_vllm_scheduler
 
-Without vLLM it prints why and exits 0 (it is not part of ``.ci/run``).
+Without vLLM it prints why and exits 0 (it is not part of ``.ci/run``); if vLLM imports but its
+``Scheduler`` cannot be built, the ``scheduler_step`` row says why and the other rows still run.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -45,14 +57,16 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._common import save  # noqa: E402
+from benchmarks.bench_scheduler import NUM_REQUESTS, PROMPT_TOKENS, warm_decode  # noqa: E402
 from hybridkv.blockmgr.layout import plan  # noqa: E402
 from hybridkv.blockmgr.manager import HybridBlockManager  # noqa: E402
 from hybridkv.blockmgr.pool import BlockPool  # noqa: E402
 from hybridkv.blockmgr.prefix import CheckpointPolicy, EvictionPolicy, PrefixCacheConfig  # noqa: E402
 from hybridkv.blockmgr.presets import preset  # noqa: E402
+from hybridkv.scheduler_adapter import StepOutputs, build_step_metadata  # noqa: E402
 
 GiB = 1024**3
-ROWS = ("pool_admit_free", "pool_one_block", "manager_admit_free", "prefix_miss", "prefix_hit")
+ROWS = ("pool_admit_free", "pool_one_block", "manager_admit_free", "prefix_miss", "prefix_hit", "scheduler_step")
 VLLM_BLOCK = 1024  # vLLM's block in align mode (hybrid models pad attention blocks to the state page)
 BLOCK = 64  # hybridkv's
 MAX_MODEL_LEN = 64 * 1024
@@ -103,11 +117,12 @@ class Vllm:
         self.FullAttentionSpec, self.MambaSpec = FullAttentionSpec, MambaSpec
         self.KVCacheConfig, self.KVCacheGroupSpec = KVCacheConfig, KVCacheGroupSpec
         self.params = SamplingParams(max_tokens=1)
+        self.SamplingParams = SamplingParams
         self.hash_fn = get_hash_fn_by_name("sha256_cbor")  # vLLM's default prefix-caching hash
         init_none_hash(self.hash_fn)
         self.hasher = get_request_block_hasher(VLLM_BLOCK, self.hash_fn)
 
-    def manager(self, num_blocks: int, caching: bool) -> object:
+    def kv_cache_config(self, num_blocks: int, caching: bool) -> object:
         """One full-attention group + 7 mamba groups (MiniMax-M1's lightning layers at TP8, as groups)."""
         torch = self.torch
         attn = self.FullAttentionSpec(block_size=VLLM_BLOCK, num_kv_heads=1, head_size=128, dtype=torch.bfloat16)
@@ -120,13 +135,61 @@ class Vllm:
         )
         groups = [self.KVCacheGroupSpec(["attn"], attn)]
         groups += [self.KVCacheGroupSpec([f"lightning{i}"], mamba) for i in range(7)]
-        config = self.KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
+        return self.KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
+
+    def manager(self, num_blocks: int, caching: bool) -> object:
+        """A ``KVCacheManager`` over :meth:`kv_cache_config`'s groups."""
         return self.KVCacheManager(
-            config,
+            self.kv_cache_config(num_blocks, caching),
             max_model_len=MAX_MODEL_LEN,
             scheduler_block_size=VLLM_BLOCK if caching else MAX_MODEL_LEN,  # the LCM of the groups' blocks
             hash_block_size=VLLM_BLOCK,
             enable_caching=caching,
+        )
+
+    def scheduler(self, num_blocks: int, max_num_seqs: int, max_batched_tokens: int, model_dir: str) -> object:
+        """vLLM's v1 ``Scheduler`` (no prefix caching) over :meth:`kv_cache_config`'s groups with
+        ``num_blocks`` blocks. Its ``VllmConfig`` reads a 2-layer llama ``config.json`` written to
+        ``model_dir`` (no weights, no tokenizer); the scheduler and hash block sizes come from vLLM's
+        own resolution for these groups, as its engine core does."""
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the model is a local directory
+        from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
+        from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
+        from vllm.v1.core.sched.scheduler import Scheduler
+        from vllm.v1.structured_output import StructuredOutputManager
+
+        hf_config = {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "num_hidden_layers": 2,
+            "vocab_size": 1000,
+            "max_position_embeddings": MAX_MODEL_LEN,
+            "torch_dtype": "bfloat16",
+        }
+        with open(os.path.join(model_dir, "config.json"), "w") as f:
+            json.dump(hf_config, f)
+        model = ModelConfig(model=model_dir, skip_tokenizer_init=True, max_model_len=MAX_MODEL_LEN, dtype="bfloat16")
+        sched = SchedulerConfig(
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_batched_tokens,
+            max_model_len=MAX_MODEL_LEN,
+            is_encoder_decoder=False,
+        )
+        cache = CacheConfig(block_size=VLLM_BLOCK, enable_prefix_caching=False)
+        config = VllmConfig(model_config=model, scheduler_config=sched, cache_config=cache)
+        kv = self.kv_cache_config(num_blocks, caching=False)
+        config.cache_config.num_gpu_blocks = num_blocks
+        block_size, hash_block_size = resolve_kv_cache_block_sizes(kv, config)
+        return Scheduler(
+            vllm_config=config,
+            kv_cache_config=kv,
+            structured_output_manager=StructuredOutputManager(config),
+            block_size=block_size,
+            hash_block_size=hash_block_size,
         )
 
     def request(self, rid: str, tokens: list[int], hashed: bool = True) -> object:
@@ -311,6 +374,87 @@ def _prefix_rows(v: Vllm, repeats: int, number: int, args: argparse.Namespace, h
     }
 
 
+def row_scheduler_step(v: Vllm, repeats: int, number: int) -> dict:
+    """One step + update with ``NUM_REQUESTS`` requests decoding, per step; ``{"skipped": why}`` if
+    vLLM's ``Scheduler`` cannot be built here."""
+    n = NUM_REQUESTS
+    with tempfile.TemporaryDirectory(prefix="bench_vs_vllm_") as model_dir:
+        try:
+            # 3 attention blocks (the prompt and its decode) + 7 states per request, and spare
+            theirs = v.scheduler(n * 16 + 1, n, n * PROMPT_TOKENS, model_dir)
+        except Exception as e:  # noqa: BLE001 - whatever stops it, this row only is skipped
+            return {"skipped": f"vLLM's Scheduler could not be built ({type(e).__name__}: {e})"}
+        return _scheduler_step(v, theirs, repeats, number)
+
+
+def _scheduler_step(v: Vllm, theirs, repeats: int, number: int) -> dict:  # noqa: ANN001
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    n = NUM_REQUESTS
+    ours = warm_decode(0)  # 256 x 2,048-token prompts prefilled, then 20 decode steps
+    params = v.SamplingParams(max_tokens=MAX_MODEL_LEN - PROMPT_TOKENS, ignore_eos=True)
+    prompt = [1] * PROMPT_TOKENS
+    for i in range(n):
+        theirs.add_request(v.Request(f"d{i}", prompt, params, None))
+
+    def sampled(so) -> object:  # noqa: ANN001
+        ids = list(so.num_scheduled_tokens)
+        return ModelRunnerOutput(
+            req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)}, sampled_token_ids=[[7] for _ in ids]
+        )
+
+    while any(r.num_computed_tokens < PROMPT_TOKENS for r in theirs.requests.values()):
+        so = theirs.schedule()
+        theirs.update_from_output(so, sampled(so))
+    for _ in range(20):  # into the steady state, as warm_decode
+        so = theirs.schedule()
+        theirs.update_from_output(so, sampled(so))
+    if len(theirs.running) != n or len(ours.running) != n:
+        raise RuntimeError(f"not {n} decoding: hybridkv {len(ours.running)}, vLLM {len(theirs.running)}")
+    # one step's outputs serve every step: the same requests decode one token each (no stop)
+    out_v = sampled(so)
+    out_ours = StepOutputs({r.request_id: [7] for r in ours.running})
+
+    def a(meta: bool = False) -> None:
+        rows = []
+        for _ in range(number):
+            p = ours.step()
+            if meta:
+                build_step_metadata(ours.manager, p, batch_size=n)
+            ours.update(out_ours)
+            rows.append((len(p.scheduled), p.num_batched_tokens, len(p.preempted)))
+        assert rows == [(n, n, 0)] * number, f"hybridkv steps were not {n} one-token decodes: {rows}"
+
+    def b() -> None:
+        rows = []
+        for _ in range(number):
+            so = theirs.schedule()
+            theirs.update_from_output(so, out_v)
+            rows.append((len(so.num_scheduled_tokens), so.total_num_scheduled_tokens, len(so.preempted_req_ids or ())))
+        assert rows == [(n, n, 0)] * number, f"vLLM steps were not {n} one-token decodes: {rows}"
+
+    a(), b()
+    free, free_v = ours.manager.pool.num_free, theirs.kv_cache_manager.block_pool.get_num_free_blocks()
+    steps = len(ours.requests[0].output_token_ids)
+    out = interleave(timed(a, number), timed(b, number), repeats)
+    out["with_metadata"] = interleave(timed(lambda: a(meta=True), number), timed(b, number), repeats)
+    if len(theirs.running) != n or len(ours.running) != n or theirs.waiting or ours.waiting:
+        raise RuntimeError("a request stopped decoding while timed")
+    return {
+        "what": f"scheduler step + update, {n} requests decoding one token each ({PROMPT_TOKENS}-token prompts), "
+        "per step; with_metadata: hybridkv also builds the step metadata",
+        "hybridkv": "scheduler_adapter.Scheduler, minimax-m1 TP8 fp32 state, 64-token blocks, no prefix cache",
+        "vllm": "v1 Scheduler, 1 full-attention group (1,024-token blocks) + 7 mamba groups (mode none), "
+        f"scheduler block {theirs.block_size}, no prefix caching",
+        "scheduled_per_step": n,
+        "steps_timed_per_side": 2 * repeats * number,
+        "decode_tokens_before_timing": steps,
+        "hybridkv_blocks_allocated_while_timed": free - ours.manager.pool.num_free,
+        "vllm_blocks_allocated_while_timed": free_v - theirs.kv_cache_manager.block_pool.get_num_free_blocks(),
+        **out,
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", nargs="+", default=list(ROWS), choices=ROWS)
@@ -321,6 +465,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--vllm-blocks", type=int, default=400, help="vLLM pool of the prefix rows (1,024-token blocks)")
     ap.add_argument("--evictions", nargs="+", default=["lru", "flop_aware"], choices=["lru", "flop_aware"])
     ap.add_argument("--no-save", action="store_true")
+    ap.add_argument(
+        "--save-as",
+        default=None,
+        help="results name (<name>_<date>.json); default vs_vllm when every row runs, else vs_vllm_partial",
+    )
     args = ap.parse_args(argv)
     try:
         v = Vllm()
@@ -336,15 +485,27 @@ def main(argv: list[str] | None = None) -> int:
             r = row_pool_one_block(v, args.repeats, 20)
         elif name == "manager_admit_free":
             r = row_manager_admit_free(v, args.repeats, 50)
+        elif name == "scheduler_step":
+            r = row_scheduler_step(v, args.repeats, 20)
         else:
             r = _prefix_rows(v, args.repeats, 4, args, hit=name == "prefix_hit")
         r["seconds"] = time.perf_counter() - t0
         rows[name] = r
+        if "skipped" in r:
+            print(f"{name:20s} skipped: {r['skipped']}", flush=True)
+            continue
         print(
             f"{name:20s} hybridkv {r.get('hybridkv_us', {}).get('median', float('nan')):10.3f} us  "
             f"vLLM {r.get('vllm_us', {}).get('median', float('nan')):10.3f} us  ratio {r['ratio_median']:.3f}",
             flush=True,
         )
+        if "with_metadata" in r:
+            sub = r["with_metadata"]
+            print(
+                f"  {'+ metadata':11s} hybridkv {sub['hybridkv_us']['median']:10.3f} us  "
+                f"vLLM {sub['vllm_us']['median']:10.3f} us  ratio {sub['ratio_median']:.3f}",
+                flush=True,
+            )
         for ev, sub in r.get("by_eviction", {}).items():
             print(
                 f"  {ev:11s} hybridkv {sub['hybridkv_us']['median']:.4f} us/token  vLLM {sub['vllm_us']['median']:.4f}"
@@ -353,8 +514,9 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
     if not args.no_save:
-        print("saved", save("vs_vllm", {"vllm": v.version, "note": "ratio = hybridkv / vLLM; < 1: hybridkv faster",
-                                        "rows": rows}))  # fmt: skip
+        name = args.save_as or ("vs_vllm" if set(args.rows) == set(ROWS) else "vs_vllm_partial")
+        print("saved", save(name, {"vllm": v.version, "note": "ratio = hybridkv / vLLM; < 1: hybridkv faster",
+                                   "rows": rows}))  # fmt: skip
     return 0
 
 
