@@ -87,7 +87,7 @@ class Item(NamedTuple):
     reply's token ids (``None``: the reply is never seen again; only its length matters)."""
 
     index: int
-    input_ids: list[int]
+    input_ids: np.ndarray  # int64 (the prefix cache hashes arrays without converting)
     output_length: int
     output_ids: list[int] | None
 
@@ -96,7 +96,7 @@ def trace_items(trace: list[TraceRequest]) -> list[Item]:
     """The trace as the simulator reads it: hash id -> a fixed 512-token block, the last cut to the
     input length. A partial last block then shares nothing with the next turn's block at that index."""
     maker = TokenMaker()
-    return [Item(r.index, maker.tokens(r), r.output_length, None) for r in trace]
+    return [Item(r.index, maker.array(r), r.output_length, None) for r in trace]
 
 
 def trace_session_items(trace: list[TraceRequest]) -> tuple[list[Item], dict[str, int]]:
@@ -161,7 +161,7 @@ def trace_session_items(trace: list[TraceRequest]) -> tuple[list[Item], dict[str
         if b is not None:  # the reply as far as B repeats it, then tokens no one repeats
             out = toks[b][r.input_length : r.input_length + r.output_length]
             out += rng.integers(0, maker.vocab_size, r.output_length - len(out)).tolist()
-        items.append(Item(r.index, toks[r.index], r.output_length, out))
+        items.append(Item(r.index, np.array(toks[r.index], dtype=np.int64), r.output_length, out))
     return items, {"requests": len(trace), "linked_turns": linked, "replies_reused": len(follow)}
 
 
@@ -194,7 +194,8 @@ def multiturn_items(num_sessions: int = 300, seed: int = 0) -> tuple[list[Item],
             context[s].extend(reply)  # type: ignore[arg-type]
         context[s].extend(msg)
         out_len = logu(20, 800)
-        items.append(Item(len(items), list(context[s]), out_len, rng.integers(0, vocab, out_len).tolist()))
+        items.append(Item(len(items), np.array(context[s], dtype=np.int64), out_len,
+                          rng.integers(0, vocab, out_len).tolist()))
         pending[s] = len(items) - 1
         turns_left[s] -= 1
         if not turns_left[s]:
@@ -288,9 +289,9 @@ def replay(model_key, budget_gib, layout_kind, checkpoint, eviction, every_n, it
         running.append(rid)
         while len(running) > concurrency:
             m.free(running.popleft())
-        u = m.usage()
-        ckpt_samples.append(u.checkpoints * u.bytes_per_block)
-        kv_cached_samples.append(u.kv_cached * u.bytes_per_block)
+        cache = m.prefix_cache  # its counts (m.usage() recounts every block: too slow per request)
+        ckpt_samples.append(cache.num_checkpoints * m.num_state_blocks * layout.bytes_per_block)
+        kv_cached_samples.append(cache.num_cached_kv * layout.bytes_per_block)
     while running:
         m.free(running.popleft())
     m.check_integrity()

@@ -288,29 +288,38 @@ def test_registered_chain_keys_are_chain_keys():
     m.check_integrity()
 
 
-def test_checkpoint_mirror_is_checked():
+def test_cache_books_are_checked():
+    """check() catches a checkpoint or a cached KV block whose node disagrees with it."""
     m = cached_manager()
     prefill(m, "a", PREFIX + [1])
     m.free("a")
-    assert m.prefix_cache.check() == []
-    node = next(n for n in m.prefix_cache.nodes.values() if n.checkpoint is not None)
+    cache = m.prefix_cache
+    assert cache.check() == []
+    node = next(n for n in cache.nodes.values() if n.checkpoint is not None)
     slot = int(node.checkpoint[0])
-    m.prefix_cache._ck_tick[slot] += 1  # a stale tick would rank it wrongly
-    assert any("mirror" in p for p in m.prefix_cache.check())
-    m.prefix_cache._ck_tick[slot] -= 1
-    m.prefix_cache._ck_live[slot] = False
-    assert any("mirror" in p for p in m.prefix_cache.check())
+    cache._ck_live[slot] = False
+    assert any("checkpoints and the nodes" in p for p in cache.check())
+    cache._ck_live[slot] = True
+    block = int(cache.cached_kv_blocks()[0])
+    held = int(cache._node_of[block])
+    cache._node_of[block] = -1
+    assert any("cached KV blocks" in p for p in cache.check())
+    cache._node_of[block] = held
+    cache._n_evictable += 1
+    assert any("evictable" in p for p in cache.check())
+    cache._n_evictable -= 1
+    assert cache.check() == []
 
 
-def reference_flop_aware(cache, target, protect=frozenset(), protect_ckpt=frozenset()):
-    """The ranking as first written: every candidate node in Python, a full stable argsort."""
-    kv = [n for n in cache._evictable_kv.values() if n.key not in protect]
-    kv.sort(key=lambda n: n.kv_block)  # candidates in block id order
-    ck = [n for n in cache._checkpoints.values() if n.key not in protect_ckpt and n.key not in cache.pinned]
-    fpb = np.array([n.kv_flops_per_byte for n in kv] + [n.ckpt_flops_per_byte for n in ck])
+def reference_flop_aware(cache, target, protect=(), protect_ckpt=frozenset()):
+    """The ranking as first written: every candidate in Python, a full stable argsort."""
+    kv = sorted(set(cache.cached_kv_blocks().tolist()) - set(protect))  # candidates in block id order
+    ck = [k for k in cache.checkpoint_keys() if k not in protect_ckpt and k not in cache.pinned]
+    ck_slot = [int(cache.node(k).checkpoint[0]) for k in ck]
+    fpb = np.array([cache._kv_fpb[b] for b in kv] + [cache._ck_fpb[s] for s in ck_slot])
     if not fpb.size:
         return set()
-    tick = np.array([n.kv_tick for n in kv] + [n.ckpt_tick for n in ck], dtype=np.float64)
+    tick = np.array([cache._kv_tick[b] for b in kv] + [cache._ck_tick[s] for s in ck_slot], dtype=np.float64)
     size = np.array([1] * len(kv) + [cache.m.num_state_blocks] * len(ck))
 
     def norm(x):
@@ -319,7 +328,7 @@ def reference_flop_aware(cache, target, protect=frozenset(), protect_ckpt=frozen
 
     order = np.argsort(cache.config.alpha * norm(np.log1p(fpb)) + norm(tick), kind="stable")
     count = int(np.searchsorted(np.cumsum(size[order]), target)) + 1
-    return {("kv", kv[i].key) if i < len(kv) else ("ckpt", ck[i - len(kv)].key) for i in order[:count].tolist()}
+    return {("kv", kv[i]) if i < len(kv) else ("ckpt", ck[i - len(kv)]) for i in order[:count].tolist()}
 
 
 @pytest.mark.parametrize("alpha", [1.0, 0.0])  # alpha 0: recency only, many ties (blocks released together)
@@ -338,7 +347,10 @@ def test_flop_aware_victims_match_a_full_ranking(alpha, data):
         m.release_pins()
         m.free(r)
     cache = m.prefix_cache
-    protect = {k for k in cache.nodes if data.draw(st.booleans())} if cache.nodes else set()
+    cached = cache.cached_kv_blocks().tolist()
+    protect = np.array([b for b in cached if data.draw(st.booleans())], dtype=np.int32)
     for target in (1, 2, 7, cache.num_evictable):
-        got = {(kind, node.key) for kind, node in cache._flop_aware_victims(target, protect, set())}
-        assert got == reference_flop_aware(cache, target, protect)
+        kv, ck = cache._flop_aware_victims(target, *cache._candidates(protect, set()))
+        keys = {int(cache._key[cache._ck_node[s]]) for s in ck.tolist()}
+        got = {("kv", b) for b in kv.tolist()} | {("ckpt", k) for k in keys}
+        assert got == reference_flop_aware(cache, target, protect.tolist())

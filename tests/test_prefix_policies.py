@@ -104,14 +104,15 @@ def test_session_reconstruction_links_a_partial_block_to_the_next_turn():
     other = req(2, bt + 10, 5, [9, 10])
     items, info = bench.trace_session_items([a, b, other])
     assert info["linked_turns"] == 1 and info["replies_reused"] == 1
-    ta, tb = items[0].input_ids, items[1].input_ids
+    ta, tb = items[0].input_ids.tolist(), items[1].input_ids.tolist()
     assert tb[: len(ta)] == ta  # the partial block is a prefix of the next turn's block
     assert items[0].output_ids == tb[len(ta) : len(ta) + 30]  # A's reply is what B repeats
     assert items[1].output_ids is None and items[2].output_ids is None
     # the plain reading shares only the whole blocks
     plain = bench.trace_items([a, b, other])
-    assert plain[1].input_ids[: 2 * bt] == plain[0].input_ids[: 2 * bt]
-    assert plain[1].input_ids[2 * bt : 2 * bt + 100] != plain[0].input_ids[2 * bt :]
+    p0, p1 = plain[0].input_ids.tolist(), plain[1].input_ids.tolist()
+    assert p1[: 2 * bt] == p0[: 2 * bt]
+    assert p1[2 * bt : 2 * bt + 100] != p0[2 * bt :]
 
 
 def test_multiturn_workload_repeats_prompt_and_reply():
@@ -122,9 +123,10 @@ def test_multiturn_workload_repeats_prompt_and_reply():
     for i, it in enumerate(items):
         assert it.output_ids is not None and len(it.output_ids) == it.output_length
         # a later turn of the same conversation starts with this prompt and this reply
-        nxt = [j for j in items[i + 1 :] if j.input_ids[: len(it.input_ids)] == it.input_ids]
+        ids = it.input_ids.tolist()
+        nxt = [j.input_ids.tolist() for j in items[i + 1 :] if j.input_ids[: len(ids)].tolist() == ids]
         if nxt:
             later += 1
-            n = len(it.input_ids)
-            assert nxt[0].input_ids[n : n + it.output_length] == it.output_ids
+            n = len(ids)
+            assert nxt[0][n : n + it.output_length] == it.output_ids
     assert later == len(items) - 12  # every turn but each session's last

@@ -149,7 +149,7 @@ def test_admission_counts_only_the_checkpoint_a_hit_reads():
         m.checkpoint("a")
     m.free("a")
     m.release_pins()
-    assert len(m.prefix_cache._checkpoints) == 4
+    assert m.prefix_cache.num_checkpoints == 4
     b = tokens[:16] + [7, 8]
     plan_b = m.plan_admission(17, 0, b)
     assert plan_b.num_cached_tokens == 16
@@ -200,9 +200,9 @@ def test_state_only_prefix_cache_keeps_a_bounded_number_of_chain_nodes():
         m.checkpoint(i)
         m.free(i)
         m.release_pins()
-        sizes.append(len(cache.nodes))
+        sizes.append(cache.num_nodes)
     m.check_integrity()
-    bound = max(1024, 4 * m.pool.num_usable) + len(cache._checkpoints)  # bare nodes + checkpoint nodes
+    bound = max(1024, 4 * m.pool.num_usable) + cache.num_checkpoints  # bare nodes + checkpoint nodes
     assert max(sizes) <= bound, f"{max(sizes)} chain nodes, bound {bound}"
     assert sizes[-1] == sizes[1500], "the node count stopped growing"
 

@@ -23,11 +23,7 @@ class CheckpointMixin:
         cache = self.prefix_cache
         if cache is None or rec.token_ids is None:
             return None
-        bs = self.block_size
-        for pos in range((rec.num_tokens // bs + 1) * bs, len(rec.token_ids) + 1, bs):
-            if cache.wants_checkpoint(pos, len(rec.token_ids), rec.branch_tokens):
-                return pos
-        return None
+        return cache.next_checkpoint(rec.num_tokens, len(rec.token_ids), rec.branch_tokens)
 
     def checkpoint(self: HybridBlockManager, request_id: RequestId, final: bool = False) -> BlockCopies:
         """Save the live state at the request's current position if the policy wants it there.
@@ -51,12 +47,15 @@ class CheckpointMixin:
             return _NO_COPIES
         key = rec.block_keys[pos // bs - 1]
         # the node must survive the eviction that makes room, so what it pins is not available
-        if cache.has_checkpoint(key) or self.num_state_blocks > self.num_available_blocks - cache.num_protected({key}):
+        if cache.has_checkpoint(key):
             return _NO_COPIES
-        self._make_room(self.num_state_blocks, protect={key})
-        node = cache.ensure(rec.token_ids, rec.block_keys, rec.kv_blocks, pos // bs - 1)
+        kv = cache.kv_block_of(key)
+        if self.num_state_blocks > self.num_available_blocks - cache.num_protected(kv):
+            return _NO_COPIES
+        self._make_room(self.num_state_blocks, protect=kv)
+        slot = cache.ensure(rec.token_ids.view(), rec.block_keys, rec.kv_blocks, pos // bs - 1)
         ids = self.pool.allocate(self.num_state_blocks)
-        cache.add_checkpoint(node, ids)
+        cache.add_checkpoint(slot, ids)
         # pinned: the live blocks it reads must not be reused (request finished, aborted, swapped
         # out) nor the checkpoint evicted before the executor ran the copy
         return self._pin(BlockCopies(self._set_ids(rec.state).copy(), ids.copy()))

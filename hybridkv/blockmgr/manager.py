@@ -22,6 +22,7 @@ from hybridkv.blockmgr.errors import (
     RequestTooLargeError,
     UnknownRequestError,
 )
+from hybridkv.blockmgr.hashing import TokenArray, as_token_array
 from hybridkv.blockmgr.integrity import check_integrity
 from hybridkv.blockmgr.layout import NULL_BLOCK, Layout
 from hybridkv.blockmgr.pool import BlockPool
@@ -109,11 +110,12 @@ class HybridBlockManager(CheckpointMixin, SpeculationMixin, SwapMixin, TransferM
         if self.prefix_cache is None or token_ids is None:
             return new, new, None
         hit = self.prefix_cache.match(token_ids, num_tokens)
-        shared = len(hit.nodes) if self._has_kv else 0
+        shared = hit.num_blocks if self._has_kv else 0
         taken = new - shared + self.prefix_cache.num_pinned(hit)
         if taken > new and taken + self.watermark_blocks > self.num_available_blocks:
             # the hit pins more than it saves and only the miss fits: admit as a miss
-            return new, new, hit._replace(num_tokens=0, nodes=[], checkpoint=None, keys=[])
+            miss = hit._replace(num_tokens=0, kv_blocks=_EMPTY, checkpoint_key=None, keys=[], checkpoint_ids=None)
+            return new, new, miss
         return taken, new - shared, hit
 
     def plan_admission(
@@ -212,7 +214,7 @@ class HybridBlockManager(CheckpointMixin, SpeculationMixin, SwapMixin, TransferM
         if n > rec.num_tokens:
             raise ValueError(f"request {request_id!r} holds {rec.num_tokens} tokens, cannot have {n} computed")
         if rec.token_ids is not None and self.prefix_cache is not None and n // self.block_size > len(rec.block_keys):
-            self.prefix_cache.register(rec.token_ids, rec.block_keys, rec.kv_blocks, n)
+            self.prefix_cache.register(rec.token_ids.view(), rec.block_keys, rec.kv_blocks, n)
 
     def match_prefix(self, token_ids: Sequence[int], max_tokens: int | None = None) -> int:
         """Tokens of ``token_ids`` a request admitted now would get from the prefix cache."""
@@ -259,6 +261,8 @@ class HybridBlockManager(CheckpointMixin, SpeculationMixin, SwapMixin, TransferM
             raise DuplicateRequestError(f"request {request_id!r} is already allocated: free it first")
         num_tokens, num_speculative = as_count(num_tokens, "num_tokens"), as_count(num_speculative, "num_speculative")
         self.check_fits(num_tokens, num_speculative)
+        if token_ids is not None and self.prefix_cache is not None:
+            token_ids = as_token_array(token_ids)  # once: the match and the record share it
         taken, need, hit = self._admission(num_tokens, num_speculative, token_ids)
         if taken + self.watermark_blocks > self.num_available_blocks:
             raise NoFreeBlocksError(
@@ -271,8 +275,8 @@ class HybridBlockManager(CheckpointMixin, SpeculationMixin, SwapMixin, TransferM
         if hit is not None:
             # evict first, sparing the hit (its KV blocks and the one checkpoint it reads); then
             # take the hit's blocks out of the evictable set
-            ckpt = {hit.checkpoint.key} if hit.checkpoint is not None else set()
-            self._make_room(need, protect={n.key for n in hit.nodes}, protect_ckpt=ckpt)
+            ckpt = {hit.checkpoint_key} if hit.checkpoint_key is not None else set()
+            self._make_room(need, protect=hit.kv_blocks, protect_ckpt=ckpt)
             shared = self.prefix_cache.take_hit(hit)  # type: ignore[union-attr]
         # state sets first: they are the contiguous part that ops gather and swap
         ids = self._take(need)
@@ -299,13 +303,13 @@ class HybridBlockManager(CheckpointMixin, SpeculationMixin, SwapMixin, TransferM
         if hit is None:
             return Allocation(0, _NO_COPIES)
         assert token_ids is not None and self.prefix_cache is not None
-        rec.token_ids = list(token_ids)
+        rec.token_ids = TokenArray(token_ids)
         rec.block_keys = list(hit.keys)  # the hit's blocks are cached; the rest enter via mark_computed
         rec.branch_tokens = hit.num_matched_tokens
-        rec.tail_shared = bool(hit.nodes)
+        rec.tail_shared = hit.num_blocks > 0
         copies = _NO_COPIES
-        if hit.checkpoint is not None:
-            ckpt_ids = hit.checkpoint.checkpoint.copy()  # type: ignore[union-attr]
+        if hit.checkpoint_ids is not None:
+            ckpt_ids = hit.checkpoint_ids.copy()
             copies = self._pin(BlockCopies(ckpt_ids, ids[:n_live].copy()))
         return Allocation(hit.num_tokens, copies)
 
@@ -401,7 +405,7 @@ class HybridBlockManager(CheckpointMixin, SpeculationMixin, SwapMixin, TransferM
         # any shared block may become a partly filled tail (now, or after a rejected draft is cut)
         parent.tail_shared = child.tail_shared = bool(kv.size)
         if parent.token_ids is not None:
-            child.token_ids, child.block_keys = list(parent.token_ids), list(parent.block_keys)
+            child.token_ids, child.block_keys = parent.token_ids.copy(), list(parent.block_keys)
         self.tables.take(child, kv.size)
         child.kv[: kv.size] = kv
         child.state[self._state_mask] = ids
@@ -526,11 +530,11 @@ class HybridBlockManager(CheckpointMixin, SpeculationMixin, SwapMixin, TransferM
     def _make_room(
         self,
         num_blocks: int,
-        protect: set[int] = frozenset(),  # type: ignore[assignment]
+        protect: np.ndarray = _EMPTY,
         protect_ckpt: set[int] = frozenset(),  # type: ignore[assignment]
     ) -> None:
         """Evict cached blocks until ``num_blocks`` are free (the caller checked availability).
-        ``protect``: node keys whose KV blocks stay; ``protect_ckpt``: node keys whose checkpoints stay."""
+        ``protect``: KV block ids that stay; ``protect_ckpt``: node keys whose checkpoints stay."""
         short = num_blocks - self.pool.num_free
         if short > 0 and self.prefix_cache is not None:
             self.pool.free(self.prefix_cache.evict(short, protect, protect_ckpt))

@@ -1,13 +1,19 @@
 """Prefix caching for hybrid models: a KV hash chain plus recurrent-state checkpoints.
 
-- KV: every full block of a request's tokens is a :class:`Node` of a hash chain (key = hash of
-  the parent key and the block's token ids; token ids are compared on a hit). Blocks are shared by
+- KV: every full block of a request's tokens is a **node** of a hash chain (key = the chain key of
+  :mod:`~hybridkv.blockmgr.hashing`; token ids are compared on a hit). Blocks are shared by
   reference count; a block whose count drops to zero stays cached (evictable) until evicted.
 - State: a **checkpoint** is a state set per state group frozen at a block-aligned position and
   owned by the cache. A hit is the longest prefix ``p`` whose KV blocks are all cached **and** that
   has a checkpoint at exactly ``p``; the request's live sets are then filled by a copy.
 - Checkpoint policies (:class:`CheckpointPolicy`) choose the positions; eviction policies
   (:class:`EvictionPolicy`) choose what to drop when the pool runs short.
+
+Data layout: nodes live in numpy arrays indexed by a **slot** (key, position, KV block, checkpoint,
+the block's token ids); one dict maps chain keys to slots. Per-block state (evictable, tick, LRU
+order, FLOPs per byte) lives in arrays indexed by block id, per-checkpoint state in arrays indexed by
+the checkpoint's first block id. Matching, registration, release and eviction work on whole
+requests at once: no Python object per cached block.
 
 The cache holds no tensors; the manager runs it (``HybridBlockManager(..., prefix_cache=...)``).
 """
@@ -16,20 +22,33 @@ from __future__ import annotations
 
 import enum
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
-from hybridkv.blockmgr.checkpoint_policy import DEFAULT_ALIGN_TOKENS, branch_last_aligned
+from hybridkv.blockmgr.checkpoint_policy import DEFAULT_ALIGN_TOKENS, back_off_points, branch_last_aligned
 from hybridkv.blockmgr.flops import flop_coefficients, prefill_flops
+from hybridkv.blockmgr.hashing import ROOT_KEY, as_token_array, chain_keys, chain_keys_array
 from hybridkv.blockmgr.records import BlockUse
 
 if TYPE_CHECKING:
     from hybridkv.blockmgr.manager import HybridBlockManager
 
-ROOT_KEY = 0
+__all__ = [
+    "ROOT_KEY",
+    "CheckpointPolicy",
+    "EvictionPolicy",
+    "NodeView",
+    "PrefixCache",
+    "PrefixCacheConfig",
+    "PrefixHit",
+    "chain_keys",
+]
+
+_EMPTY = np.empty(0, dtype=np.int32)
+_NO_BLOCKS = np.empty(0, dtype=np.int32)
 
 
 class CheckpointPolicy(enum.Enum):
@@ -48,7 +67,7 @@ class EvictionPolicy(enum.Enum):
 class PrefixCacheConfig:
     """``every_n``: block interval of ``every_n_blocks``. ``alpha``: weight of FLOP efficiency.
     ``evict_batch_fraction``: each eviction frees at least this fraction of the pool (both
-    policies), so flop_aware's ranking of all candidates is paid rarely."""
+    policies), so ranking the candidates is paid rarely."""
 
     checkpoint: CheckpointPolicy = CheckpointPolicy.BRANCH_AND_LAST
     eviction: EvictionPolicy = EvictionPolicy.FLOP_AWARE
@@ -68,45 +87,32 @@ class PrefixCacheConfig:
             raise ValueError(f"every_n must be a positive number of blocks, got {self.every_n}")
 
 
-@dataclass(slots=True, eq=False)
-class Node:
-    """One full block of a cached token sequence: ends at token ``position``."""
+class NodeView(NamedTuple):
+    """A copy of one chain node's books (for tests and inspection; the cache keeps arrays)."""
 
     key: int
     tokens: tuple[int, ...]
-    position: int
-    kv_block: int = 0  # 0: no KV block cached for it
-    checkpoint: np.ndarray | None = None  # flat block ids of the state sets at ``position``
-    kv_tick: int = 0
-    ckpt_tick: int = 0
-    ckpt_flops_per_byte: float = 0.0
-    kv_flops_per_byte: float = 0.0
+    position: int  # the node's block ends at this token position
+    kv_block: int  # 0: no KV block cached for it
+    checkpoint: np.ndarray | None  # flat block ids of the state sets at ``position``
 
 
 class PrefixHit(NamedTuple):
     num_tokens: int  # tokens served from the cache (0 = miss)
-    nodes: list[Node]  # the chain of the hit, one node per block below num_tokens (KV models)
-    checkpoint: Node | None  # node holding the checkpoint at num_tokens
+    kv_blocks: np.ndarray  # int32 KV block ids of the hit, chain order (empty for state-only models)
+    checkpoint_key: int | None  # chain key of the node holding the checkpoint at num_tokens
     num_matched_tokens: int  # tokens whose KV blocks are cached (>= num_tokens): the branch point
-    keys: list[int] = []  # chain keys of the blocks below num_tokens
+    keys: list[int]  # chain keys of the blocks below num_tokens
+    checkpoint_ids: np.ndarray | None = None  # the checkpoint's flat block ids (read by the hit's copy)
+
+    @property
+    def num_blocks(self) -> int:
+        """KV blocks the hit shares."""
+        return int(self.kv_blocks.size)
 
 
-def chain(
-    token_ids: Sequence[int], block_size: int, start: int = 0, end: int | None = None, key: int = ROOT_KEY
-) -> Iterator[tuple[int, tuple[int, ...], int]]:
-    """``(block index, its token ids, chain key)`` of the full blocks ``[start, end)`` of ``token_ids``;
-    ``key`` is the chain key of block ``start - 1``. The hash-chain rule (``PrefixCache.register``
-    inlines the same rule for speed; ``test_prefix`` checks the two agree)."""
-    end = len(token_ids) // block_size if end is None else end
-    for j in range(start, end):
-        tokens = tuple(token_ids[j * block_size : (j + 1) * block_size])
-        key = hash((key, tokens))
-        yield j, tokens, key
-
-
-def chain_keys(token_ids: Sequence[int], block_size: int) -> list[int]:
-    """Hash-chain keys of all full blocks of ``token_ids``."""
-    return [key for _, _, key in chain(token_ids, block_size)]
+def _miss(matched_tokens: int = 0) -> PrefixHit:
+    return PrefixHit(0, _NO_BLOCKS, None, matched_tokens, [], None)
 
 
 @dataclass(slots=True)
@@ -123,11 +129,40 @@ class PrefixCache:
     def __init__(self, manager: HybridBlockManager, config: PrefixCacheConfig | None = None) -> None:
         self.m = manager
         self.config = config or PrefixCacheConfig()
-        self.block_size = manager.block_size
-        self.nodes: dict[int, Node] = {}
-        self.block_node: dict[int, Node] = {}  # cached KV block id -> node
-        self._evictable_kv: OrderedDict[int, Node] = OrderedDict()  # block id -> node, LRU order
-        self._checkpoints: OrderedDict[int, Node] = OrderedDict()  # node key -> node, LRU order
+        self.block_size = bs = manager.block_size
+        layout = manager.layout
+        nb = layout.num_blocks
+        # ---- nodes, by slot
+        self._slot: dict[int, int] = {}  # chain key -> slot
+        cap = 256
+        self._key = np.zeros(cap, dtype=np.int64)
+        self._pos = np.zeros(cap, dtype=np.int64)
+        self._kv = np.zeros(cap, dtype=np.int32)  # 0: no KV block
+        self._ck = np.full(cap, -1, dtype=np.int64)  # checkpoint slot (its first block id), -1: none
+        self._tok = np.zeros((cap, bs), dtype=np.int64)
+        self._free_slots: list[int] = list(range(cap - 1, -1, -1))
+        # ---- cached KV blocks, by block id
+        self._node_of = np.full(nb, -1, dtype=np.int64)  # KV block -> slot of the node it caches
+        self._n_mapped = 0  # KV blocks mapped to nodes
+        self._kv_evictable = np.zeros(nb, dtype=bool)
+        self._n_evictable = 0
+        self._kv_tick = np.zeros(nb, dtype=np.int64)  # tick of the release that made it evictable
+        self._kv_fpb = np.zeros(nb, dtype=np.float64)  # FLOPs of its tokens per byte
+        # one counter orders every LRU event (KV blocks released, checkpoints made or hit)
+        self._order = 0
+        self._kv_order = np.zeros(nb, dtype=np.int64)
+        # evictable KV blocks in release order (LRU first): entries [head, tail) of a queue; an entry
+        # is stale once its block is taken back or evicted (its order no longer matches)
+        self._fifo = np.zeros(max(1024, nb), dtype=np.int64)
+        self._fifo_ord = np.zeros(self._fifo.size, dtype=np.int64)
+        self._head = self._tail = 0
+        # ---- checkpoints, by slot (first block id)
+        self._ck_live = np.zeros(nb, dtype=bool)
+        self._ck_tick = np.zeros(nb, dtype=np.int64)
+        self._ck_fpb = np.zeros(nb, dtype=np.float64)
+        self._ck_order = np.zeros(nb, dtype=np.int64)
+        self._ck_ids: dict[int, np.ndarray] = {}  # checkpoint slot -> its flat block ids
+        self._ck_node: dict[int, int] = {}  # checkpoint slot -> node slot
         self._tick = 0
         self.stats = _Counters()
         # keys of checkpoints a pending copy reads (a hit) or writes (a new checkpoint), with the
@@ -136,28 +171,53 @@ class PrefixCache:
         self.pinned: dict[int, int] = {}
         # state-only models: chain nodes that hold nothing (they mark where cached prefixes go, for
         # branch points), least recently used first, at most _bare_cap of them
-        self._bare: OrderedDict[int, Node] = OrderedDict()
+        self._bare: OrderedDict[int, None] = OrderedDict()
         self._bare_cap = max(1024, 4 * manager.pool.num_usable)
-        model, layout = manager.layout.model, manager.layout
         self._ckpt_bytes = manager.num_state_blocks * layout.bytes_per_block
-        self._flops = flop_coefficients(model)
-        # per-block mirrors of the evictable KV set, so flop_aware ranks candidates in numpy
-        self._kv_evictable = np.zeros(layout.num_blocks, dtype=bool)
-        self._kv_tick = np.zeros(layout.num_blocks, dtype=np.int64)
-        self._kv_fpb = np.zeros(layout.num_blocks, dtype=np.float64)
-        # the same for checkpoints, indexed by each checkpoint's first block id (its slot): tick and
-        # FLOPs per byte of the live ones, so flop_aware ranks them without walking Python objects
-        self._ck_live = np.zeros(layout.num_blocks, dtype=bool)
-        self._ck_tick = np.zeros(layout.num_blocks, dtype=np.int64)
-        self._ck_fpb = np.zeros(layout.num_blocks, dtype=np.float64)
-        self._ck_node: dict[int, Node] = {}  # slot -> node
+        self._flops = flop_coefficients(layout.model)
         self._bytes_per_block = layout.bytes_per_block
 
     # ---- counts ------------------------------------------------------------------------------
     @property
     def num_evictable(self) -> int:
         """Blocks eviction can free now (checkpoints pinned by this step's copies excluded)."""
-        return len(self._evictable_kv) + (len(self._checkpoints) - len(self.pinned)) * self.m.num_state_blocks
+        return self._n_evictable + (len(self._ck_ids) - len(self.pinned)) * self.m.num_state_blocks
+
+    @property
+    def num_checkpoints(self) -> int:
+        return len(self._ck_ids)
+
+    @property
+    def num_cached_kv(self) -> int:
+        """Cached KV blocks no request holds (evictable)."""
+        return self._n_evictable
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self._slot)
+
+    def checkpoint_keys(self) -> list[int]:
+        """Chain keys of the nodes holding checkpoints, least recently used first."""
+        slots = sorted(self._ck_ids, key=lambda s: self._ck_order[s])
+        return [int(self._key[self._ck_node[s]]) for s in slots]
+
+    @property
+    def nodes(self) -> dict[int, NodeView]:
+        """Every chain node, as copies (slow: for tests and inspection)."""
+        out = {}
+        for key, s in self._slot.items():
+            ck = int(self._ck[s])
+            out[key] = NodeView(key, tuple(self._tok[s].tolist()), int(self._pos[s]), int(self._kv[s]),
+                                self._ck_ids[ck] if ck >= 0 else None)
+        return out
+
+    def node(self, key: int) -> NodeView | None:
+        s = self._slot.get(key)
+        if s is None:
+            return None
+        ck = int(self._ck[s])
+        return NodeView(key, tuple(self._tok[s].tolist()), int(self._pos[s]), int(self._kv[s]),
+                        self._ck_ids[ck] if ck >= 0 else None)
 
     def cancel_checkpoints(self, epoch: int) -> np.ndarray:
         """Drop the checkpoints pinned in ``epoch`` (taken then, their copies not yet handed to an
@@ -166,202 +226,274 @@ class PrefixCache:
         parts = []
         for key in keys:
             del self.pinned[key]
-            parts.append(self._drop("ckpt", self.nodes[key]))
+            parts.append(self._drop_checkpoint(int(self._ck[self._slot[key]])))
         return np.concatenate(parts) if parts else np.empty(0, dtype=np.int32)
 
     def release_pins(self, before: int | None = None) -> None:
         """The copies reading or writing checkpoints pinned in epochs ``< before`` (all: None) ran."""
         if before is None:
             self.pinned.clear()
-        else:
+        elif self.pinned:
             self.pinned = {k: e for k, e in self.pinned.items() if e >= before}
 
     def cached_kv_blocks(self) -> np.ndarray:
-        return np.fromiter(self._evictable_kv, dtype=np.int32, count=len(self._evictable_kv))
+        """Evictable cached KV block ids (ascending)."""
+        return np.flatnonzero(self._kv_evictable).astype(np.int32)
 
     def checkpoint_blocks(self) -> np.ndarray:
-        if not self._checkpoints:
+        if not self._ck_ids:
             return np.empty(0, dtype=np.int32)
-        return np.concatenate([n.checkpoint for n in self._checkpoints.values()])  # type: ignore[misc]
+        return np.concatenate(list(self._ck_ids.values()))
+
+    def kv_block_of(self, key: int) -> np.ndarray:
+        """The KV block cached for node ``key`` (empty if none), for ``protect`` arguments."""
+        s = self._slot.get(key)
+        if s is None or not self._kv[s]:
+            return _EMPTY
+        return self._kv[s : s + 1].copy()
 
     def _now(self) -> int:
         self._tick += 1
         return self._tick
 
+    # ---- slots -------------------------------------------------------------------------------
+    def _grow(self, need: int) -> None:
+        cap = self._key.size
+        new = max(2 * cap, cap + need)
+        self._key = np.concatenate((self._key, np.zeros(new - cap, dtype=np.int64)))
+        self._pos = np.concatenate((self._pos, np.zeros(new - cap, dtype=np.int64)))
+        self._kv = np.concatenate((self._kv, np.zeros(new - cap, dtype=np.int32)))
+        self._ck = np.concatenate((self._ck, np.full(new - cap, -1, dtype=np.int64)))
+        tok = np.zeros((new, self.block_size), dtype=np.int64)
+        tok[:cap] = self._tok
+        self._tok = tok
+        self._free_slots[:0] = range(new - 1, cap - 1, -1)  # popped from the end: low slots first
+
+    def _new_slots(self, keys: np.ndarray, positions: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+        """Create nodes (no blocks yet) for ``keys``; ``tokens``: ``[n, block_size]``. Their slots."""
+        n = keys.size
+        if n > len(self._free_slots):
+            self._grow(n - len(self._free_slots))
+        free = self._free_slots
+        slots = np.array(free[len(free) - n :][::-1], dtype=np.int64)
+        del free[len(free) - n :]
+        self._key[slots] = keys
+        self._pos[slots] = positions
+        self._kv[slots] = 0
+        self._ck[slots] = -1
+        self._tok[slots] = tokens
+        self._slot.update(zip(keys.tolist(), slots.tolist(), strict=True))
+        return slots
+
+    def _remove_nodes(self, slots: np.ndarray) -> None:
+        """Forget nodes that hold nothing (their slots are reused)."""
+        if not slots.size:
+            return
+        d, bare = self._slot, self._bare
+        for k in self._key[slots].tolist():
+            del d[k]
+            if bare:
+                bare.pop(k, None)
+        self._free_slots.extend(slots.tolist())
+
+    def _lookup(self, keys: list[int]) -> np.ndarray:
+        get = self._slot.get
+        return np.array([get(k, -1) for k in keys], dtype=np.int64)
+
+    def _verified(self, slots: np.ndarray, tokens: np.ndarray, first: int = 0) -> np.ndarray:
+        """Whether each of ``slots`` (blocks ``first``, ``first + 1``, ... of ``tokens``) exists and
+        holds exactly those tokens."""
+        n, bs = slots.size, self.block_size
+        ok = slots >= 0
+        if not n or not ok.any():
+            return ok
+        s = np.where(ok, slots, 0)
+        ok &= (self._tok[s] == tokens[first * bs : (first + n) * bs].reshape(n, bs)).all(axis=1)
+        return ok
+
     # ---- lookup ------------------------------------------------------------------------------
-    def match(self, token_ids: Sequence[int], max_tokens: int) -> PrefixHit:
+    def match(self, token_ids: Sequence[int] | np.ndarray, max_tokens: int) -> PrefixHit:
         """The longest hit within ``min(max_tokens, len(token_ids) - 1)`` tokens (one token is
         always left to compute, so the forward has logits to sample)."""
-        limit = (len(token_ids) - 1) // self.block_size  # the chain over the whole input: branch point
-        max_blocks = min(max(max_tokens, 0), len(token_ids) - 1) // self.block_size
+        tokens = as_token_array(token_ids)
+        bs = self.block_size
+        limit = (tokens.size - 1) // bs  # the chain over the whole input: branch point
+        max_blocks = min(max(max_tokens, 0), tokens.size - 1) // bs
+        if limit <= 0 or not self._slot:
+            return _miss()
+        if self.m._has_kv and chain_keys_array(tokens, bs, 0, 1)[0] not in self._slot:
+            return _miss()  # the first block is not cached: a miss without hashing the rest
+        keys = chain_keys_array(tokens, bs, 0, limit).tolist()
+        slots = self._lookup(keys)
+        ok = self._verified(slots, tokens)
         if not self.m._has_kv:
-            return self._match_state_only(token_ids, limit, max_blocks)
-        nodes: list[Node] = []
-        for _, tokens, key in chain(token_ids, self.block_size, 0, limit):
-            node = self.nodes.get(key)
-            if node is None or node.tokens != tokens or not node.kv_block:
-                break
-            nodes.append(node)
-        best = 0
+            return self._match_state_only(keys, slots, ok, max_blocks)
+        s = np.where(ok, slots, 0)
+        ok &= self._kv[s] > 0
+        n = limit if ok.all() else int(np.argmin(ok))  # the cached chain: blocks [0, n)
+        m = min(n, max_blocks)
         if self.m.num_state_groups == 0:
-            best = min(len(nodes), max_blocks)
+            best = m
         else:
-            for i in range(min(len(nodes), max_blocks), 0, -1):
-                if nodes[i - 1].checkpoint is not None:
-                    best = i
-                    break
-        ckpt = nodes[best - 1] if best and self.m.num_state_groups else None
-        hit = nodes[:best]
-        return PrefixHit(best * self.block_size, hit, ckpt, len(nodes) * self.block_size, [n.key for n in hit])
+            with_ck = np.flatnonzero(self._ck[s[:m]] >= 0)
+            best = int(with_ck[-1]) + 1 if with_ck.size else 0
+        if not best:
+            return _miss(n * bs)
+        kv = self._kv[s[:best]].copy()
+        if not self.m.num_state_groups:
+            return PrefixHit(best * bs, kv, None, n * bs, keys[:best], None)
+        ck = int(self._ck[s[best - 1]])
+        return PrefixHit(best * bs, kv, keys[best - 1], n * bs, keys[:best], self._ck_ids[ck])
 
-    def _match_state_only(self, token_ids: Sequence[int], limit: int, max_blocks: int) -> PrefixHit:
+    def _match_state_only(self, keys: list[int], slots: np.ndarray, ok: np.ndarray, max_blocks: int) -> PrefixHit:
         """No KV: a hit needs only the deepest checkpoint on the request's chain (chain keys hash
         every earlier block, and that block's tokens are compared); the branch point is the deepest
         block any cached chain reached (bare nodes may have been trimmed: an estimate)."""
-        keys, blocks = [], []
-        for _, tokens, key in chain(token_ids, self.block_size, 0, limit):
-            keys.append(key)
-            blocks.append(tokens)
-        best, matched, ckpt = 0, 0, None
-        for i in range(len(keys), 0, -1):
-            node = self.nodes.get(keys[i - 1])
-            if node is None or node.tokens != blocks[i - 1]:
-                continue
-            matched = max(matched, i)
-            if i <= max_blocks and node.checkpoint is not None:
-                best, ckpt = i, node
-                break
-        return PrefixHit(best * self.block_size, [], ckpt, matched * self.block_size, keys[:best])
+        found = np.flatnonzero(ok)
+        if not found.size:
+            return _miss()
+        matched = int(found[-1]) + 1
+        s = slots[found[found < max_blocks]]
+        with_ck = np.flatnonzero(self._ck[s] >= 0)
+        if not with_ck.size:
+            return _miss(matched * self.block_size)
+        slot = int(s[with_ck[-1]])
+        best = int(found[found < max_blocks][with_ck[-1]]) + 1
+        ck = int(self._ck[slot])
+        return PrefixHit(best * self.block_size, _NO_BLOCKS, keys[best - 1], matched * self.block_size, keys[:best],
+                         self._ck_ids[ck])
 
     def num_pinned(self, hit: PrefixHit) -> int:
         """Evictable blocks a hit holds on to: the cached KV blocks it takes back (it shares them)
         and, while its copy is made, the one checkpoint it reads (not the others on its chain).
         Admission counts them as taken."""
-        ckpt = {hit.checkpoint.key} if hit.checkpoint is not None else set()
-        return self.num_protected({n.key for n in hit.nodes}, ckpt)
+        ckpt = {hit.checkpoint_key} if hit.checkpoint_key is not None else set()
+        return self.num_protected(hit.kv_blocks, ckpt)
 
     def take_hit(self, hit: PrefixHit) -> np.ndarray:
         """Reference the hit's KV blocks (reviving evictable ones); returns them in chain order."""
         now = self._now()
-        ids = np.fromiter((n.kv_block for n in hit.nodes), dtype=np.int32, count=len(hit.nodes))
-        if not self.m._has_kv:
-            ids = ids[:0]
-        for n in hit.nodes:
-            n.kv_tick = now
-            self._evictable_kv.pop(n.kv_block, None)
-        self._kv_evictable[ids] = False
+        ids = hit.kv_blocks if self.m._has_kv else _NO_BLOCKS
         if ids.size:
+            self._kv_tick[ids] = now
+            self._n_evictable -= int(np.count_nonzero(self._kv_evictable[ids]))
+            self._kv_evictable[ids] = False
             self.m.pool.incref(ids)
             self.m.use[ids] = BlockUse.KV
-        if hit.checkpoint is not None:
-            hit.checkpoint.ckpt_tick = now
-            self._ck_tick[hit.checkpoint.checkpoint[0]] = now  # type: ignore[index]
-            self._checkpoints.move_to_end(hit.checkpoint.key)
-            self.pinned[hit.checkpoint.key] = self.m.pin_epoch
+        if hit.checkpoint_key is not None:
+            ck = int(self._ck[self._slot[hit.checkpoint_key]])
+            self._ck_tick[ck] = now
+            self._ck_order[ck] = self._next_order(1)
+            self.pinned[hit.checkpoint_key] = self.m.pin_epoch
         self.stats.hit_tokens += hit.num_tokens
         return ids
 
+    def _next_order(self, n: int) -> int:
+        first = self._order
+        self._order += n
+        return first
+
     # ---- registration ------------------------------------------------------------------------
-    def register(self, token_ids: Sequence[int], keys: list[int], kv_blocks: np.ndarray, num_tokens: int) -> None:
+    def _fpb(self, positions: np.ndarray) -> np.ndarray:
+        """FLOPs of each block's tokens (the block ending at ``positions``) per byte of one block."""
+        (lin, quad), bs = self._flops, self.block_size
+        return (lin * bs + quad * (2 * positions - bs) * bs) / self._bytes_per_block
+
+    def register(self, token_ids: Sequence[int] | np.ndarray, keys: list[int], kv_blocks: np.ndarray,
+                 num_tokens: int) -> None:
         """Add the full blocks of ``token_ids[:num_tokens]`` beyond ``len(keys)`` to the chain.
 
         ``keys`` (the request's chain so far) is extended in place; ``kv_blocks`` are the request's
         KV blocks (empty for state-only models). A block whose node already has a KV block stays
         private to the request (two requests computed the same content).
         """
+        tokens = as_token_array(token_ids)
+        bs = self.block_size
         start = len(keys)
-        end = min(num_tokens, len(token_ids)) // self.block_size
-        if start and end > start:
-            self.ensure(token_ids, keys, kv_blocks, start - 1)  # a parent to hang the new blocks on
+        end = min(num_tokens, tokens.size) // bs
+        if end <= start:
+            return
+        if start:
+            self.ensure(tokens, keys, kv_blocks, start - 1)  # a parent to hang the new blocks on
+        new = chain_keys_array(tokens, bs, start, end, keys[-1] if keys else ROOT_KEY)
+        new_list = new.tolist()
+        keys.extend(new_list)
         if not self.m._has_kv:
-            for j, tokens, key in chain(token_ids, self.block_size, start, end, keys[-1] if keys else ROOT_KEY):
-                keys.append(key)
+            for j, key in enumerate(new_list, start):
                 self._place(key, tokens, j, kv_blocks)
             return
-        # KV models: _place for a run of blocks, inlined (the decode and prefill hot path); the
-        # chain rule is chain()'s, and the mirror of FLOPs per byte is written once at the end
-        bs, nodes, block_node = self.block_size, self.nodes, self.block_node
-        (lin, quad), bpb = self._flops, self._bytes_per_block
-        blocks = kv_blocks[start:end].tolist()
-        new_blocks: list[int] = []
-        new_fpb: list[float] = []
-        key = keys[-1] if keys else ROOT_KEY
-        span = tuple(token_ids[start * bs : end * bs])  # one copy; slicing a tuple makes each block's in one step
-        for j in range(start, end):
-            tokens = span[(j - start) * bs : (j - start + 1) * bs]
-            key = hash((key, tokens))
-            keys.append(key)
-            node = nodes.get(key)
-            if node is None:
-                pos = (j + 1) * bs
-                fpb = (lin * bs + quad * (2 * pos - bs) * bs) / bpb
-                node = nodes[key] = Node(key, tokens, pos, kv_flops_per_byte=fpb)
-            if not node.kv_block:
-                block = blocks[j - start]
-                if block not in block_node:
-                    node.kv_block = block
-                    block_node[block] = node
-                    new_blocks.append(block)
-                    new_fpb.append(node.kv_flops_per_byte)
-        if new_blocks:
-            self._kv_fpb[new_blocks] = new_fpb
+        slots = self._lookup(new_list)
+        miss = np.flatnonzero(slots < 0)
+        if miss.size:
+            j = miss + start
+            slots[miss] = self._new_slots(new[miss], (j + 1) * bs, tokens[: end * bs].reshape(end, bs)[j])
+        blocks = kv_blocks[start:end]
+        take = (self._kv[slots] == 0) & (self._node_of[blocks] < 0)
+        if take.any():
+            tb, ts = blocks[take], slots[take]
+            self._kv[ts] = tb
+            self._node_of[tb] = ts
+            self._n_mapped += int(tb.size)
+            self._kv_fpb[tb] = self._fpb(self._pos[ts])
 
-    def ensure(self, token_ids: Sequence[int], keys: list[int], kv_blocks: np.ndarray, j: int) -> Node:
-        """The node of block ``j`` of a request's chain, re-created with any missing ancestors.
+    def ensure(self, token_ids: Sequence[int] | np.ndarray, keys: list[int], kv_blocks: np.ndarray, j: int) -> int:
+        """The slot of block ``j`` of a request's chain, re-created with any missing ancestors.
 
         A request whose block duplicated a cached one keeps a private copy; if the cached copy is
         later evicted, its node goes, and the request's own block takes its place here.
         """
-        node = self.nodes.get(keys[j])
-        if node is not None:
-            return node
+        slot = self._slot.get(keys[j])
+        if slot is not None:
+            return slot
+        tokens = as_token_array(token_ids)
         i = j
-        while i > 0 and self.m._has_kv and keys[i - 1] not in self.nodes:  # state-only: no chain needed
+        while i > 0 and self.m._has_kv and keys[i - 1] not in self._slot:  # state-only: no chain needed
             i -= 1
         for t in range(i, j + 1):
-            tokens = tuple(token_ids[t * self.block_size : (t + 1) * self.block_size])
-            node = self._place(keys[t], tokens, t, kv_blocks)
-        return node
+            slot = self._place(keys[t], tokens, t, kv_blocks)
+        return slot  # type: ignore[return-value]
 
-    def _place(self, key: int, tokens: tuple[int, ...], j: int, kv_blocks: np.ndarray) -> Node:
+    def _place(self, key: int, tokens: np.ndarray, j: int, kv_blocks: np.ndarray) -> int:
         """Node ``key`` (created if new); block ``j`` of the request becomes its KV if it has none."""
-        node = self.nodes.get(key)
-        if node is None:
-            node = Node(key, tokens, (j + 1) * self.block_size)
-            (lin, quad), bs, pos = self._flops, self.block_size, node.position
-            # FLOPs of this block's tokens, per byte of one block
-            node.kv_flops_per_byte = (lin * bs + quad * (2 * pos - bs) * bs) / self._bytes_per_block
-            self.nodes[key] = node
+        bs = self.block_size
+        slot = self._slot.get(key)
+        if slot is None:
+            slot = int(self._new_slots(np.array([key], dtype=np.int64), np.array([(j + 1) * bs]),
+                                       tokens[j * bs : (j + 1) * bs].reshape(1, bs))[0])
         if self.m._has_kv:
-            if not node.kv_block and int(kv_blocks[j]) not in self.block_node:
-                block = node.kv_block = int(kv_blocks[j])
-                self.block_node[block] = node
-                self._kv_fpb[block] = node.kv_flops_per_byte
-        elif node.checkpoint is None:  # a bare node of a state-only model: bounded, LRU
-            self._bare[key] = node
+            block = int(kv_blocks[j])
+            if not self._kv[slot] and self._node_of[block] < 0:
+                self._kv[slot] = block
+                self._node_of[block] = slot
+                self._n_mapped += 1
+                self._kv_fpb[block] = self._fpb(self._pos[slot : slot + 1])[0]
+        elif self._ck[slot] < 0:  # a bare node of a state-only model: bounded, LRU
+            self._bare[key] = None
             self._bare.move_to_end(key)
             while len(self._bare) > self._bare_cap:
                 old, _ = self._bare.popitem(last=False)
-                del self.nodes[old]
-        return node
+                self._free_slots.append(self._slot.pop(old))
+        return slot
 
     def release(self, ids: np.ndarray) -> np.ndarray:
         """KV blocks whose count reached zero: cached ones become evictable; returns the rest."""
-        if not self.block_node or ids.size == 0:
+        if not self._n_mapped or ids.size == 0:
             return ids
         now = self._now()
-        keep = np.fromiter((i in self.block_node for i in ids.tolist()), dtype=bool, count=ids.size)
+        keep = self._node_of[ids] >= 0
         kept = ids[keep]
-        # a request's blocks come in chain order; queue the tail first, so that among blocks
-        # released together LRU takes a chain's end before its root (which would orphan the rest)
-        for i in kept[::-1].tolist():
-            self._evictable_kv[i] = self.block_node[i]
-            self.block_node[i].kv_tick = now
-        self.m.use[kept] = BlockUse.CACHED_KV
-        self._kv_evictable[kept] = True
-        self._kv_tick[kept] = now
+        if kept.size:
+            # a request's blocks come in chain order; queue the tail first, so that among blocks
+            # released together LRU takes a chain's end before its root (which would orphan the rest)
+            first = self._next_order(kept.size)
+            queued = kept[::-1]
+            self._kv_order[queued] = orders = np.arange(first, first + kept.size)
+            self._enqueue(queued, orders)
+            self.m.use[kept] = BlockUse.CACHED_KV
+            self._kv_evictable[kept] = True
+            self._n_evictable += int(kept.size)
+            self._kv_tick[kept] = now
         return ids[~keep]
-
     def wants_checkpoint(self, position: int, input_len: int, branch: int, final: bool = False) -> bool:
         """Whether the policy checkpoints at ``position`` of an input of ``input_len`` tokens that
         left the cached prefixes at ``branch`` (block-aligned positions only). ``final``: the
@@ -379,177 +511,214 @@ class PrefixCache:
             return final or position == branch or position == (input_len // bs) * bs
         return False
 
-    def has_checkpoint(self, key: int) -> bool:
-        node = self.nodes.get(key)
-        return node is not None and node.checkpoint is not None
+    def next_checkpoint(self, num_tokens: int, input_len: int, branch: int) -> int | None:
+        """The first position ``p`` with ``num_tokens < p <= input_len`` (on the block grid past
+        ``num_tokens``'s block) where :meth:`wants_checkpoint` is true, or None; computed from the
+        policy's positions, not by asking at every block."""
+        cfg, bs = self.config, self.block_size
+        lo = (num_tokens // bs + 1) * bs
+        if lo > input_len or not self.m.num_state_groups:
+            return None
+        if cfg.checkpoint is CheckpointPolicy.EVERY_N_BLOCKS:
+            step = cfg.every_n * bs
+            p = -(-lo // step) * step
+            return p if p <= input_len else None
+        if cfg.checkpoint is CheckpointPolicy.BRANCH_AND_LAST:
+            wanted = {branch, (input_len // bs) * bs}
+        elif cfg.checkpoint is CheckpointPolicy.BRANCH_LAST_ALIGNED:
+            wanted = {branch, *back_off_points(input_len, branch, bs, cfg.align_tokens)}
+        else:
+            return None
+        found = [p for p in wanted if lo <= p <= input_len and p % bs == 0]
+        return min(found) if found else None
 
-    def add_checkpoint(self, node: Node, blocks: np.ndarray) -> None:
-        assert node.checkpoint is None and self.nodes.get(node.key) is node
-        key = node.key
-        node.checkpoint = blocks
-        node.ckpt_tick = self._now()
-        node.ckpt_flops_per_byte = prefill_flops(self._flops, node.position) / self._ckpt_bytes
-        self._checkpoints[key] = node
-        slot = int(blocks[0])
-        self._ck_live[slot] = True
-        self._ck_tick[slot] = node.ckpt_tick
-        self._ck_fpb[slot] = node.ckpt_flops_per_byte
-        self._ck_node[slot] = node
-        self._bare.pop(key, None)
+    def has_checkpoint(self, key: int) -> bool:
+        slot = self._slot.get(key)
+        return slot is not None and self._ck[slot] >= 0
+
+    def add_checkpoint(self, slot: int, blocks: np.ndarray) -> None:
+        """Node ``slot`` (from :meth:`ensure`) now holds the checkpoint ``blocks`` (flat state set ids)."""
+        key = int(self._key[slot])
+        assert self._ck[slot] < 0 and self._slot.get(key) == slot
+        ck = int(blocks[0])
+        self._ck[slot] = ck
+        self._ck_ids[ck] = blocks
+        self._ck_node[ck] = slot
+        self._ck_live[ck] = True
+        self._ck_tick[ck] = self._now()
+        self._ck_order[ck] = self._next_order(1)
+        self._ck_fpb[ck] = prefill_flops(self._flops, int(self._pos[slot])) / self._ckpt_bytes
+        if self._bare:
+            self._bare.pop(key, None)
         self.pinned[key] = self.m.pin_epoch
         self.m.use[blocks] = BlockUse.CHECKPOINT
         self.stats.checkpoints_made += 1
 
     def check(self) -> list[str]:
-        """Problems with the cache's own books (mirrors, child counts); used by ``check_integrity``."""
+        """Problems with the cache's own books (slots, block and checkpoint arrays); used by
+        ``check_integrity``."""
         problems = []
-        evictable = np.zeros_like(self._kv_evictable)
-        evictable[self.cached_kv_blocks()] = True
-        if not np.array_equal(evictable, self._kv_evictable):
-            problems.append("the prefix cache's evictable-KV mirror differs from its evictable set")
-        for node in self.nodes.values():
-            if node.kv_block and self.block_node.get(node.kv_block) is not node:
-                problems.append(f"cached KV block {node.kv_block} is not mapped to its node")
-            if not node.kv_block and node.checkpoint is None and node.key not in self._bare:
-                problems.append(f"chain node {node.key} holds nothing and is not bounded (leak)")
-        if len(self._bare) > self._bare_cap or any(n.kv_block or n.checkpoint is not None for n in self._bare.values()):
-            problems.append("bare chain nodes over their bound or holding blocks")
-        if any(k not in self._checkpoints for k in self.pinned):
-            problems.append("a pinned key has no checkpoint")
-        slots = {int(n.checkpoint[0]): n for n in self._checkpoints.values()}  # type: ignore[index]
+        slots = np.fromiter(self._slot.values(), dtype=np.int64, count=len(self._slot))
+        keys = np.fromiter(self._slot.keys(), dtype=np.int64, count=len(self._slot))
+        if not np.array_equal(self._key[slots], keys):
+            problems.append("the prefix cache's key -> slot map disagrees with its slots")
+        if len(set(self._free_slots)) != len(self._free_slots) or set(self._free_slots) & set(slots.tolist()):
+            problems.append("a node slot is both free and in use")
+        kv = self._kv[slots]
+        mapped = np.flatnonzero(self._node_of >= 0)
+        if mapped.size != self._n_mapped or not np.array_equal(np.sort(kv[kv > 0]), mapped):
+            problems.append("cached KV blocks and the nodes holding them disagree")
+        elif not np.array_equal(self._node_of[kv[kv > 0]], slots[kv > 0]):
+            problems.append("a cached KV block is not mapped to its node")
+        if int(self._kv_evictable.sum()) != self._n_evictable or (self._kv_evictable & (self._node_of < 0)).any():
+            problems.append("the prefix cache's evictable KV blocks are miscounted or not cached")
+        ck = self._ck[slots]
+        held = slots[ck >= 0]
         live = np.zeros_like(self._ck_live)
-        live[list(slots)] = True
-        if slots != self._ck_node or not np.array_equal(live, self._ck_live):
-            problems.append("the prefix cache's checkpoint mirror differs from its checkpoints")
-        elif any(self._ck_tick[s] != n.ckpt_tick or self._ck_fpb[s] != n.ckpt_flops_per_byte for s, n in slots.items()):
-            problems.append("the prefix cache's checkpoint mirror holds stale ticks or FLOPs")
+        live[self._ck[held]] = True
+        if (
+            held.size != len(self._ck_ids)
+            or not np.array_equal(live, self._ck_live)
+            or any(self._ck_node.get(int(self._ck[s])) != s for s in held.tolist())
+            or any(int(ids[0]) != c for c, ids in self._ck_ids.items())
+        ):
+            problems.append("the prefix cache's checkpoints and the nodes holding them disagree")
+        empty = slots[(kv == 0) & (ck < 0)]
+        if empty.size and (not self._bare or any(int(k) not in self._bare for k in self._key[empty])):
+            problems.append(f"chain node {int(self._key[empty[0]])} holds nothing and is not bounded (leak)")
+        bare_slots = [self._slot.get(k) for k in self._bare]
+        if len(self._bare) > self._bare_cap or any(s is None or self._kv[s] or self._ck[s] >= 0 for s in bare_slots):
+            problems.append("bare chain nodes over their bound or holding blocks")
+        queued = self._fifo[self._live_queue()]
+        if queued.size != self._n_evictable or np.unique(queued).size != queued.size:
+            problems.append("the LRU queue of evictable KV blocks disagrees with the evictable blocks")
+        if any(not self.has_checkpoint(k) for k in self.pinned):
+            problems.append("a pinned key has no checkpoint")
         return problems
 
     # ---- eviction ----------------------------------------------------------------------------
     def evict(
         self,
         num_blocks: int,
-        protect: set[int] = frozenset(),  # type: ignore[assignment]
+        protect: np.ndarray = _EMPTY,
         protect_ckpt: set[int] = frozenset(),  # type: ignore[assignment]
     ) -> np.ndarray:
         """Evict units until at least ``num_blocks`` blocks are freed; returns the freed ids.
 
-        ``protect``: node keys whose KV blocks stay (the hit being taken); ``protect_ckpt``: node
-        keys whose checkpoints stay. The caller has checked that enough is evictable.
+        ``protect``: KV block ids that stay (the hit being taken); ``protect_ckpt``: node keys whose
+        checkpoints stay. The caller has checked that enough is evictable.
         """
         if num_blocks <= 0:
             return np.empty(0, dtype=np.int32)
         target = max(num_blocks, int(self.config.evict_batch_fraction * self.m.pool.num_usable))
         target = max(num_blocks, min(target, self.num_evictable - self.num_protected(protect, protect_ckpt)))
         if self.config.eviction is EvictionPolicy.LRU:
-            victims = self._lru_victims(target, protect, protect_ckpt)
+            kv, ck = self._lru_victims(target, protect, self._checkpoint_candidates(protect_ckpt))
         else:
-            victims = self._flop_aware_victims(target, protect, protect_ckpt)
-        ids = self._drop_all(victims)
+            kv, ck = self._flop_aware_victims(target, *self._candidates(protect, protect_ckpt))
+        ids = self._drop_all(kv, ck)
         self.m.pool.ref_counts[ids] = 0
         self.m.use[ids] = BlockUse.FREE
         return ids
 
-    def _drop_all(self, victims: list[tuple[str, Node]]) -> np.ndarray:
-        """:meth:`_drop` of every victim, the per-block work on KV blocks batched; the freed ids."""
-        kv: list[int] = []
-        parts: list[np.ndarray] = []
-        evictable, block_node, nodes, bare = self._evictable_kv, self.block_node, self.nodes, self._bare
-        for kind, node in victims:
-            if kind == "kv":
-                block = node.kv_block
-                del evictable[block]
-                del block_node[block]
-                node.kv_block = 0
-                kv.append(block)
-            else:
-                parts.append(self._drop(kind, node))
-                continue  # _drop dropped the node if it holds nothing now
-            if node.checkpoint is None:
-                nodes.pop(node.key, None)
-                if bare:
-                    bare.pop(node.key, None)
-        self._kv_evictable[kv] = False
-        self.stats.kv_evicted += len(kv)
-        return np.concatenate([np.array(kv, dtype=np.int32), *parts])
+    def _candidates(self, protect: np.ndarray, protect_ckpt: set[int]) -> tuple[np.ndarray, np.ndarray]:
+        """Evictable KV block ids (ascending) and checkpoint slots (ascending), less the protected
+        and pinned ones."""
+        mask = self._kv_evictable
+        if protect.size:
+            mask = mask.copy()
+            mask[protect] = False
+        return np.flatnonzero(mask), self._checkpoint_candidates(protect_ckpt)
 
-    def _drop(self, kind: str, node: Node) -> np.ndarray:
-        if kind == "kv":
-            block = node.kv_block
-            del self._evictable_kv[block]
-            del self.block_node[block]
-            self._kv_evictable[block] = False
-            node.kv_block = 0
-            self.stats.kv_evicted += 1
-            ids = np.array([block], dtype=np.int32)
-        else:
-            del self._checkpoints[node.key]
-            ids, node.checkpoint = node.checkpoint, None  # type: ignore[assignment]
-            slot = int(ids[0])
-            self._ck_live[slot] = False
-            del self._ck_node[slot]
-            self.stats.checkpoints_evicted += 1
-        if not node.kv_block and node.checkpoint is None:
-            self.nodes.pop(node.key, None)
-            self._bare.pop(node.key, None)
-        return ids
+    def _checkpoint_candidates(self, protect_ckpt: set[int]) -> np.ndarray:
+        """Slots of the checkpoints eviction may take (ascending): not protected, not pinned."""
+        slots = np.fromiter(self._ck_ids, dtype=np.int64, count=len(self._ck_ids))
+        held = [int(self._ck[s]) for k in (*protect_ckpt, *self.pinned) if (s := self._slot.get(k)) is not None
+                and self._ck[s] >= 0]  # fmt: skip
+        if held:
+            slots = slots[~np.isin(slots, held)]
+        return np.sort(slots)
 
-    def _lru_victims(self, num_blocks: int, protect: set[int], protect_ckpt: set[int]) -> list[tuple[str, Node]]:
-        kv_iter = iter(self._evictable_kv.values())  # oldest first; nothing changes while we look
-        ck_iter = iter(self._checkpoints.values())
-        kv_next, ck_next = next(kv_iter, None), next(ck_iter, None)
-        victims: list[tuple[str, Node]] = []
-        got = 0
-        while got < num_blocks and (kv_next is not None or ck_next is not None):
-            take_kv = ck_next is None or (kv_next is not None and kv_next.kv_tick <= ck_next.ckpt_tick)
-            if take_kv:
-                node, kv_next = kv_next, next(kv_iter, None)
-                if node.key not in protect:
-                    victims.append(("kv", node))
-                    got += 1
-            else:
-                node, ck_next = ck_next, next(ck_iter, None)
-                if node.key not in protect_ckpt and node.key not in self.pinned:
-                    victims.append(("ckpt", node))
-                    got += self.m.num_state_blocks
-        return victims
+    def _enqueue(self, blocks: np.ndarray, orders: np.ndarray) -> None:
+        """Append evictable KV blocks (with their LRU orders, ascending) to the queue."""
+        n = blocks.size
+        if self._tail + n > self._fifo.size:  # drop stale entries; grow if still short
+            live = self._live_queue()
+            size = max(self._fifo.size, 2 * (live.size + n))
+            fifo, ords = np.zeros(size, dtype=np.int64), np.zeros(size, dtype=np.int64)
+            fifo[: live.size], ords[: live.size] = self._fifo[live], self._fifo_ord[live]
+            self._fifo, self._fifo_ord, self._head, self._tail = fifo, ords, 0, live.size
+        self._fifo[self._tail : self._tail + n] = blocks
+        self._fifo_ord[self._tail : self._tail + n] = orders
+        self._tail += n
 
-    def num_protected(self, protect: set[int], protect_ckpt: set[int] = frozenset()) -> int:  # type: ignore[assignment]
+    def _live_queue(self, start: int | None = None, end: int | None = None) -> np.ndarray:
+        """Queue positions in ``[start, end)`` (default: all) whose entries are live."""
+        start = self._head if start is None else start
+        end = self._tail if end is None else end
+        b = self._fifo[start:end]
+        live = self._kv_evictable[b] & (self._kv_order[b] == self._fifo_ord[start:end])
+        return np.flatnonzero(live) + start
+
+    def num_protected(self, protect: np.ndarray, protect_ckpt: set[int] = frozenset()) -> int:  # type: ignore[assignment]
         """Evictable blocks that ``evict(..., protect, protect_ckpt)`` may not take."""
-        n = 0
-        for key in protect:
-            node = self.nodes.get(key)
-            if node is not None:
-                n += node.kv_block in self._evictable_kv
+        n = int(np.count_nonzero(self._kv_evictable[protect])) if protect.size else 0
         for key in protect_ckpt:
-            node = self.nodes.get(key)
-            if node is not None and node.checkpoint is not None and key not in self.pinned:
+            s = self._slot.get(key)
+            if s is not None and self._ck[s] >= 0 and key not in self.pinned:
                 n += self.m.num_state_blocks
         return n
 
-    def _flop_aware_victims(self, target: int, protect: set[int], protect_ckpt: set[int]) -> list[tuple[str, Node]]:
+    def _take_prefix(self, order: np.ndarray, size: np.ndarray, target: int) -> np.ndarray:
+        """The shortest prefix of ``order`` whose ``size`` sums to at least ``target`` (all if none)."""
+        count = int(np.searchsorted(np.cumsum(size[order]), target)) + 1
+        return order[:count]
+
+    def _lru_victims(self, target: int, protect: np.ndarray, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Least recently used first: KV blocks by their release (a chain's tail first), checkpoints
+        by their last use, one order. KV candidates come off the front of the release queue, so
+        only the oldest are looked at."""
+        slots = slots[np.argsort(self._ck_order[slots], kind="stable")]
+        # live, unprotected KV entries from the queue's front until ``target`` of them (each unit
+        # frees >= 1 block, so the victims are among the first ``target`` units in order)
+        pos_parts, end, step = [], self._head, max(2 * target, 256)
+        found = 0
+        while found < target and end < self._tail:
+            stop = min(end + step, self._tail)
+            pos = self._live_queue(end, stop)
+            if protect.size:
+                pos = pos[~np.isin(self._fifo[pos], protect)]
+            pos_parts.append(pos)
+            found += pos.size
+            end = stop
+        pos = np.concatenate(pos_parts) if pos_parts else np.empty(0, dtype=np.int64)
+        kv_ids = self._fifo[pos]
+        order_key = np.concatenate((self._kv_order[kv_ids], self._ck_order[slots]))
+        if not order_key.size:
+            return kv_ids[:0], slots[:0]
+        size = np.concatenate((np.ones(kv_ids.size, dtype=np.int64), np.full(slots.size, self.m.num_state_blocks)))
+        order = np.argsort(order_key, kind="stable")
+        chosen = self._take_prefix(order, size, target)
+        n_kv = kv_ids.size
+        kv_chosen = chosen[chosen < n_kv]
+        if kv_chosen.size:  # the queue's front up to the last KV victim holds nothing live but protected blocks
+            last = int(pos[kv_chosen.max()])
+            keep = self._live_queue(self._head, last + 1)
+            keep = keep[np.isin(self._fifo[keep], protect)] if protect.size else keep[:0]
+            new_head = last + 1 - keep.size
+            self._fifo[new_head : last + 1] = self._fifo[keep]
+            self._fifo_ord[new_head : last + 1] = self._fifo_ord[keep]
+            self._head = new_head
+        return kv_ids[kv_chosen], slots[chosen[chosen >= n_kv] - n_kv]
+
+    def _flop_aware_victims(self, target: int, kv_ids: np.ndarray, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Lowest utility first: ``alpha * norm(log1p(FLOPs saved per byte)) + norm(recency)`` over
         all candidates. A checkpoint saves the FLOPs of the prefix it ends, a KV block those of its
         own tokens; FLOPs per byte spans orders of magnitude, so it is compared on a log scale."""
-        mask = self._kv_evictable
-        kept = [n.kv_block for k in protect if (n := self.nodes.get(k)) is not None and n.kv_block]
-        if kept:
-            mask = mask.copy()
-            mask[kept] = False
-        kv_ids = np.flatnonzero(mask)
-        # checkpoints in LRU order (ascending tick: both ways of moving one to the end set a new tick)
-        held = [n.checkpoint[0] for k in (*protect_ckpt, *self.pinned) if (n := self.nodes.get(k)) is not None
-                and n.checkpoint is not None]  # fmt: skip
-        if held:
-            ck_mask = self._ck_live.copy()
-            ck_mask[held] = False
-            slots = np.flatnonzero(ck_mask)
-        else:
-            slots = np.flatnonzero(self._ck_live)
-        slots = slots[np.argsort(self._ck_tick[slots], kind="stable")]
+        slots = slots[np.argsort(self._ck_tick[slots], kind="stable")]  # checkpoints in LRU order
         fpb = np.concatenate((self._kv_fpb[kv_ids], self._ck_fpb[slots]))
         if not fpb.size:
-            return []
+            return kv_ids[:0], slots[:0]
         tick = np.concatenate((self._kv_tick[kv_ids], self._ck_tick[slots])).astype(np.float64)
         size = np.concatenate((np.ones(kv_ids.size, dtype=np.int64), np.full(slots.size, self.m.num_state_blocks)))
 
@@ -567,9 +736,34 @@ class PrefixCache:
             order = near[np.argsort(utility[near], kind="stable")]
         else:
             order = np.argsort(utility, kind="stable")
-        count = int(np.searchsorted(np.cumsum(size[order]), target)) + 1
-        chosen, n_kv = order[:count], kv_ids.size
-        block_node, ck_node = self.block_node, self._ck_node
-        kv = [("kv", block_node[b]) for b in kv_ids[chosen[chosen < n_kv]].tolist()]
-        ck = [("ckpt", ck_node[s]) for s in slots[chosen[chosen >= n_kv] - n_kv].tolist()]
-        return kv + ck
+        chosen = self._take_prefix(order, size, target)
+        n_kv = kv_ids.size
+        return kv_ids[chosen[chosen < n_kv]], slots[chosen[chosen >= n_kv] - n_kv]
+
+    def _drop_all(self, kv: np.ndarray, ck_slots: np.ndarray) -> np.ndarray:
+        """Drop the KV blocks ``kv`` and the checkpoints ``ck_slots``; the freed ids (KV first, in
+        victim order)."""
+        parts = [kv.astype(np.int32)]
+        if kv.size:
+            slots = self._node_of[kv]
+            self._kv[slots] = 0
+            self._node_of[kv] = -1
+            self._n_mapped -= int(kv.size)
+            self._kv_evictable[kv] = False
+            self._n_evictable -= int(kv.size)
+            self.stats.kv_evicted += int(kv.size)
+            self._remove_nodes(slots[self._ck[slots] < 0])
+        for ck in ck_slots.tolist():
+            parts.append(self._drop_checkpoint(ck))
+        return np.concatenate(parts)
+
+    def _drop_checkpoint(self, ck: int) -> np.ndarray:
+        """Drop the checkpoint in slot ``ck``; its block ids (the node goes if it holds nothing now)."""
+        ids = self._ck_ids.pop(ck)
+        slot = self._ck_node.pop(ck)
+        self._ck[slot] = -1
+        self._ck_live[ck] = False
+        self.stats.checkpoints_evicted += 1
+        if not self._kv[slot]:
+            self._remove_nodes(np.array([slot], dtype=np.int64))
+        return ids

@@ -9,6 +9,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from hybridkv.blockmgr.hashing import TokenArray
+
 RequestId = Hashable
 _EMPTY = np.empty(0, dtype=np.int32)
 
@@ -95,7 +97,7 @@ class RequestRecord:
     tail_shared: bool = False
     # prefix caching: the input's token ids (then any appended), hash-chain keys of its full blocks,
     # and where it left the cached prefixes at admission
-    token_ids: list[int] | None = None
+    token_ids: TokenArray | None = None
     block_keys: list[int] = field(default_factory=list)
     branch_tokens: int = 0
 

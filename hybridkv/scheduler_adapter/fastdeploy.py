@@ -335,12 +335,12 @@ class FastDeployBlockManager:
             # a checkpoint reserved in this step is written only after this step's forward: a hit on
             # it would copy stale bytes. Match on the input cut before it (the request then caches
             # no blocks past the cut; rare: it needs a same-prefix request one chunk ahead).
-            while hit.checkpoint is not None and hit.checkpoint.key in self._fresh:
+            while hit.checkpoint_key is not None and hit.checkpoint_key in self._fresh:
                 tokens = tokens[: hit.num_tokens]
                 hit = cache.match(tokens, need)
             plan = m.plan_admission(need, token_ids=tokens)
             if plan.num_cached_tokens and hit.num_tokens == plan.num_cached_tokens:
-                blocks = [n.kv_block for n in hit.nodes]
+                blocks = hit.kv_blocks.tolist()
                 p = _Pending(tokens, hit.num_tokens, blocks, cache.num_pinned(hit), branch)
             else:
                 p = _Pending(tokens, 0, [], 0, branch)
@@ -366,7 +366,7 @@ class FastDeployBlockManager:
     def next_checkpoint_position(self, request: Any) -> int | None:
         """Input position where the next prefill chunk of ``request`` should end so that the state
         there can be checkpointed (``_get_num_new_tokens`` caps the chunk at it), or None."""
-        cache, rid, bs = self.manager.prefix_cache, request.request_id, self.block_size
+        cache, rid = self.manager.prefix_cache, request.request_id
         rec = self.manager.requests.get(rid)
         if cache is None:
             return None
@@ -377,10 +377,7 @@ class FastDeployBlockManager:
             tokens, branch = (pending.token_ids, pending.branch_tokens) if pending else (None, 0)
         if tokens is None:
             return None
-        for pos in range((request.num_computed_tokens // bs + 1) * bs, len(tokens) + 1, bs):
-            if cache.wants_checkpoint(pos, len(tokens), branch):
-                return pos
-        return None
+        return cache.next_checkpoint(request.num_computed_tokens, len(tokens), branch)
 
     def cache_output_blocks(self, request: Any, block_size: int) -> None:
         """Output tokens are not cached (their KV has no checkpoint to pair with): nothing to do."""

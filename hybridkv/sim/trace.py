@@ -103,6 +103,7 @@ class TokenMaker:
         self.vocab_size = vocab_size
         self.block_tokens = block_tokens
         self._blocks: dict[int, list[int]] = {}
+        self._arrays: dict[int, np.ndarray] = {}
 
     def block(self, hash_id: int) -> list[int]:
         b = self._blocks.get(hash_id)
@@ -116,6 +117,18 @@ class TokenMaker:
         out: list[int] = []
         for h in req.hash_ids:
             out.extend(self.block(h))
+        return out[: req.input_length]
+
+    def array(self, req: TraceRequest) -> np.ndarray:
+        """:meth:`tokens` as an int64 array (the prefix cache hashes arrays without converting)."""
+        arrays = self._arrays
+        parts = []
+        for h in req.hash_ids:
+            a = arrays.get(h)
+            if a is None:
+                a = arrays[h] = np.array(self.block(h), dtype=np.int64)
+            parts.append(a)
+        out = np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
         return out[: req.input_length]
 
 

@@ -1,0 +1,158 @@
+"""Token arrays and the prefix cache's hash chain, computed for a whole request at once.
+
+The chain key of block ``j`` (tokens ``[j * bs, (j + 1) * bs)``) is
+
+    K_j = C * K_{j-1} + h(block j)   (mod 2**64),   K_{-1} = 0 (``ROOT_KEY``)
+
+where ``h`` mixes every token with its position in the block and sums the results. The recurrence
+is linear, so the keys of ``n`` blocks are one cumulative sum (``K_j = C**j * (C * K_{start-1} +
+sum_k h_k * C**-k)``; ``C`` is odd, hence invertible mod 2**64): numpy over the token array, no
+Python object per block. Keys are int64 (the uint64 bits). Equal keys are not trusted alone: the
+cache compares a block's token ids on a hit.
+
+Token ids are held as int64 arrays (:class:`TokenArray` grows one in place for sampled tokens).
+"""
+
+from __future__ import annotations
+
+import array
+from collections.abc import Sequence
+
+import numpy as np
+
+ROOT_KEY = 0
+_MASK = (1 << 64) - 1
+_C = 0x9E3779B97F4A7C15  # odd: invertible mod 2**64
+_C_INV = pow(_C, -1, 1 << 64)
+_M1 = np.uint64(0xBF58476D1CE4E5B9)
+_M2 = np.uint64(0x94D049BB133111EB)
+_S29, _S31 = np.uint64(29), np.uint64(31)
+
+
+def as_token_array(token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
+    """``token_ids`` as a 1-D int64 array (no copy when it already is one).
+
+    Raises ``TypeError`` for anything that is not a sequence of integers (floats, bools, strings)
+    and ``ValueError`` for a multi-dimensional array."""
+    if isinstance(token_ids, np.ndarray):
+        arr = token_ids
+    else:
+        try:  # one strict pass over the Python ints (floats and strings raise)
+            return np.frombuffer(array.array("q", token_ids), dtype=np.int64)
+        except OverflowError as e:
+            raise TypeError(f"token ids must be integers that fit int64: {e}") from None
+        except TypeError:
+            arr = np.asarray(token_ids)  # a sequence of numpy scalars, or not integers: checked below
+    if arr.ndim != 1:
+        raise ValueError(f"token ids must be one-dimensional, got shape {arr.shape}")
+    if arr.dtype.kind not in "iu":
+        if arr.size == 0:
+            return np.empty(0, dtype=np.int64)
+        raise TypeError(f"token ids must be integers, got dtype {arr.dtype}")
+    if arr.dtype != np.int64:
+        if arr.dtype == np.uint64 and arr.size and int(arr.max()) > np.iinfo(np.int64).max:
+            raise TypeError("token ids must fit int64")
+        arr = arr.astype(np.int64)
+    return arr
+
+
+class TokenArray:
+    """A request's token ids: an int64 buffer grown by doubling (sampled tokens arrive one step at
+    a time). ``view()`` is the filled part (a view: valid until the next ``extend``)."""
+
+    __slots__ = ("_buf", "_n")
+
+    def __init__(self, token_ids: Sequence[int] | np.ndarray) -> None:
+        arr = as_token_array(token_ids)
+        self._buf = np.array(arr, dtype=np.int64, copy=True)
+        self._n = arr.size
+
+    def __len__(self) -> int:
+        return self._n
+
+    def view(self) -> np.ndarray:
+        return self._buf[: self._n]
+
+    def __getitem__(self, index: int | slice) -> np.ndarray | np.int64:
+        return self.view()[index]
+
+    def __iter__(self):  # noqa: ANN204
+        return iter(self.view().tolist())
+
+    def tolist(self) -> list[int]:
+        return self.view().tolist()
+
+    def extend(self, token_ids: Sequence[int] | np.ndarray) -> None:
+        arr = as_token_array(token_ids)
+        end = self._n + arr.size
+        if end > self._buf.size:
+            grown = np.empty(max(end, 2 * self._buf.size, 16), dtype=np.int64)
+            grown[: self._n] = self._buf[: self._n]
+            self._buf = grown
+        self._buf[self._n : end] = arr
+        self._n = end
+
+    def copy(self) -> TokenArray:
+        return TokenArray(self.view())
+
+
+class _Powers:
+    """``C**j`` and ``C**-j`` mod 2**64 for ``j < n``, grown on demand."""
+
+    def __init__(self) -> None:
+        self.pow = np.ones(1, dtype=np.uint64)
+        self.ipow = np.ones(1, dtype=np.uint64)
+
+    def get(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+        if n > self.pow.size:
+            size = max(n, 2 * self.pow.size, 256)
+            with np.errstate(over="ignore"):
+                self.pow = np.cumprod(np.full(size, _C, dtype=np.uint64))
+                self.ipow = np.cumprod(np.full(size, _C_INV, dtype=np.uint64))
+            self.pow = np.concatenate((np.ones(1, dtype=np.uint64), self.pow[:-1]))
+            self.ipow = np.concatenate((np.ones(1, dtype=np.uint64), self.ipow[:-1]))
+        return self.pow[:n], self.ipow[:n]
+
+
+_POWERS = _Powers()
+_SALTS: dict[int, np.ndarray] = {}
+
+
+def _salt(block_size: int) -> np.ndarray:
+    salt = _SALTS.get(block_size)
+    if salt is None:
+        with np.errstate(over="ignore"):
+            salt = (np.arange(1, block_size + 1, dtype=np.uint64) * np.uint64(_C)).astype(np.uint64)
+        _SALTS[block_size] = salt
+    return salt
+
+
+def block_hashes(blocks: np.ndarray) -> np.ndarray:
+    """``h`` of each row of ``blocks`` (``[n, block_size]`` int64): uint64 ``[n]``."""
+    x = blocks.view(np.uint64) + _salt(blocks.shape[1])
+    x = x * _M1
+    x ^= x >> _S31
+    x *= _M2
+    x ^= x >> _S29
+    return x.sum(axis=1, dtype=np.uint64)
+
+
+def chain_keys_array(tokens: np.ndarray, block_size: int, start: int = 0, end: int | None = None,
+                     parent: int = ROOT_KEY) -> np.ndarray:
+    """Chain keys (int64 ``[end - start]``) of the full blocks ``[start, end)`` of ``tokens``
+    (int64); ``parent`` is the key of block ``start - 1`` (``ROOT_KEY`` for ``start == 0``)."""
+    end = tokens.size // block_size if end is None else end
+    n = end - start
+    if n <= 0:
+        return np.empty(0, dtype=np.int64)
+    blocks = tokens[start * block_size : end * block_size].reshape(n, block_size)
+    h = block_hashes(blocks)
+    pw, ipw = _POWERS.get(n)
+    s = np.cumsum(h * ipw, dtype=np.uint64)  # uint64 array arithmetic wraps mod 2**64 (no warning)
+    s += np.uint64((_C * (parent & _MASK)) & _MASK)
+    return (pw * s).view(np.int64)
+
+
+def chain_keys(token_ids: Sequence[int] | np.ndarray, block_size: int) -> list[int]:
+    """Hash-chain keys of all full blocks of ``token_ids`` (Python ints)."""
+    return chain_keys_array(as_token_array(token_ids), block_size).tolist()
