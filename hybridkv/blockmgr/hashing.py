@@ -153,6 +153,14 @@ def chain_keys_array(tokens: np.ndarray, block_size: int, start: int = 0, end: i
     return (pw * s).view(np.int64)
 
 
+def chain_key(block: np.ndarray, parent: int) -> int:
+    """The chain key of one block (int64 ``[block_size]``) whose parent key is ``parent``: the
+    same value :func:`chain_keys_array` gives, without its per-array setup (the one-block path)."""
+    h = int(block_hashes(block.reshape(1, -1))[0])
+    key = (_C * (parent & _MASK) + h) & _MASK
+    return key - (1 << 64) if key >> 63 else key
+
+
 def chain_keys(token_ids: Sequence[int] | np.ndarray, block_size: int) -> list[int]:
     """Hash-chain keys of all full blocks of ``token_ids`` (Python ints)."""
     return chain_keys_array(as_token_array(token_ids), block_size).tolist()

@@ -30,7 +30,7 @@ import numpy as np
 
 from hybridkv.blockmgr.checkpoint_policy import DEFAULT_ALIGN_TOKENS, back_off_points, branch_last_aligned
 from hybridkv.blockmgr.flops import flop_coefficients, prefill_flops
-from hybridkv.blockmgr.hashing import ROOT_KEY, as_token_array, chain_keys, chain_keys_array
+from hybridkv.blockmgr.hashing import ROOT_KEY, as_token_array, chain_key, chain_keys, chain_keys_array
 from hybridkv.blockmgr.records import BlockUse
 
 if TYPE_CHECKING:
@@ -415,6 +415,11 @@ class PrefixCache:
             return
         if start:
             self.ensure(tokens, keys, kv_blocks, start - 1)  # a parent to hang the new blocks on
+        if end - start == 1:  # one block (decode, small chunks): scalar path, same key and books
+            key = chain_key(tokens[start * bs : end * bs], keys[-1] if keys else ROOT_KEY)
+            keys.append(key)
+            self._place(key, tokens, start, kv_blocks)
+            return
         new = chain_keys_array(tokens, bs, start, end, keys[-1] if keys else ROOT_KEY)
         new_list = new.tolist()
         keys.extend(new_list)
@@ -458,15 +463,20 @@ class PrefixCache:
         bs = self.block_size
         slot = self._slot.get(key)
         if slot is None:
-            slot = int(self._new_slots(np.array([key], dtype=np.int64), np.array([(j + 1) * bs]),
-                                       tokens[j * bs : (j + 1) * bs].reshape(1, bs))[0])
+            if not self._free_slots:
+                self._grow(1)
+            slot = self._free_slots.pop()
+            self._key[slot], self._pos[slot], self._kv[slot], self._ck[slot] = key, (j + 1) * bs, 0, -1
+            self._tok[slot] = tokens[j * bs : (j + 1) * bs]
+            self._slot[key] = slot
         if self.m._has_kv:
             block = int(kv_blocks[j])
             if not self._kv[slot] and self._node_of[block] < 0:
                 self._kv[slot] = block
                 self._node_of[block] = slot
                 self._n_mapped += 1
-                self._kv_fpb[block] = self._fpb(self._pos[slot : slot + 1])[0]
+                (lin, quad), pos = self._flops, int(self._pos[slot])  # _fpb's formula, in Python floats
+                self._kv_fpb[block] = (lin * bs + quad * (2 * pos - bs) * bs) / self._bytes_per_block
         elif self._ck[slot] < 0:  # a bare node of a state-only model: bounded, LRU
             self._bare[key] = None
             self._bare.move_to_end(key)
