@@ -151,8 +151,9 @@ class PrefixCache:
         # one counter orders every LRU event (KV blocks released, checkpoints made or hit)
         self._order = 0
         self._kv_order = np.zeros(nb, dtype=np.int64)
-        # evictable KV blocks in release order (LRU first): entries [head, tail) of a queue; an entry
-        # is stale once its block is taken back or evicted (its order no longer matches)
+        # the LRU queue: entries [head, tail) in LRU order, a KV block (code = its id, queued when it
+        # becomes evictable) or a checkpoint (code = -1 - its slot, queued when made or hit); an
+        # entry is stale once its unit is taken back, evicted or queued again (order mismatch)
         self._fifo = np.zeros(max(1024, nb), dtype=np.int64)
         self._fifo_ord = np.zeros(self._fifo.size, dtype=np.int64)
         self._head = self._tail = 0
@@ -383,7 +384,8 @@ class PrefixCache:
         if hit.checkpoint_key is not None:
             ck = int(self._ck[self._slot[hit.checkpoint_key]])
             self._ck_tick[ck] = now
-            self._ck_order[ck] = self._next_order(1)
+            self._ck_order[ck] = order = self._next_order(1)
+            self._enqueue(np.array([-1 - ck]), np.array([order]))
             self.pinned[hit.checkpoint_key] = self.m.pin_epoch
         self.stats.hit_tokens += hit.num_tokens
         return ids
@@ -556,7 +558,8 @@ class PrefixCache:
         self._ck_node[ck] = slot
         self._ck_live[ck] = True
         self._ck_tick[ck] = self._now()
-        self._ck_order[ck] = self._next_order(1)
+        self._ck_order[ck] = order = self._next_order(1)
+        self._enqueue(np.array([-1 - ck]), np.array([order]))
         self._ck_fpb[ck] = prefill_flops(self._flops, int(self._pos[slot])) / self._ckpt_bytes
         if self._bare:
             self._bare.pop(key, None)
@@ -600,8 +603,10 @@ class PrefixCache:
         if len(self._bare) > self._bare_cap or any(s is None or self._kv[s] or self._ck[s] >= 0 for s in bare_slots):
             problems.append("bare chain nodes over their bound or holding blocks")
         queued = self._fifo[self._live_queue()]
-        if queued.size != self._n_evictable or np.unique(queued).size != queued.size:
-            problems.append("the LRU queue of evictable KV blocks disagrees with the evictable blocks")
+        kv_q, ck_q = queued[queued >= 0], -1 - queued[queued < 0]
+        if (kv_q.size != self._n_evictable or np.unique(kv_q).size != kv_q.size or ck_q.size != len(self._ck_ids)
+                or set(ck_q.tolist()) != set(self._ck_ids)):
+            problems.append("the LRU queue disagrees with the evictable KV blocks and checkpoints")
         if any(not self.has_checkpoint(k) for k in self.pinned):
             problems.append("a pinned key has no checkpoint")
         return problems
@@ -623,7 +628,7 @@ class PrefixCache:
         target = max(num_blocks, int(self.config.evict_batch_fraction * self.m.pool.num_usable))
         target = max(num_blocks, min(target, self.num_evictable - self.num_protected(protect, protect_ckpt)))
         if self.config.eviction is EvictionPolicy.LRU:
-            kv, ck = self._lru_victims(target, protect, self._checkpoint_candidates(protect_ckpt))
+            kv, ck = self._lru_victims(target, protect, protect_ckpt)
         else:
             kv, ck = self._flop_aware_victims(target, *self._candidates(protect, protect_ckpt))
         ids = self._drop_all(kv, ck)
@@ -666,8 +671,12 @@ class PrefixCache:
         """Queue positions in ``[start, end)`` (default: all) whose entries are live."""
         start = self._head if start is None else start
         end = self._tail if end is None else end
-        b = self._fifo[start:end]
-        live = self._kv_evictable[b] & (self._kv_order[b] == self._fifo_ord[start:end])
+        code, order = self._fifo[start:end], self._fifo_ord[start:end]
+        kv = code >= 0
+        ck = np.where(kv, 0, -1 - code)
+        b = np.where(kv, code, 0)
+        live = np.where(kv, self._kv_evictable[b] & (self._kv_order[b] == order),
+                        self._ck_live[ck] & (self._ck_order[ck] == order))
         return np.flatnonzero(live) + start
 
     def num_protected(self, protect: np.ndarray, protect_ckpt: set[int] = frozenset()) -> int:  # type: ignore[assignment]
@@ -684,42 +693,40 @@ class PrefixCache:
         count = int(np.searchsorted(np.cumsum(size[order]), target)) + 1
         return order[:count]
 
-    def _lru_victims(self, target: int, protect: np.ndarray, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Least recently used first: KV blocks by their release (a chain's tail first), checkpoints
-        by their last use, one order. KV candidates come off the front of the release queue, so
-        only the oldest are looked at."""
-        slots = slots[np.argsort(self._ck_order[slots], kind="stable")]
-        # live, unprotected KV entries from the queue's front until ``target`` of them (each unit
-        # frees >= 1 block, so the victims are among the first ``target`` units in order)
-        pos_parts, end, step = [], self._head, max(2 * target, 256)
-        found = 0
-        while found < target and end < self._tail:
+    def _lru_victims(self, target: int, protect: np.ndarray, protect_ckpt: set[int]) -> tuple[np.ndarray, np.ndarray]:
+        """Least recently used first, off the front of the LRU queue: KV blocks by their release (a
+        chain's tail first) and checkpoints by their last use, in one order; protected KV blocks,
+        protected and pinned checkpoints are passed over (and stay queued)."""
+        held = [-1 - int(self._ck[s]) for k in (*protect_ckpt, *self.pinned)
+                if (s := self._slot.get(k)) is not None and self._ck[s] >= 0]  # fmt: skip
+        nsb = self.m.num_state_blocks
+        parts, end, step, got = [], self._head, max(2 * target, 256), 0
+        while got < target and end < self._tail:  # live, unprotected entries from the front
             stop = min(end + step, self._tail)
             pos = self._live_queue(end, stop)
-            if protect.size:
-                pos = pos[~np.isin(self._fifo[pos], protect)]
-            pos_parts.append(pos)
-            found += pos.size
+            code = self._fifo[pos]
+            if protect.size or held:
+                pos = pos[~np.isin(code, np.concatenate((protect, held)) if held else protect)]
+                code = self._fifo[pos]
+            parts.append(pos)
+            got += int(code.size + np.count_nonzero(code < 0) * (nsb - 1))
             end = stop
-        pos = np.concatenate(pos_parts) if pos_parts else np.empty(0, dtype=np.int64)
-        kv_ids = self._fifo[pos]
-        order_key = np.concatenate((self._kv_order[kv_ids], self._ck_order[slots]))
-        if not order_key.size:
-            return kv_ids[:0], slots[:0]
-        size = np.concatenate((np.ones(kv_ids.size, dtype=np.int64), np.full(slots.size, self.m.num_state_blocks)))
-        order = np.argsort(order_key, kind="stable")
-        chosen = self._take_prefix(order, size, target)
-        n_kv = kv_ids.size
-        kv_chosen = chosen[chosen < n_kv]
-        if kv_chosen.size:  # the queue's front up to the last KV victim holds nothing live but protected blocks
-            last = int(pos[kv_chosen.max()])
+        if not parts:
+            return _EMPTY, _EMPTY
+        pos = np.concatenate(parts)
+        code = self._fifo[pos]
+        chosen = self._take_prefix(np.arange(pos.size), np.where(code >= 0, 1, nsb), target)
+        if chosen.size:  # the queue's front up to the last victim keeps only its passed-over live entries
+            last = int(pos[chosen[-1]])
             keep = self._live_queue(self._head, last + 1)
-            keep = keep[np.isin(self._fifo[keep], protect)] if protect.size else keep[:0]
+            kc = self._fifo[keep]
+            keep = keep[np.isin(kc, np.concatenate((protect, held)))] if (protect.size or held) else keep[:0]
             new_head = last + 1 - keep.size
             self._fifo[new_head : last + 1] = self._fifo[keep]
             self._fifo_ord[new_head : last + 1] = self._fifo_ord[keep]
             self._head = new_head
-        return kv_ids[kv_chosen], slots[chosen[chosen >= n_kv] - n_kv]
+        victims = code[chosen]
+        return victims[victims >= 0], -1 - victims[victims < 0]
 
     def _flop_aware_victims(self, target: int, kv_ids: np.ndarray, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Lowest utility first: ``alpha * norm(log1p(FLOPs saved per byte)) + norm(recency)`` over
