@@ -1,0 +1,97 @@
+"""The prefix cache's hash chain and token arrays (hybridkv.blockmgr.hashing)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hybridkv.blockmgr.hashing import (
+    ROOT_KEY,
+    TokenArray,
+    as_token_array,
+    block_hashes,
+    chain_key,
+    chain_keys,
+    chain_keys_array,
+)
+
+MASK = (1 << 64) - 1
+C = 0x9E3779B97F4A7C15
+
+
+def sequential_keys(tokens: list[int], bs: int) -> list[int]:
+    """The documented rule, one block at a time in Python ints: K_j = C * K_{j-1} + h_j mod 2**64."""
+    arr = np.array(tokens, dtype=np.int64)
+    n = len(tokens) // bs
+    h = block_hashes(arr[: n * bs].reshape(n, bs)).tolist() if n else []
+    out, k = [], ROOT_KEY
+    for x in h:
+        k = (C * k + x) & MASK
+        out.append(k - (1 << 64) if k >> 63 else k)
+    return out
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    tokens=st.lists(st.integers(-(2**63), 2**63 - 1), max_size=200),
+    bs=st.sampled_from([1, 2, 3, 4, 16]),
+    cut=st.integers(0, 60),
+)
+def test_chain_keys_follow_the_rule_in_one_piece_or_several(tokens, bs, cut):
+    arr = as_token_array(tokens)
+    want = sequential_keys(tokens, bs)
+    assert chain_keys_array(arr, bs).tolist() == want == chain_keys(tokens, bs)
+    n = len(tokens) // bs
+    cut = min(cut, n)
+    first = chain_keys_array(arr, bs, 0, cut).tolist()
+    rest = chain_keys_array(arr, bs, cut, n, first[-1] if first else ROOT_KEY).tolist()
+    assert first + rest == want  # registering a request in chunks gives the keys of the whole
+    key = ROOT_KEY
+    for j in range(n):  # the one-block path
+        key = chain_key(arr[j * bs : (j + 1) * bs], key)
+        assert key == want[j]
+
+
+def test_keys_depend_on_every_token_and_its_position():
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 32000, 64 * 20)
+    keys = chain_keys_array(tokens, 64)
+    assert np.unique(keys).size == keys.size
+    for i in (0, 63, 640, 64 * 20 - 1):
+        changed = tokens.copy()
+        changed[i] += 1
+        other = chain_keys_array(changed, 64)
+        j = i // 64
+        assert (other[:j] == keys[:j]).all() and (other[j:] != keys[j:]).all()
+    swapped = tokens.copy()
+    swapped[[0, 1]] = swapped[[1, 0]]
+    assert chain_keys_array(swapped, 64)[0] != keys[0] or tokens[0] == tokens[1]
+
+
+def test_token_arrays_reject_what_is_not_an_integer_sequence():
+    assert as_token_array([]).dtype == np.int64 and as_token_array([]).size == 0
+    assert as_token_array(np.array([1, 2], dtype=np.int32)).dtype == np.int64
+    assert as_token_array([np.int64(3), 4]).tolist() == [3, 4]
+    a = np.array([5, 6], dtype=np.int64)
+    assert as_token_array(a) is a  # no copy
+    for bad in ([1.5, 2], ["a"], np.array([1.0]), [2**64]):
+        with pytest.raises(TypeError):
+            as_token_array(bad)
+    with pytest.raises(ValueError):
+        as_token_array(np.zeros((2, 2), dtype=np.int64))
+
+
+def test_token_array_grows_in_place_and_copies_are_independent():
+    t = TokenArray([1, 2, 3])
+    for i in range(100):
+        t.extend([i])
+    assert len(t) == 103 and t.tolist()[:4] == [1, 2, 3, 0] and t[-1] == 99
+    c = t.copy()
+    c.extend([7])
+    assert len(t) == 103 and len(c) == 104
+    src = np.array([4, 5], dtype=np.int64)
+    t2 = TokenArray(src)
+    src[0] = 9
+    assert t2.tolist() == [4, 5]  # the record owns its copy
