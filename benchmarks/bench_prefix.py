@@ -64,15 +64,26 @@ MODELS = {  # name -> (preset, state dtype, tp, budgets in GiB)
 # (layout, checkpoint policy, eviction, every_n): every_n=1 in the padded layout is vLLM's "all" mode
 # (a state at every block); padded with the project's policies is the other baseline
 CONFIGS = [
-    ("padded", "every_n_blocks", "lru", 1),
+    ("padded", "every_n_blocks", "lru", 1),  # vLLM's own behaviour: no demote_tail (see VLLM_STYLE)
     ("padded", "branch_and_last", "flop_aware", 8),
     ("padded", "branch_and_last", "lru", 8),
     ("padded", "branch_last_aligned", "flop_aware", 8),
     ("padded", "branch_last_aligned", "lru", 8),
     ("paged", "branch_and_last", "flop_aware", 8),
     ("paged", "branch_last_aligned", "lru", 8),
+    # branch_spaced (the default): the same positions' kinds, a minimum gap apart (from bytes); both layouts
+    ("padded", "branch_spaced", "lru", 8),
+    ("padded", "branch_spaced", "flop_aware", 8),
+    ("paged", "branch_spaced", "lru", 8),
 ]
 WORKLOADS = ("trace", "trace-sessions", "multiturn")
+VLLM_STYLE = ("padded", "every_n_blocks", "lru", 1)  # run as vLLM does: cached KV in plain LRU order
+
+
+def config_kwargs(config: tuple, legacy: bool) -> dict:
+    """Further PrefixCacheConfig fields of a CONFIGS row: the vLLM-style row (and every row with
+    ``--legacy``, the settings before ``demote_tail`` existed) keeps cached KV in plain LRU order."""
+    return {"demote_tail": False} if legacy or tuple(config) == VLLM_STYLE else {}
 
 
 def label(layout: str, checkpoint: str, eviction: str, every_n: int) -> str:
@@ -207,7 +218,8 @@ def multiturn_items(num_sessions: int = 300, seed: int = 0) -> tuple[list[Item],
 
 # ---- replay ---------------------------------------------------------------------------------------
 def replay(model_key, budget_gib, layout_kind, checkpoint, eviction, every_n, items, concurrency, align=(512, 2048),
-           block_size=64):
+           block_size=64, **policy):
+    """One replay; ``policy``: further :class:`PrefixCacheConfig` fields (e.g. ``min_gap_tokens``)."""
     name, dtype, tp, _ = MODELS[model_key]
     spec = preset(name, dtype, tp)
     if layout_kind == "padded":
@@ -215,7 +227,7 @@ def replay(model_key, budget_gib, layout_kind, checkpoint, eviction, every_n, it
     else:
         layout = plan(spec, int(budget_gib * GiB), block_size=block_size)
     config = PrefixCacheConfig(
-        CheckpointPolicy(checkpoint), EvictionPolicy(eviction), every_n=every_n, align_tokens=tuple(align)
+        CheckpointPolicy(checkpoint), EvictionPolicy(eviction), every_n=every_n, align_tokens=tuple(align), **policy
     )
     m = HybridBlockManager(layout, prefix_cache=config)
     bs = layout.block_size
@@ -366,12 +378,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="400 requests, the middle budget only")
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--align-tokens", type=int, nargs="+", default=[512, 2048], help="branch_last_aligned grids")
+    # (branch_spaced uses PrefixCacheConfig's defaults: spaced_align_tokens, gap_fraction)
     ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     ap.add_argument("--budgets", nargs="+", type=int, default=None, help="GiB (default 16 32 64)")
     ap.add_argument("--workloads", nargs="+", default=["trace", "multiturn"], choices=WORKLOADS)
     ap.add_argument("--configs", nargs="+", type=int, default=None, help="indices into CONFIGS (default all)")
     ap.add_argument("--sessions", type=int, default=300, help="multiturn: number of conversations")
     ap.add_argument("--name", default="prefix", help="results file name prefix")
+    ap.add_argument("--legacy", action="store_true",
+                    help="demote_tail off in every row (as before it existed: comparable with older runs)")
     args = ap.parse_args(argv)
     limit = 400 if args.quick and args.limit is None else args.limit
     quick_note = (
@@ -400,8 +415,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     overall = tqdm(runs, desc="all runs", unit="run", position=0)
     for workload, items, model_key, budget, layout_kind, checkpoint, eviction, every_n in overall:
+        extra = config_kwargs((layout_kind, checkpoint, eviction, every_n), args.legacy)
         r = replay(model_key, budget, layout_kind, checkpoint, eviction, every_n, items, args.concurrency,
-                   tuple(args.align_tokens))
+                   tuple(args.align_tokens), **extra)
+        r.update(extra)
         r["workload"] = workload
         rows.append(r)
         tqdm.write(
@@ -421,6 +438,7 @@ def main(argv: list[str] | None = None) -> int:
             "workloads": infos,
             "trace": str(args.trace),
             "limit": limit,
+            "legacy": args.legacy,
             "concurrency": args.concurrency,
             "align_tokens": args.align_tokens,
             "assumptions": {

@@ -51,15 +51,19 @@ def main() -> None:
     show(m, "a swapped back in")
     m.free("a")
 
-    # prefix caching: prefill a request in chunks that end where the policy wants a checkpoint
-    m.allocate("c", 64, token_ids=prompt)
-    while m.requests["c"].num_tokens < len(prompt):
-        stop = m.next_checkpoint_position("c") or len(prompt)
+    # prefix caching: prefill a request in chunks that end where the policy wants a checkpoint. The
+    # default policy (branch_spaced) keeps a state only where it saves enough recompute for its bytes
+    # (a MiniMax-M1 TP8 state weighs as much as 7,168 tokens of KV): a 3,000-token prompt gets one at
+    # 2,560 (its end rounded down to 512), a 1,000-token one would get none
+    long_prompt = list(range(3000))
+    m.allocate("c", 64, token_ids=long_prompt)
+    while m.requests["c"].num_tokens < len(long_prompt):
+        stop = m.next_checkpoint_position("c") or len(long_prompt)
         m.append("c", stop - m.requests["c"].num_tokens)
         m.checkpoint("c")  # the executor copies live -> checkpoint before the next forward
     m.free("c")
     show(m, "c finished: its KV and checkpoint stay cached")
-    follow_up = prompt + list(range(5000, 5100))
+    follow_up = long_prompt + list(range(5000, 5100))
     hit = m.allocate("d", len(follow_up), token_ids=follow_up)
     print(f"d hits {hit.num_cached_tokens} of {len(follow_up)} tokens; {len(hit.copies)} state blocks to copy")
     m.check_integrity()

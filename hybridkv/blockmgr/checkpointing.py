@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from hybridkv.blockmgr.records import BlockCopies, RequestId
+from hybridkv.blockmgr.records import BlockCopies, RequestId, RequestRecord
 
 if TYPE_CHECKING:
     from hybridkv.blockmgr.manager import HybridBlockManager
@@ -23,7 +23,8 @@ class CheckpointMixin:
         cache = self.prefix_cache
         if cache is None or rec.token_ids is None:
             return None
-        return cache.next_checkpoint(rec.num_tokens, len(rec.token_ids), rec.branch_tokens)
+        below = self._checkpoint_below(rec, rec.num_tokens + self.block_size)
+        return cache.next_checkpoint(rec.num_tokens, len(rec.token_ids), rec.branch_tokens, below)
 
     def checkpoint(self: HybridBlockManager, request_id: RequestId, final: bool = False) -> BlockCopies:
         """Save the live state at the request's current position if the policy wants it there.
@@ -43,7 +44,8 @@ class CheckpointMixin:
         pos, bs = rec.num_tokens, self.block_size
         if cache is None or rec.token_ids is None or pos % bs or pos // bs > len(rec.block_keys):
             return _NO_COPIES
-        if not cache.wants_checkpoint(pos, len(rec.token_ids), rec.branch_tokens, final):
+        below = self._checkpoint_below(rec, pos)
+        if not cache.wants_checkpoint(pos, len(rec.token_ids), rec.branch_tokens, final, below):
             return _NO_COPIES
         key = rec.block_keys[pos // bs - 1]
         # the node must survive the eviction that makes room, so what it pins is not available
@@ -59,3 +61,11 @@ class CheckpointMixin:
         # pinned: the live blocks it reads must not be reused (request finished, aborted, swapped
         # out) nor the checkpoint evicted before the executor ran the copy
         return self._pin(BlockCopies(self._set_ids(rec.state).copy(), ids.copy()))
+
+    def _checkpoint_below(self: HybridBlockManager, rec: RequestRecord, position: int) -> int:
+        """The position of the deepest checkpoint on the request's chain strictly below ``position``
+        (0: none); only policies that space their checkpoints ask (the others get 0)."""
+        cache = self.prefix_cache
+        if cache is None or not cache.spaces_checkpoints:
+            return 0
+        return cache.deepest_checkpoint(rec.block_keys, (position - 1) // self.block_size)

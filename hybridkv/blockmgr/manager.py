@@ -543,10 +543,12 @@ class HybridBlockManager(CheckpointMixin, SpeculationMixin, SwapMixin, TransferM
         self._make_room(num_blocks)
         return self.pool.allocate(num_blocks)
 
-    def _release_kv(self, ids: np.ndarray) -> np.ndarray:
-        """Drop one reference; cached blocks that reach zero become evictable; returns the rest."""
+    def _release_kv(self, ids: np.ndarray, chain: list[int] | None = None) -> np.ndarray:
+        """Drop one reference; cached blocks that reach zero become evictable; returns the rest.
+        ``chain``: the releasing request's chain keys (the prefix cache demotes what lies past its
+        deepest checkpoint)."""
         zero = self.pool.decref(ids)
-        return zero if self.prefix_cache is None else self.prefix_cache.release(zero)
+        return zero if self.prefix_cache is None else self.prefix_cache.release(zero, chain)
 
     def _drop_kv(self, ids: np.ndarray) -> None:
         self._give_back(self._release_kv(ids))
@@ -568,6 +570,6 @@ class HybridBlockManager(CheckpointMixin, SpeculationMixin, SwapMixin, TransferM
             return
         owned = np.concatenate((self._set_ids(rec.state), self._set_ids(rec.spec)))
         self.pool.ref_counts[owned] = 0
-        self._give_back(np.concatenate((owned, self._release_kv(rec.kv_blocks))))
+        self._give_back(np.concatenate((owned, self._release_kv(rec.kv_blocks, rec.block_keys))))
         self.tables.give_back(rec)
         rec.run = None

@@ -21,6 +21,7 @@ The cache holds no tensors; the manager runs it (``HybridBlockManager(..., prefi
 from __future__ import annotations
 
 import enum
+import functools
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -28,7 +29,14 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
-from hybridkv.blockmgr.checkpoint_policy import DEFAULT_ALIGN_TOKENS, back_off_points, branch_last_aligned
+from hybridkv.blockmgr.checkpoint_policy import (
+    DEFAULT_ALIGN_TOKENS,
+    DEFAULT_GAP_FRACTION,
+    back_off_points,
+    branch_last_aligned,
+    spaced_grids,
+    spaced_positions,
+)
 from hybridkv.blockmgr.flops import flop_coefficients, prefill_flops
 from hybridkv.blockmgr.hashing import ROOT_KEY, as_token_array, chain_key, chain_keys, chain_keys_array
 from hybridkv.blockmgr.records import BlockUse
@@ -56,6 +64,7 @@ class CheckpointPolicy(enum.Enum):
     EVERY_N_BLOCKS = "every_n_blocks"  # at every n-th block boundary of the input
     BRANCH_AND_LAST = "branch_and_last"  # where a request leaves the cached prefixes, and at its input's end
     BRANCH_LAST_ALIGNED = "branch_last_aligned"  # branch, finished request's end, input end on coarse grids
+    BRANCH_SPACED = "branch_spaced"  # branch, finished request's end, grid back-offs, a minimum gap apart
 
 
 class EvictionPolicy(enum.Enum):
@@ -69,12 +78,22 @@ class PrefixCacheConfig:
     ``evict_batch_fraction``: each eviction frees at least this fraction of the pool (both
     policies), so ranking the candidates is paid rarely."""
 
-    checkpoint: CheckpointPolicy = CheckpointPolicy.BRANCH_AND_LAST
-    eviction: EvictionPolicy = EvictionPolicy.FLOP_AWARE
+    checkpoint: CheckpointPolicy = CheckpointPolicy.BRANCH_SPACED
+    eviction: EvictionPolicy = EvictionPolicy.LRU
     every_n: int = 8
     alpha: float = 1.0
     evict_batch_fraction: float = 0.01
     align_tokens: tuple[int, ...] = DEFAULT_ALIGN_TOKENS  # branch_last_aligned: back-off grids, finest first
+    # branch_spaced: back-off grids; None: 512 and the checkpoint's bytes in KV tokens (the model's
+    # state bytes / KV bytes per token) rounded up to a power of two (see checkpoint_policy.spaced_grids)
+    spaced_align_tokens: tuple[int, ...] | None = None
+    # branch_spaced: minimum tokens between checkpoints on one chain; None: ``gap_fraction`` of the
+    # checkpoint's bytes in KV tokens
+    min_gap_tokens: int | None = None
+    gap_fraction: float = DEFAULT_GAP_FRACTION
+    # hybrid models: a released request's cached KV past the deepest checkpoint on its chain can only
+    # mark a branch, never serve a hit: it goes to the front of the LRU queue (evicted first)
+    demote_tail: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "checkpoint", CheckpointPolicy(self.checkpoint))
@@ -83,6 +102,16 @@ class PrefixCacheConfig:
         if not align or any(not isinstance(a, int) or a <= 0 for a in align):
             raise ValueError(f"align_tokens must be positive numbers of tokens, got {self.align_tokens!r}")
         object.__setattr__(self, "align_tokens", align)
+        spaced = self.spaced_align_tokens
+        if spaced is not None:
+            spaced = (spaced,) if isinstance(spaced, int) else tuple(spaced)
+            if not spaced or any(not isinstance(a, int) or a <= 0 for a in spaced):
+                raise ValueError(f"spaced_align_tokens must be positive token counts, got {self.spaced_align_tokens!r}")
+            object.__setattr__(self, "spaced_align_tokens", spaced)
+        if self.min_gap_tokens is not None and self.min_gap_tokens < 0:
+            raise ValueError(f"min_gap_tokens must be >= 0 or None, got {self.min_gap_tokens}")
+        if self.gap_fraction < 0:
+            raise ValueError(f"gap_fraction must be >= 0, got {self.gap_fraction}")
         if self.every_n <= 0:
             raise ValueError(f"every_n must be a positive number of blocks, got {self.every_n}")
 
@@ -157,6 +186,7 @@ class PrefixCache:
         self._fifo = np.zeros(max(1024, nb), dtype=np.int64)
         self._fifo_ord = np.zeros(self._fifo.size, dtype=np.int64)
         self._head = self._tail = 0
+        self._front = 0  # orders of demoted entries count down from here (they queue at the front)
         # ---- checkpoints, by slot (first block id)
         self._ck_live = np.zeros(nb, dtype=bool)
         self._ck_tick = np.zeros(nb, dtype=np.int64)
@@ -487,8 +517,13 @@ class PrefixCache:
                 self._free_slots.append(self._slot.pop(old))
         return slot
 
-    def release(self, ids: np.ndarray) -> np.ndarray:
-        """KV blocks whose count reached zero: cached ones become evictable; returns the rest."""
+    def release(self, ids: np.ndarray, chain: list[int] | None = None) -> np.ndarray:
+        """KV blocks whose count reached zero: cached ones become evictable; returns the rest.
+
+        ``chain``: the chain keys of the request releasing them, if it is one request's chain. With
+        ``demote_tail`` (hybrid models), the released blocks past the deepest checkpoint on that chain
+        (without ``chain``: among the released blocks) go to the front of the LRU queue: no hit can
+        end there, they only mark where a branch would leave the cached prefix."""
         if not self._n_mapped or ids.size == 0:
             return ids
         now = self._now()
@@ -500,18 +535,67 @@ class PrefixCache:
             first = self._next_order(kept.size)
             queued = kept[::-1]
             self._kv_order[queued] = orders = np.arange(first, first + kept.size)
-            self._enqueue(queued, orders)
             self.m.use[kept] = BlockUse.CACHED_KV
             self._kv_evictable[kept] = True
             self._n_evictable += int(kept.size)
             self._kv_tick[kept] = now
+            tail = self._dead_tail(kept, chain) if self.config.demote_tail and self.m.num_state_groups else None
+            if tail is not None and tail.size:
+                tail = tail[::-1]  # deepest first, like the rest: the chain is cut from its end
+                self._front -= tail.size
+                self._kv_order[tail] = front = np.arange(self._front, self._front + tail.size)
+                self._kv_tick[tail] = 0
+                back = queued[~np.isin(queued, tail)]  # the rest queue at the back as usual
+                self._enqueue(back, self._kv_order[back])
+                self._enqueue_front(tail, front)
+            else:
+                self._enqueue(queued, orders)
         return ids[~keep]
-    def wants_checkpoint(self, position: int, input_len: int, branch: int, final: bool = False) -> bool:
+
+    def _dead_tail(self, kept: np.ndarray, chain: list[int] | None) -> np.ndarray:
+        """Of ``kept`` (cached blocks in chain order), those past the deepest checkpoint."""
+        pos = self._pos[self._node_of[kept]]
+        if chain is not None:
+            deepest = self.deepest_checkpoint(chain)
+        else:
+            ck = self._ck[self._node_of[kept]] >= 0
+            deepest = int(pos[ck].max()) if ck.any() else 0
+        return kept[pos > deepest]
+    @functools.cached_property
+    def checkpoint_tokens(self) -> float:
+        """A checkpoint's bytes in tokens of KV: the model's state bytes / its KV bytes per token
+        (a property of the model, not of the layout's block size)."""
+        model = self.m.layout.model
+        return model.state_bytes / max(model.kv_bytes_per_token, 1)
+
+    @functools.cached_property
+    def min_gap(self) -> int:
+        """``branch_spaced``'s minimum spacing in tokens (independent of the layout's block size)."""
+        cfg = self.config
+        return cfg.min_gap_tokens if cfg.min_gap_tokens is not None else int(cfg.gap_fraction * self.checkpoint_tokens)
+
+    @functools.cached_property
+    def spaced_grids(self) -> tuple[int, ...]:
+        """``branch_spaced``'s back-off grids in tokens (configured, or derived from bytes)."""
+        return self.config.spaced_align_tokens or spaced_grids(self.checkpoint_tokens)
+
+    @property
+    def spaces_checkpoints(self) -> bool:
+        """Whether the policy needs the deepest checkpoint below a position (``below``)."""
+        return self.config.checkpoint is CheckpointPolicy.BRANCH_SPACED
+
+    def planned_checkpoints(self, input_len: int, branch: int, below: int) -> list[int]:
+        """``branch_spaced``: the input positions it checkpoints above ``below`` (the deepest
+        checkpoint on the request's chain), ascending."""
+        return spaced_positions(input_len, branch, below, self.block_size, self.spaced_grids, self.min_gap)
+
+    def wants_checkpoint(self, position: int, input_len: int, branch: int, final: bool = False, below: int = 0) -> bool:
         """Whether the policy checkpoints at ``position`` of an input of ``input_len`` tokens that
         left the cached prefixes at ``branch`` (block-aligned positions only). ``final``: the
         position is the last block boundary of a finishing request's tokens, reply included (a later
-        turn that repeats the conversation hits there): ``branch_and_last`` and
-        ``branch_last_aligned`` take it, ``every_n_blocks`` only on its grid."""
+        turn that repeats the conversation hits there): ``branch_and_last``, ``branch_last_aligned``
+        and ``branch_spaced`` take it, ``every_n_blocks`` only on its grid. ``below``: the deepest
+        checkpoint on the request's chain below ``position`` (``branch_spaced`` keeps its gap from it)."""
         cfg, bs = self.config, self.block_size
         if position <= 0 or position % bs or not self.m.num_state_groups:
             return False
@@ -519,14 +603,16 @@ class PrefixCache:
             return (position // bs) % cfg.every_n == 0
         if cfg.checkpoint is CheckpointPolicy.BRANCH_LAST_ALIGNED:
             return final or branch_last_aligned(position, input_len, branch, bs, cfg.align_tokens)
+        if cfg.checkpoint is CheckpointPolicy.BRANCH_SPACED:
+            return final or position in self.planned_checkpoints(input_len, branch, below)
         if cfg.checkpoint is CheckpointPolicy.BRANCH_AND_LAST:
             return final or position == branch or position == (input_len // bs) * bs
         return False
 
-    def next_checkpoint(self, num_tokens: int, input_len: int, branch: int) -> int | None:
+    def next_checkpoint(self, num_tokens: int, input_len: int, branch: int, below: int = 0) -> int | None:
         """The first position ``p`` with ``num_tokens < p <= input_len`` (on the block grid past
         ``num_tokens``'s block) where :meth:`wants_checkpoint` is true, or None; computed from the
-        policy's positions, not by asking at every block."""
+        policy's positions, not by asking at every block. ``below``: as for :meth:`wants_checkpoint`."""
         cfg, bs = self.config, self.block_size
         lo = (num_tokens // bs + 1) * bs
         if lo > input_len or not self.m.num_state_groups:
@@ -539,10 +625,21 @@ class PrefixCache:
             wanted = {branch, (input_len // bs) * bs}
         elif cfg.checkpoint is CheckpointPolicy.BRANCH_LAST_ALIGNED:
             wanted = {branch, *back_off_points(input_len, branch, bs, cfg.align_tokens)}
+        elif cfg.checkpoint is CheckpointPolicy.BRANCH_SPACED:
+            wanted = set(self.planned_checkpoints(input_len, branch, below))
         else:
             return None
         found = [p for p in wanted if lo <= p <= input_len and p % bs == 0]
         return min(found) if found else None
+
+    def deepest_checkpoint(self, keys: list[int], end: int | None = None) -> int:
+        """Token position of the deepest checkpoint among the chain ``keys[:end]`` (0: none)."""
+        keys = keys if end is None else keys[: max(end, 0)]
+        if not keys or not self._ck_ids:
+            return 0
+        slots = self._lookup(keys)
+        held = np.flatnonzero((slots >= 0) & (self._ck[np.maximum(slots, 0)] >= 0))
+        return (int(held[-1]) + 1) * self.block_size if held.size else 0
 
     def has_checkpoint(self, key: int) -> bool:
         slot = self._slot.get(key)
@@ -666,6 +763,20 @@ class PrefixCache:
         self._fifo[self._tail : self._tail + n] = blocks
         self._fifo_ord[self._tail : self._tail + n] = orders
         self._tail += n
+
+    def _enqueue_front(self, codes: np.ndarray, orders: np.ndarray) -> None:
+        """Put entries (orders below every queued one, ascending) at the front of the LRU queue."""
+        n = codes.size
+        if self._head < n:  # make room at the front
+            live = self._live_queue()
+            size = max(self._fifo.size, 2 * (live.size + n))
+            fifo, ords = np.zeros(size, dtype=np.int64), np.zeros(size, dtype=np.int64)
+            start = (size - live.size) // 2  # >= n: room at both ends
+            fifo[start : start + live.size], ords[start : start + live.size] = self._fifo[live], self._fifo_ord[live]
+            self._fifo, self._fifo_ord, self._head, self._tail = fifo, ords, start, start + live.size
+        self._head -= n
+        self._fifo[self._head : self._head + n] = codes
+        self._fifo_ord[self._head : self._head + n] = orders
 
     def _live_queue(self, start: int | None = None, end: int | None = None) -> np.ndarray:
         """Queue positions in ``[start, end)`` (default: all) whose entries are live."""

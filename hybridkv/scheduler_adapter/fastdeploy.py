@@ -370,14 +370,17 @@ class FastDeployBlockManager:
         rec = self.manager.requests.get(rid)
         if cache is None:
             return None
+        done = request.num_computed_tokens
         if rec is not None:
             tokens, branch = rec.token_ids, rec.branch_tokens
-        else:
+            below = self.manager._checkpoint_below(rec, done + self.block_size)
+        else:  # not admitted yet: the deepest checkpoint on its chain is the hit's
             pending = self._pending.get(rid)
             tokens, branch = (pending.token_ids, pending.branch_tokens) if pending else (None, 0)
+            below = pending.num_cached_tokens if pending else 0
         if tokens is None:
             return None
-        return cache.next_checkpoint(request.num_computed_tokens, len(tokens), branch)
+        return cache.next_checkpoint(done, len(tokens), branch, below)
 
     def cache_output_blocks(self, request: Any, block_size: int) -> None:
         """Output tokens are not cached (their KV has no checkpoint to pair with): nothing to do."""
