@@ -83,8 +83,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     s.add_argument("--block-size", type=_positive_int, default=None, help="tokens per KV block (default 64)")
     s.add_argument("--layout", choices=["paged", "padded"], default="paged")
     s.add_argument("--preemption", choices=["recompute", "swap", "auto"], default="auto")
-    s.add_argument("--prefix", choices=["none", "lru", "flop_aware"], default="flop_aware", help="prefix cache")
-    s.add_argument("--checkpoint", choices=["none", "every_n_blocks", "branch_and_last"], default="branch_and_last")
+    s.add_argument("--prefix", choices=["none", "lru", "flop_aware"], default="lru", help="prefix cache eviction")
+    s.add_argument("--checkpoint", default="branch_spaced", help="checkpoint policy",
+                   choices=["none", "every_n_blocks", "branch_and_last", "branch_last_aligned", "branch_spaced"])
     s.add_argument("--speculative", type=_nonneg_int, default=0, help="draft tokens per decode step")
     s.add_argument("--accept-rate", type=_fraction, default=0.7, help="draft acceptance probability")
     s.add_argument("--max-num-seqs", type=_positive_int, default=256)

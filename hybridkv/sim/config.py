@@ -42,8 +42,8 @@ class SimConfig:
     block_size: int | None = None  # tokens per KV block (default 64; padded: minimum)
     layout: str = "paged"
     preemption: str = "auto"
-    prefix: str = "flop_aware"  # none | lru | flop_aware
-    checkpoint: str = "branch_and_last"  # checkpoint policy with a prefix cache
+    prefix: str = "lru"  # none | lru | flop_aware (the library's default eviction: lru)
+    checkpoint: str = "branch_spaced"  # checkpoint policy with a prefix cache (the library's default)
     speculative: int = 0  # draft tokens per decode step
     accept_rate: float = 0.7
     max_num_seqs: int = 256
