@@ -61,7 +61,10 @@ def run_workload(
     """``num_requests`` requests (and a few forks) through a small pool; returns the finished engine."""
     cfg = TinyConfig(dtype=dtype, lightning_head_dim=8)  # a lightning state spans 4 blocks, a head 2
     layout = tiny_layout(cfg, num_blocks=80, block_size=4)
-    manager = HybridBlockManager(layout, num_host_blocks=48, prefix_cache=PrefixCacheConfig())
+    # branch_and_last: the default policy (branch_spaced) keeps no checkpoint closer than a state's
+    # worth of KV tokens, more than these 8-12-token shared prefixes, so it would make no prefix hits
+    prefix = PrefixCacheConfig(checkpoint="branch_and_last", eviction="lru")
+    manager = HybridBlockManager(layout, num_host_blocks=48, prefix_cache=prefix)
     config = SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=24, num_speculative_tokens=2)
     scheduler = Scheduler(manager, config)
     scheduler.preemptor = AlternatingPreemptor(manager)

@@ -560,6 +560,8 @@ class PrefixCache:
         else:
             ck = self._ck[self._node_of[kept]] >= 0
             deepest = int(pos[ck].max()) if ck.any() else 0
+        if not deepest:  # no checkpoint on the chain: its KV is how a later request finds where it
+            return kept[:0]  # branches (and checkpoints there), so it stays in plain LRU order
         return kept[pos > deepest]
     @functools.cached_property
     def checkpoint_tokens(self) -> float:
