@@ -61,7 +61,7 @@ from benchmarks.bench_scheduler import NUM_REQUESTS, PROMPT_TOKENS, warm_decode 
 from hybridkv.blockmgr.layout import plan  # noqa: E402
 from hybridkv.blockmgr.manager import HybridBlockManager  # noqa: E402
 from hybridkv.blockmgr.pool import BlockPool  # noqa: E402
-from hybridkv.blockmgr.prefix import CheckpointPolicy, EvictionPolicy, PrefixCacheConfig  # noqa: E402
+from hybridkv.blockmgr.prefix import EvictionPolicy, PrefixCacheConfig  # noqa: E402
 from hybridkv.blockmgr.presets import preset  # noqa: E402
 from hybridkv.scheduler_adapter import StepOutputs, build_step_metadata  # noqa: E402
 
@@ -313,7 +313,9 @@ def _prefix_rows(v: Vllm, repeats: int, number: int, args: argparse.Namespace, h
 
     out: dict = {}
     for eviction in args.evictions:
-        config = PrefixCacheConfig(CheckpointPolicy.BRANCH_AND_LAST, EvictionPolicy(eviction))
+        # the default checkpoint policy (branch_spaced: a fresh 8k prompt is checkpointed at its end,
+        # the shared 6k prompt too) with each eviction policy
+        config = PrefixCacheConfig(eviction=EvictionPolicy(eviction))
         ours = _minimax(args.prefix_budget_gib, config)
         # fill the cache until evictions run (steady state); the shared prefix last, as a prompt of
         # its own (an earlier turn), so both systems hold its state at its end
