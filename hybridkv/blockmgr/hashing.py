@@ -25,8 +25,7 @@ _MASK = (1 << 64) - 1
 _C = 0x9E3779B97F4A7C15  # odd: invertible mod 2**64
 _C_INV = pow(_C, -1, 1 << 64)
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
-_M2 = np.uint64(0x94D049BB133111EB)
-_S29, _S31 = np.uint64(29), np.uint64(31)
+_S29 = np.uint64(29)
 
 
 def as_token_array(token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
@@ -130,9 +129,7 @@ def _salt(block_size: int) -> np.ndarray:
 def block_hashes(blocks: np.ndarray) -> np.ndarray:
     """``h`` of each row of ``blocks`` (``[n, block_size]`` int64): uint64 ``[n]``."""
     x = blocks.view(np.uint64) + _salt(blocks.shape[1])
-    x = x * _M1
-    x ^= x >> _S31
-    x *= _M2
+    x *= _M1
     x ^= x >> _S29
     return x.sum(axis=1, dtype=np.uint64)
 

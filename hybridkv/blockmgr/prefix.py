@@ -163,7 +163,7 @@ class PrefixCache:
         nb = layout.num_blocks
         # ---- nodes, by slot
         self._slot: dict[int, int] = {}  # chain key -> slot
-        cap = 256
+        cap = max(256, nb)  # about one node per block; zero pages cost nothing until written
         self._key = np.zeros(cap, dtype=np.int64)
         self._pos = np.zeros(cap, dtype=np.int64)
         self._kv = np.zeros(cap, dtype=np.int32)  # 0: no KV block
