@@ -324,7 +324,9 @@ def _prefix_rows(v: Vllm, repeats: int, number: int, args: argparse.Namespace, h
         for p in prompts:
             rid = next(counter)
             ours.allocate(rid, len(p), token_ids=p)
-            ours.checkpoint(rid)
+            # the shared prompt is a finished earlier turn: its end is offered as such (final), as a
+            # serving loop that knows the turn ended does; vLLM caches its state there too
+            ours.checkpoint(rid, final=p is shared)
             ours.release_pins()
             ours.free(rid)
         evicted_before = ours.prefix_cache.stats.kv_evicted + ours.prefix_cache.stats.checkpoints_evicted
