@@ -186,6 +186,7 @@ class PrefixCache:
         self._fifo = np.zeros(max(1024, nb), dtype=np.int64)
         self._fifo_ord = np.zeros(self._fifo.size, dtype=np.int64)
         self._head = self._tail = 0
+        self._passed = np.zeros(2 * nb + 1, dtype=bool)  # scratch: queue codes eviction passes over (code + nb)
         self._front = 0  # orders of demoted entries count down from here (they queue at the front)
         # ---- checkpoints, by slot (first block id)
         self._ck_live = np.zeros(nb, dtype=bool)
@@ -415,7 +416,7 @@ class PrefixCache:
             ck = int(self._ck[self._slot[hit.checkpoint_key]])
             self._ck_tick[ck] = now
             self._ck_order[ck] = order = self._next_order(1)
-            self._enqueue(np.array([-1 - ck]), np.array([order]))
+            self._enqueue_one(-1 - ck, order)
             self.pinned[hit.checkpoint_key] = self.m.pin_epoch
         self.stats.hit_tokens += hit.num_tokens
         return ids
@@ -658,7 +659,7 @@ class PrefixCache:
         self._ck_live[ck] = True
         self._ck_tick[ck] = self._now()
         self._ck_order[ck] = order = self._next_order(1)
-        self._enqueue(np.array([-1 - ck]), np.array([order]))
+        self._enqueue_one(-1 - ck, order)
         self._ck_fpb[ck] = prefill_flops(self._flops, int(self._pos[slot])) / self._ckpt_bytes
         if self._bare:
             self._bare.pop(key, None)
@@ -753,6 +754,15 @@ class PrefixCache:
             slots = slots[~np.isin(slots, held)]
         return np.sort(slots)
 
+    def _enqueue_one(self, code: int, order: int) -> None:
+        """:meth:`_enqueue` of one entry (a checkpoint made or hit), without building arrays."""
+        if self._tail < self._fifo.size:
+            self._fifo[self._tail] = code
+            self._fifo_ord[self._tail] = order
+            self._tail += 1
+        else:
+            self._enqueue(np.array([code], dtype=np.int64), np.array([order], dtype=np.int64))
+
     def _enqueue(self, blocks: np.ndarray, orders: np.ndarray) -> None:
         """Append evictable KV blocks (with their LRU orders, ascending) to the queue."""
         n = blocks.size
@@ -812,32 +822,37 @@ class PrefixCache:
         protected and pinned checkpoints are passed over (and stay queued)."""
         held = [-1 - int(self._ck[s]) for k in (*protect_ckpt, *self.pinned)
                 if (s := self._slot.get(k)) is not None and self._ck[s] >= 0]  # fmt: skip
-        nsb = self.m.num_state_blocks
+        nsb, nb = self.m.num_state_blocks, self._node_of.size
+        passed = self._passed  # marked for this call, cleared before returning
+        marks = np.concatenate((protect.astype(np.int64), np.array(held, dtype=np.int64))) + nb
+        any_passed = bool(marks.size)
+        passed[marks] = True
         parts, end, step, got = [], self._head, max(2 * target, 256), 0
         while got < target and end < self._tail:  # live, unprotected entries from the front
             stop = min(end + step, self._tail)
             pos = self._live_queue(end, stop)
             code = self._fifo[pos]
-            if protect.size or held:
-                pos = pos[~np.isin(code, np.concatenate((protect, held)) if held else protect)]
+            if any_passed:
+                pos = pos[~passed[code + nb]]
                 code = self._fifo[pos]
             parts.append(pos)
             got += int(code.size + np.count_nonzero(code < 0) * (nsb - 1))
             end = stop
         if not parts:
+            passed[marks] = False
             return _EMPTY, _EMPTY
         pos = np.concatenate(parts)
         code = self._fifo[pos]
         chosen = self._take_prefix(np.arange(pos.size), np.where(code >= 0, 1, nsb), target)
         if chosen.size:  # the queue's front up to the last victim keeps only its passed-over live entries
             last = int(pos[chosen[-1]])
-            keep = self._live_queue(self._head, last + 1)
-            kc = self._fifo[keep]
-            keep = keep[np.isin(kc, np.concatenate((protect, held)))] if (protect.size or held) else keep[:0]
+            keep = self._live_queue(self._head, last + 1) if any_passed else _EMPTY
+            keep = keep[passed[self._fifo[keep] + nb]] if any_passed else keep
             new_head = last + 1 - keep.size
             self._fifo[new_head : last + 1] = self._fifo[keep]
             self._fifo_ord[new_head : last + 1] = self._fifo_ord[keep]
             self._head = new_head
+        passed[marks] = False
         victims = code[chosen]
         return victims[victims >= 0], -1 - victims[victims < 0]
 
