@@ -95,3 +95,18 @@ def test_token_array_grows_in_place_and_copies_are_independent():
     t2 = TokenArray(src)
     src[0] = 9
     assert t2.tolist() == [4, 5]  # the record owns its copy
+
+
+def test_a_records_block_hashes_are_computed_once_and_equal_the_plain_ones():
+    rng = np.random.default_rng(1)
+    t = TokenArray(rng.integers(0, 1000, 37))
+    assert t.block_hashes(2, 8).tolist() == block_hashes(t.view()[:16].reshape(2, 8)).tolist()
+    for _ in range(5):
+        t.extend(rng.integers(0, 1000, 7).tolist())
+        n = len(t) // 8
+        assert t.block_hashes(n, 8).tolist() == block_hashes(t.view()[: n * 8].reshape(n, 8)).tolist()
+    assert t.block_hashes(3, 4).tolist() == block_hashes(t.view()[:12].reshape(3, 4)).tolist()  # another size
+    c = t.copy()
+    c.extend([1] * 8)
+    n = len(c) // 8
+    assert c.block_hashes(n, 8).tolist() == block_hashes(c.view()[: n * 8].reshape(n, 8)).tolist()

@@ -59,12 +59,28 @@ class TokenArray:
     """A request's token ids: an int64 buffer grown by doubling (sampled tokens arrive one step at
     a time). ``view()`` is the filled part (a view: valid until the next ``extend``)."""
 
-    __slots__ = ("_buf", "_n")
+    __slots__ = ("_buf", "_n", "_hashes", "_hash_bs")
 
     def __init__(self, token_ids: Sequence[int] | np.ndarray) -> None:
         arr = as_token_array(token_ids)
         self._buf = np.array(arr, dtype=np.int64, copy=True)
         self._n = arr.size
+        self._hashes = np.empty(0, dtype=np.uint64)  # block hashes of the first full blocks (memo)
+        self._hash_bs = 0
+
+    def block_hashes(self, end: int, block_size: int) -> np.ndarray:
+        """:func:`block_hashes` of full blocks ``[0, end)`` (``end * block_size <= len(self)``), each
+        computed once: the blocks already hashed are kept (a request registers its blocks a few at a
+        time; tokens never change once written)."""
+        h = self._hashes
+        if self._hash_bs != block_size:
+            h, self._hash_bs = np.empty(0, dtype=np.uint64), block_size
+        if h.size < end:
+            full = self._n // block_size  # hash every full block present now, not only up to end
+            more = block_hashes(self._buf[h.size * block_size : full * block_size].reshape(-1, block_size))
+            h = np.concatenate((h, more))
+        self._hashes = h
+        return h[:end]
 
     def __len__(self) -> int:
         return self._n
@@ -92,7 +108,9 @@ class TokenArray:
         self._n = end
 
     def copy(self) -> TokenArray:
-        return TokenArray(self.view())
+        out = TokenArray(self.view())
+        out._hashes, out._hash_bs = self._hashes, self._hash_bs  # same tokens, same hashes
+        return out
 
 
 class _Powers:
@@ -142,20 +160,30 @@ def chain_keys_array(tokens: np.ndarray, block_size: int, start: int = 0, end: i
     n = end - start
     if n <= 0:
         return np.empty(0, dtype=np.int64)
-    blocks = tokens[start * block_size : end * block_size].reshape(n, block_size)
-    h = block_hashes(blocks)
+    return keys_from_hashes(block_hashes(tokens[start * block_size : end * block_size].reshape(n, block_size)), parent)
+
+
+def keys_from_hashes(h: np.ndarray, parent: int = ROOT_KEY) -> np.ndarray:
+    """Chain keys (int64) of consecutive blocks with block hashes ``h`` (uint64), after ``parent``."""
+    n = h.size
+    if n == 1:
+        return np.array([key_from_hash(int(h[0]), parent)], dtype=np.int64)
     pw, ipw = _POWERS.get(n)
     s = np.cumsum(h * ipw, dtype=np.uint64)  # uint64 array arithmetic wraps mod 2**64 (no warning)
     s += np.uint64((_C * (parent & _MASK)) & _MASK)
     return (pw * s).view(np.int64)
 
 
+def key_from_hash(h: int, parent: int) -> int:
+    """One step of the chain: the key after ``parent`` of a block whose hash is ``h`` (both ints)."""
+    key = (_C * (parent & _MASK) + h) & _MASK
+    return key - (1 << 64) if key >> 63 else key
+
+
 def chain_key(block: np.ndarray, parent: int) -> int:
     """The chain key of one block (int64 ``[block_size]``) whose parent key is ``parent``: the
     same value :func:`chain_keys_array` gives, without its per-array setup (the one-block path)."""
-    h = int(block_hashes(block.reshape(1, -1))[0])
-    key = (_C * (parent & _MASK) + h) & _MASK
-    return key - (1 << 64) if key >> 63 else key
+    return key_from_hash(int(block_hashes(block.reshape(1, -1))[0]), parent)
 
 
 def chain_keys(token_ids: Sequence[int] | np.ndarray, block_size: int) -> list[int]:

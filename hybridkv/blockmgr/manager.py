@@ -214,7 +214,7 @@ class HybridBlockManager(CheckpointMixin, SpeculationMixin, SwapMixin, TransferM
         if n > rec.num_tokens:
             raise ValueError(f"request {request_id!r} holds {rec.num_tokens} tokens, cannot have {n} computed")
         if rec.token_ids is not None and self.prefix_cache is not None and n // self.block_size > len(rec.block_keys):
-            self.prefix_cache.register(rec.token_ids.view(), rec.block_keys, rec.kv_blocks, n)
+            self.prefix_cache.register(rec.token_ids, rec.block_keys, rec.kv_blocks, n)
 
     def match_prefix(self, token_ids: Sequence[int], max_tokens: int | None = None) -> int:
         """Tokens of ``token_ids`` a request admitted now would get from the prefix cache."""

@@ -38,7 +38,16 @@ from hybridkv.blockmgr.checkpoint_policy import (
     spaced_positions,
 )
 from hybridkv.blockmgr.flops import flop_coefficients, prefill_flops
-from hybridkv.blockmgr.hashing import ROOT_KEY, as_token_array, chain_key, chain_keys, chain_keys_array
+from hybridkv.blockmgr.hashing import (
+    ROOT_KEY,
+    TokenArray,
+    as_token_array,
+    chain_key,
+    chain_keys,
+    chain_keys_array,
+    key_from_hash,
+    keys_from_hashes,
+)
 from hybridkv.blockmgr.records import BlockUse
 
 if TYPE_CHECKING:
@@ -432,15 +441,17 @@ class PrefixCache:
         (lin, quad), bs = self._flops, self.block_size
         return (lin * bs + quad * (2 * positions - bs) * bs) / self._bytes_per_block
 
-    def register(self, token_ids: Sequence[int] | np.ndarray, keys: list[int], kv_blocks: np.ndarray,
+    def register(self, token_ids: Sequence[int] | np.ndarray | TokenArray, keys: list[int], kv_blocks: np.ndarray,
                  num_tokens: int) -> None:
         """Add the full blocks of ``token_ids[:num_tokens]`` beyond ``len(keys)`` to the chain.
 
         ``keys`` (the request's chain so far) is extended in place; ``kv_blocks`` are the request's
         KV blocks (empty for state-only models). A block whose node already has a KV block stays
-        private to the request (two requests computed the same content).
+        private to the request (two requests computed the same content). A :class:`TokenArray`
+        (a request's record) keeps its block hashes, so each block is hashed once.
         """
-        tokens = as_token_array(token_ids)
+        memo = token_ids if isinstance(token_ids, TokenArray) else None
+        tokens = memo.view() if memo is not None else as_token_array(token_ids)
         bs = self.block_size
         start = len(keys)
         end = min(num_tokens, tokens.size) // bs
@@ -448,12 +459,20 @@ class PrefixCache:
             return
         if start:
             self.ensure(tokens, keys, kv_blocks, start - 1)  # a parent to hang the new blocks on
+        parent = keys[-1] if keys else ROOT_KEY
+        h = memo.block_hashes(end, bs)[start:end] if memo is not None else None
         if end - start == 1:  # one block (decode, small chunks): scalar path, same key and books
-            key = chain_key(tokens[start * bs : end * bs], keys[-1] if keys else ROOT_KEY)
+            if h is not None:
+                key = key_from_hash(int(h[0]), parent)
+            else:
+                key = chain_key(tokens[start * bs : end * bs], parent)
             keys.append(key)
             self._place(key, tokens, start, kv_blocks)
             return
-        new = chain_keys_array(tokens, bs, start, end, keys[-1] if keys else ROOT_KEY)
+        if h is not None:
+            new = keys_from_hashes(h, parent)
+        else:
+            new = chain_keys_array(tokens, bs, start, end, parent)
         new_list = new.tolist()
         keys.extend(new_list)
         if not self.m._has_kv:
