@@ -1,8 +1,9 @@
 """Checkpoint positions whose value does not hang on the layout's block size.
 
-:class:`~hybridkv.blockmgr.prefix.PrefixCache` asks :func:`branch_last_aligned` for the policy of
-that name (the older policies stay in ``prefix.py``). Pure functions of token positions: no
-tensors, no state.
+:class:`~hybridkv.blockmgr.prefix.PrefixCache` takes the positions of the policies of these names
+from here (the branch point and :func:`back_off_points`; :func:`spaced_positions`);
+:func:`branch_last_aligned` answers for one position. The older policies stay in ``prefix.py``. Pure
+functions of token positions: no tensors, no state.
 
 ``branch_last_aligned`` keeps the state at
 

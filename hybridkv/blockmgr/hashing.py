@@ -16,7 +16,7 @@ Token ids are held as int64 arrays (:class:`TokenArray` grows one in place for s
 from __future__ import annotations
 
 import array
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 
@@ -91,7 +91,7 @@ class TokenArray:
     def __getitem__(self, index: int | slice) -> np.ndarray | np.int64:
         return self.view()[index]
 
-    def __iter__(self):  # noqa: ANN204
+    def __iter__(self) -> Iterator[int]:
         return iter(self.view().tolist())
 
     def tolist(self) -> list[int]:

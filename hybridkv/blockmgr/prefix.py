@@ -33,7 +33,6 @@ from hybridkv.blockmgr.checkpoint_policy import (
     DEFAULT_ALIGN_TOKENS,
     DEFAULT_GAP_FRACTION,
     back_off_points,
-    branch_last_aligned,
     spaced_grids,
     spaced_positions,
 )
@@ -65,7 +64,6 @@ __all__ = [
 ]
 
 _EMPTY = np.empty(0, dtype=np.int32)
-_NO_BLOCKS = np.empty(0, dtype=np.int32)
 
 
 class CheckpointPolicy(enum.Enum):
@@ -150,7 +148,7 @@ class PrefixHit(NamedTuple):
 
 
 def _miss(matched_tokens: int = 0) -> PrefixHit:
-    return PrefixHit(0, _NO_BLOCKS, None, matched_tokens, [], None)
+    return PrefixHit(0, _EMPTY, None, matched_tokens, [], None)
 
 
 @dataclass(slots=True)
@@ -245,17 +243,13 @@ class PrefixCache:
     @property
     def nodes(self) -> dict[int, NodeView]:
         """Every chain node, as copies (slow: for tests and inspection)."""
-        out = {}
-        for key, s in self._slot.items():
-            ck = int(self._ck[s])
-            out[key] = NodeView(key, tuple(self._tok[s].tolist()), int(self._pos[s]), int(self._kv[s]),
-                                self._ck_ids[ck] if ck >= 0 else None)
-        return out
+        return {key: self._view(key, s) for key, s in self._slot.items()}
 
     def node(self, key: int) -> NodeView | None:
         s = self._slot.get(key)
-        if s is None:
-            return None
+        return None if s is None else self._view(key, s)
+
+    def _view(self, key: int, s: int) -> NodeView:
         ck = int(self._ck[s])
         return NodeView(key, tuple(self._tok[s].tolist()), int(self._pos[s]), int(self._kv[s]),
                         self._ck_ids[ck] if ck >= 0 else None)
@@ -341,15 +335,15 @@ class PrefixCache:
         get = self._slot.get
         return np.array([get(k, -1) for k in keys], dtype=np.int64)
 
-    def _verified(self, slots: np.ndarray, tokens: np.ndarray, first: int = 0) -> np.ndarray:
-        """Whether each of ``slots`` (blocks ``first``, ``first + 1``, ... of ``tokens``) exists and
-        holds exactly those tokens."""
+    def _verified(self, slots: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+        """Whether each of ``slots`` (blocks 0, 1, ... of ``tokens``) exists and holds exactly those
+        tokens."""
         n, bs = slots.size, self.block_size
         ok = slots >= 0
         if not n or not ok.any():
             return ok
         s = np.where(ok, slots, 0)
-        ok &= (self._tok[s] == tokens[first * bs : (first + n) * bs].reshape(n, bs)).all(axis=1)
+        ok &= (self._tok[s] == tokens[: n * bs].reshape(n, bs)).all(axis=1)
         return ok
 
     # ---- lookup ------------------------------------------------------------------------------
@@ -394,14 +388,13 @@ class PrefixCache:
         if not found.size:
             return _miss()
         matched = int(found[-1]) + 1
-        s = slots[found[found < max_blocks]]
-        with_ck = np.flatnonzero(self._ck[s] >= 0)
+        within = found[found < max_blocks]
+        with_ck = np.flatnonzero(self._ck[slots[within]] >= 0)
         if not with_ck.size:
             return _miss(matched * self.block_size)
-        slot = int(s[with_ck[-1]])
-        best = int(found[found < max_blocks][with_ck[-1]]) + 1
-        ck = int(self._ck[slot])
-        return PrefixHit(best * self.block_size, _NO_BLOCKS, keys[best - 1], matched * self.block_size, keys[:best],
+        best = int(within[with_ck[-1]]) + 1
+        ck = int(self._ck[slots[best - 1]])
+        return PrefixHit(best * self.block_size, _EMPTY, keys[best - 1], matched * self.block_size, keys[:best],
                          self._ck_ids[ck])
 
     def num_pinned(self, hit: PrefixHit) -> int:
@@ -414,7 +407,7 @@ class PrefixCache:
     def take_hit(self, hit: PrefixHit) -> np.ndarray:
         """Reference the hit's KV blocks (reviving evictable ones); returns them in chain order."""
         now = self._now()
-        ids = hit.kv_blocks if self.m._has_kv else _NO_BLOCKS
+        ids = hit.kv_blocks if self.m._has_kv else _EMPTY
         if ids.size:
             self._kv_tick[ids] = now
             self._n_evictable -= int(np.count_nonzero(self._kv_evictable[ids]))
@@ -436,8 +429,9 @@ class PrefixCache:
         return first
 
     # ---- registration ------------------------------------------------------------------------
-    def _fpb(self, positions: np.ndarray) -> np.ndarray:
-        """FLOPs of each block's tokens (the block ending at ``positions``) per byte of one block."""
+    def _fpb(self, positions: np.ndarray | int) -> np.ndarray | float:
+        """FLOPs of each block's tokens (the block ending at ``positions``) per byte of one block
+        (a Python float for an int: the same operations, so the same value)."""
         (lin, quad), bs = self._flops, self.block_size
         return (lin * bs + quad * (2 * positions - bs) * bs) / self._bytes_per_block
 
@@ -527,8 +521,7 @@ class PrefixCache:
                 self._kv[slot] = block
                 self._node_of[block] = slot
                 self._n_mapped += 1
-                (lin, quad), pos = self._flops, int(self._pos[slot])  # _fpb's formula, in Python floats
-                self._kv_fpb[block] = (lin * bs + quad * (2 * pos - bs) * bs) / self._bytes_per_block
+                self._kv_fpb[block] = self._fpb(int(self._pos[slot]))
         elif self._ck[slot] < 0:  # a bare node of a state-only model: bounded, LRU
             self._bare[key] = None
             self._bare.move_to_end(key)
@@ -583,6 +576,7 @@ class PrefixCache:
         if not deepest:  # no checkpoint on the chain: its KV is how a later request finds where it
             return kept[:0]  # branches (and checkpoints there), so it stays in plain LRU order
         return kept[pos > deepest]
+
     @functools.cached_property
     def checkpoint_tokens(self) -> float:
         """A checkpoint's bytes in tokens of KV: the model's state bytes / its KV bytes per token
@@ -623,13 +617,20 @@ class PrefixCache:
             return False
         if cfg.checkpoint is CheckpointPolicy.EVERY_N_BLOCKS:
             return (position // bs) % cfg.every_n == 0
-        if cfg.checkpoint is CheckpointPolicy.BRANCH_LAST_ALIGNED:
-            return final or branch_last_aligned(position, input_len, branch, bs, cfg.align_tokens)
-        if cfg.checkpoint is CheckpointPolicy.BRANCH_SPACED:
-            return final or position in self.planned_checkpoints(input_len, branch, below)
+        wanted = self._wanted_positions(input_len, branch, below)
+        return wanted is not None and (final or position in wanted)
+
+    def _wanted_positions(self, input_len: int, branch: int, below: int) -> set[int] | None:
+        """The input positions the policy checkpoints (None: ``none``, and ``every_n_blocks``, whose
+        grid has no end): the one place each policy's positions are named."""
+        cfg, bs = self.config, self.block_size
         if cfg.checkpoint is CheckpointPolicy.BRANCH_AND_LAST:
-            return final or position == branch or position == (input_len // bs) * bs
-        return False
+            return {branch, (input_len // bs) * bs}
+        if cfg.checkpoint is CheckpointPolicy.BRANCH_LAST_ALIGNED:
+            return {branch, *back_off_points(input_len, branch, bs, cfg.align_tokens)}
+        if cfg.checkpoint is CheckpointPolicy.BRANCH_SPACED:
+            return set(self.planned_checkpoints(input_len, branch, below))
+        return None
 
     def next_checkpoint(self, num_tokens: int, input_len: int, branch: int, below: int = 0) -> int | None:
         """The first position ``p`` with ``num_tokens < p <= input_len`` (on the block grid past
@@ -643,13 +644,8 @@ class PrefixCache:
             step = cfg.every_n * bs
             p = -(-lo // step) * step
             return p if p <= input_len else None
-        if cfg.checkpoint is CheckpointPolicy.BRANCH_AND_LAST:
-            wanted = {branch, (input_len // bs) * bs}
-        elif cfg.checkpoint is CheckpointPolicy.BRANCH_LAST_ALIGNED:
-            wanted = {branch, *back_off_points(input_len, branch, bs, cfg.align_tokens)}
-        elif cfg.checkpoint is CheckpointPolicy.BRANCH_SPACED:
-            wanted = set(self.planned_checkpoints(input_len, branch, below))
-        else:
+        wanted = self._wanted_positions(input_len, branch, below)
+        if wanted is None:
             return None
         found = [p for p in wanted if lo <= p <= input_len and p % bs == 0]
         return min(found) if found else None
@@ -767,11 +763,15 @@ class PrefixCache:
     def _checkpoint_candidates(self, protect_ckpt: set[int]) -> np.ndarray:
         """Slots of the checkpoints eviction may take (ascending): not protected, not pinned."""
         slots = np.fromiter(self._ck_ids, dtype=np.int64, count=len(self._ck_ids))
-        held = [int(self._ck[s]) for k in (*protect_ckpt, *self.pinned) if (s := self._slot.get(k)) is not None
-                and self._ck[s] >= 0]  # fmt: skip
+        held = self._held_checkpoints(protect_ckpt)
         if held:
             slots = slots[~np.isin(slots, held)]
         return np.sort(slots)
+
+    def _held_checkpoints(self, protect_ckpt: set[int]) -> list[int]:
+        """Slots of the checkpoints eviction may not take: protected or pinned."""
+        return [int(self._ck[s]) for k in (*protect_ckpt, *self.pinned)
+                if (s := self._slot.get(k)) is not None and self._ck[s] >= 0]  # fmt: skip
 
     def _enqueue_one(self, code: int, order: int) -> None:
         """:meth:`_enqueue` of one entry (a checkpoint made or hit), without building arrays."""
@@ -785,12 +785,8 @@ class PrefixCache:
     def _enqueue(self, blocks: np.ndarray, orders: np.ndarray) -> None:
         """Append evictable KV blocks (with their LRU orders, ascending) to the queue."""
         n = blocks.size
-        if self._tail + n > self._fifo.size:  # drop stale entries; grow if still short
-            live = self._live_queue()
-            size = max(self._fifo.size, 2 * (live.size + n))
-            fifo, ords = np.zeros(size, dtype=np.int64), np.zeros(size, dtype=np.int64)
-            fifo[: live.size], ords[: live.size] = self._fifo[live], self._fifo_ord[live]
-            self._fifo, self._fifo_ord, self._head, self._tail = fifo, ords, 0, live.size
+        if self._tail + n > self._fifo.size:
+            self._repack(n, front=False)
         self._fifo[self._tail : self._tail + n] = blocks
         self._fifo_ord[self._tail : self._tail + n] = orders
         self._tail += n
@@ -798,16 +794,21 @@ class PrefixCache:
     def _enqueue_front(self, codes: np.ndarray, orders: np.ndarray) -> None:
         """Put entries (orders below every queued one, ascending) at the front of the LRU queue."""
         n = codes.size
-        if self._head < n:  # make room at the front
-            live = self._live_queue()
-            size = max(self._fifo.size, 2 * (live.size + n))
-            fifo, ords = np.zeros(size, dtype=np.int64), np.zeros(size, dtype=np.int64)
-            start = (size - live.size) // 2  # >= n: room at both ends
-            fifo[start : start + live.size], ords[start : start + live.size] = self._fifo[live], self._fifo_ord[live]
-            self._fifo, self._fifo_ord, self._head, self._tail = fifo, ords, start, start + live.size
+        if self._head < n:
+            self._repack(n, front=True)
         self._head -= n
         self._fifo[self._head : self._head + n] = codes
         self._fifo_ord[self._head : self._head + n] = orders
+
+    def _repack(self, n: int, front: bool) -> None:
+        """Rebuild the queue from its live entries (same order), with room for ``n`` more at the back,
+        or at both ends (``front``), growing it if it is still short."""
+        live = self._live_queue()
+        size = max(self._fifo.size, 2 * (live.size + n))
+        start = (size - live.size) // 2 if front else 0  # front: >= n free before and after
+        fifo, ords = np.zeros(size, dtype=np.int64), np.zeros(size, dtype=np.int64)
+        fifo[start : start + live.size], ords[start : start + live.size] = self._fifo[live], self._fifo_ord[live]
+        self._fifo, self._fifo_ord, self._head, self._tail = fifo, ords, start, start + live.size
 
     def _live_queue(self, start: int | None = None, end: int | None = None) -> np.ndarray:
         """Queue positions in ``[start, end)`` (default: all) whose entries are live."""
@@ -839,8 +840,7 @@ class PrefixCache:
         """Least recently used first, off the front of the LRU queue: KV blocks by their release (a
         chain's tail first) and checkpoints by their last use, in one order; protected KV blocks,
         protected and pinned checkpoints are passed over (and stay queued)."""
-        held = [-1 - int(self._ck[s]) for k in (*protect_ckpt, *self.pinned)
-                if (s := self._slot.get(k)) is not None and self._ck[s] >= 0]  # fmt: skip
+        held = [-1 - ck for ck in self._held_checkpoints(protect_ckpt)]  # their queue codes
         nsb, nb = self.m.num_state_blocks, self._node_of.size
         passed = self._passed  # marked for this call, cleared before returning
         marks = np.concatenate((protect.astype(np.int64), np.array(held, dtype=np.int64))) + nb
