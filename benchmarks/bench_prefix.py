@@ -86,6 +86,21 @@ def config_kwargs(config: tuple, legacy: bool) -> dict:
     return {"demote_tail": False} if legacy or tuple(config) == VLLM_STYLE else {}
 
 
+def parse_config(fields: list[str]) -> tuple[str, str, str, int]:
+    """A ``--config LAYOUT CHECKPOINT EVICTION N`` row, checked against the known names."""
+    layout, checkpoint, eviction, n = fields
+    if layout not in ("paged", "padded"):
+        raise ValueError(f"--config layout must be paged or padded, got {layout!r}")
+    names = {c.value for c in CheckpointPolicy}
+    if checkpoint not in names:
+        raise ValueError(f"--config checkpoint must be one of {sorted(names)}, got {checkpoint!r}")
+    if eviction not in {e.value for e in EvictionPolicy}:
+        raise ValueError(f"--config eviction must be lru or flop_aware, got {eviction!r}")
+    if not n.isdigit() or int(n) < 1:
+        raise ValueError(f"--config N (every_n_blocks interval) must be a positive integer, got {n!r}")
+    return layout, checkpoint, eviction, int(n)
+
+
 def label(layout: str, checkpoint: str, eviction: str, every_n: int) -> str:
     if layout == "padded" and checkpoint == "every_n_blocks" and every_n == 1:
         return "padded every block (vLLM all)"
@@ -383,6 +398,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budgets", nargs="+", type=int, default=None, help="GiB (default 16 32 64)")
     ap.add_argument("--workloads", nargs="+", default=["trace", "multiturn"], choices=WORKLOADS)
     ap.add_argument("--configs", nargs="+", type=int, default=None, help="indices into CONFIGS (default all)")
+    ap.add_argument("--config", nargs=4, action="append", default=None,
+                    metavar=("LAYOUT", "CHECKPOINT", "EVICTION", "N"),
+                    help="a row not in CONFIGS, e.g. paged every_n_blocks lru 8 (repeatable; with --configs, both)")
     ap.add_argument("--sessions", type=int, default=300, help="multiturn: number of conversations")
     ap.add_argument("--name", default="prefix", help="results file name prefix")
     ap.add_argument("--legacy", action="store_true",
@@ -395,7 +413,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     if args.quick:
         print(quick_note, flush=True)
-    configs = [CONFIGS[i] for i in args.configs] if args.configs else CONFIGS
+    configs = [CONFIGS[i] for i in args.configs or []] if args.configs or args.config else list(CONFIGS)
+    try:
+        configs += [parse_config(c) for c in args.config or []]
+    except ValueError as e:
+        ap.error(str(e))
     rows, infos = [], {}
     runs = []
     for workload in args.workloads:

@@ -26,6 +26,7 @@ _C = 0x9E3779B97F4A7C15  # odd: invertible mod 2**64
 _C_INV = pow(_C, -1, 1 << 64)
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _S29 = np.uint64(29)
+_SMALL = 24  # up to this many blocks, keys_from_hashes steps the recurrence in Python (faster than numpy's setup)
 
 
 def as_token_array(token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
@@ -166,8 +167,12 @@ def chain_keys_array(tokens: np.ndarray, block_size: int, start: int = 0, end: i
 def keys_from_hashes(h: np.ndarray, parent: int = ROOT_KEY) -> np.ndarray:
     """Chain keys (int64) of consecutive blocks with block hashes ``h`` (uint64), after ``parent``."""
     n = h.size
-    if n == 1:
-        return np.array([key_from_hash(int(h[0]), parent)], dtype=np.int64)
+    if n <= _SMALL:  # a few blocks (a prefill chunk, a decode block): the recurrence on Python ints
+        keys, key = [], parent & _MASK
+        for x in h.tolist():
+            key = (_C * key + x) & _MASK
+            keys.append(key)
+        return np.array(keys, dtype=np.uint64).view(np.int64)
     pw, ipw = _POWERS.get(n)
     s = np.cumsum(h * ipw, dtype=np.uint64)  # uint64 array arithmetic wraps mod 2**64 (no warning)
     s += np.uint64((_C * (parent & _MASK)) & _MASK)

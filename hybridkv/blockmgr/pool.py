@@ -1,18 +1,19 @@
 """A block pool over one id space: free extents, reference counts, runs preferred.
 
 Allocation works per request, not per block: :meth:`BlockPool.allocate` hands out ``n`` ids in one
-call, from the smallest free extent that holds all ``n`` (best fit, so a state set comes out as one
-contiguous id run and the big extents stay whole), or, when no extent is large enough, from the
-largest extents first. Free ids are kept as extents ``[start, end)`` in two sorted containers
-(by start, for merging on free; by length, for best fit), reference counts in a numpy array, so
-admitting and freeing a request costs a handful of container operations, not one per block.
+call, from the smallest free extent that holds all ``n`` (best fit, ties to the lowest start, so a
+state set comes out as one contiguous id run and the big extents stay whole), or, when no extent is
+large enough, from the largest extents first (ties to the highest start). Free ids are kept as
+maximal extents ``[start, end)`` in two numpy arrays sorted by start, reference counts in a third,
+so admitting and freeing a request costs a handful of array operations, not one per block, and a
+free of many scattered runs (an eviction) merges them all at once.
 
 Single blocks (decode appends, copy-on-write) take a fast path: a freed single id goes onto a
 bounded stack of loose free ids (counted free, kept out of the extents), and ``allocate(1)`` pops
-the most recently freed one, so the decode pattern costs a list operation, not two sorted-container
-updates. Loose ids never break a state set's run: when no extent holds an ``n > 1`` allocation,
-they are merged back into the extents first (:meth:`BlockPool.merge_loose`), and every view of the
-extents (:meth:`free_extents`, :meth:`largest_free_extent`) merges them before it answers.
+the most recently freed one, so the decode pattern costs a list operation, not an extent update.
+Loose ids never break a state set's run: when no extent holds an ``n > 1`` allocation, they are
+merged back into the extents first (:meth:`BlockPool.merge_loose`), and every view of the extents
+(:meth:`free_extents`, :meth:`largest_free_extent`) merges them before it answers.
 
 Block 0 of a device pool is the null block: zero-filled, never allocated, never freed.
 """
@@ -20,7 +21,6 @@ Block 0 of a device pool is the null block: zero-filled, never allocated, never 
 from __future__ import annotations
 
 import numpy as np
-from sortedcontainers import SortedDict, SortedList
 
 from hybridkv.blockmgr.layout import NULL_BLOCK
 
@@ -30,14 +30,33 @@ LOOSE_CAP = 4096  # most single ids kept out of the extents at once
 
 def runs(ids: np.ndarray) -> list[tuple[int, int]]:
     """Maximal runs of consecutive ids, as ``(start, end)`` pairs, of a sorted id array."""
-    if ids.size == 0:
-        return []
-    if int(ids[-1]) - int(ids[0]) + 1 == ids.size:  # the common case: one run
-        return [(int(ids[0]), int(ids[-1]) + 1)]
-    breaks = np.flatnonzero(np.diff(ids) != 1) + 1
-    starts = ids[np.concatenate(([0], breaks))]
-    ends = ids[np.concatenate((breaks - 1, [ids.size - 1]))] + 1
+    starts, ends = run_bounds(ids)
     return list(zip(starts.tolist(), ends.tolist(), strict=True))
+
+
+def run_bounds(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Maximal runs of consecutive ids of a sorted id array: their starts and ends (int64)."""
+    ids = np.asarray(ids, dtype=np.int64)
+    if ids.size == 0:
+        return ids[:0], ids[:0]
+    if int(ids[-1]) - int(ids[0]) + 1 == ids.size:  # the common case: one run
+        return ids[:1], ids[-1:] + 1
+    ends = ((ids[1:] - ids[:-1]) != 1).nonzero()[0]  # run i ends at ids[ends[i]]
+    starts = np.empty(ends.size + 1, dtype=np.int64)
+    starts[0], starts[1:] = ids[0], ids[ends + 1]
+    out = np.empty(ends.size + 1, dtype=np.int64)
+    out[:-1], out[-1] = ids[ends] + 1, ids[-1] + 1
+    return starts, out
+
+
+def _spans(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """The ids of runs ``[starts[i], starts[i] + lengths[i])`` concatenated in order (int32)."""
+    offsets = lengths.cumsum()
+    total = int(offsets[-1]) if offsets.size else 0
+    offsets -= lengths  # where each run begins in the output
+    out = (starts - offsets).repeat(lengths)
+    out += np.arange(total, dtype=np.int64)
+    return out.astype(np.int32)
 
 
 class BlockPool:
@@ -56,16 +75,18 @@ class BlockPool:
         self.first_id = first
         self.ref_counts = np.zeros(num_blocks, dtype=np.int32)
         self._rc = memoryview(self.ref_counts)  # the same counts, for scalar access without numpy overhead
-        self._by_start: SortedDict = SortedDict()  # start -> end
-        self._by_length: SortedList = SortedList()  # (length, start)
-        self._num_free = 0
+        # the free extents [_s[i], _e[i]) for i < _n, sorted by start, disjoint and never adjacent
+        # (maximal); the buffers grow by doubling (at most one extent per two ids)
+        self._s = np.zeros(16, dtype=np.int64)
+        self._e = np.zeros(16, dtype=np.int64)
+        self._s[0], self._e[0], self._n = first, num_blocks, 1
+        self._num_free = num_blocks - first  # ids in the extents + loose ids
         self.last_allocation_was_run = False  # whether the last allocate() returned one id run
         self._loose: list[int] = []  # free single ids outside the extents, most recent last
         self._loose_cap = LOOSE_CAP
         self._ids = np.arange(num_blocks, dtype=np.int32)  # read-only: one-id results are views of it
         self._ids.flags.writeable = False
         self._one: dict[int, np.ndarray] = {}  # id -> its one-id view, made on first use
-        self._insert(first, num_blocks)
 
     # ---- counts ------------------------------------------------------------------------------
     @property
@@ -76,36 +97,35 @@ class BlockPool:
     def num_usable(self) -> int:
         return self.num_blocks - self.first_id
 
+    @property
+    def _starts(self) -> np.ndarray:
+        """The free extents' starts, ascending (a view)."""
+        return self._s[: self._n]
+
+    @property
+    def _ends(self) -> np.ndarray:
+        return self._e[: self._n]
+
     def free_extents(self) -> list[tuple[int, int]]:
         """The free extents ``[(start, end), ...]`` in id order, loose ids merged in first."""
         self.merge_loose()
-        return list(self._by_start.items())
+        return list(zip(self._starts.tolist(), self._ends.tolist(), strict=True))
 
     def largest_free_extent(self) -> int:
         self.merge_loose()
-        return self._by_length[-1][0] if self._by_length else 0
+        return int((self._ends - self._starts).max()) if self._n else 0
 
     def merge_loose(self) -> None:
         """Return the loose single ids to the extents (merging neighbours); the free set is unchanged."""
         if not self._loose:
             return
-        loose = np.array(self._loose, dtype=np.int32)
+        loose = np.array(self._loose, dtype=np.int64)
         self._loose.clear()
-        self._num_free -= loose.size  # free_run counts them again
-        for start, end in runs(np.sort(loose)):
-            self.free_run(start, end)
+        self._num_free -= loose.size  # _free_runs counts them again
+        loose.sort()
+        self._free_runs(*run_bounds(loose))
 
     # ---- extents -----------------------------------------------------------------------------
-    def _insert(self, start: int, end: int) -> None:
-        self._by_start[start] = end
-        self._by_length.add((end - start, start))
-        self._num_free += end - start
-
-    def _remove(self, start: int, end: int) -> None:
-        del self._by_start[start]
-        self._by_length.remove((end - start, start))
-        self._num_free -= end - start
-
     def allocate(self, n: int) -> np.ndarray:
         """Take ``n`` free ids (reference count 1 each); int32 array in allocation order.
 
@@ -126,33 +146,64 @@ class BlockPool:
             return _EMPTY
         if n > self._num_free:
             raise ValueError(f"asked for {n} blocks, {self._num_free} free")
-        i = self._by_length.bisect_left((n, -1))
-        if self._loose and n > 1 and i == len(self._by_length):  # no extent holds n: merge loose ids first
+        m = self._n
+        starts = self._s[:m]
+        lengths = self._e[:m] - starts
+        fit = (lengths >= n).nonzero()[0]
+        if not fit.size and self._loose and n > 1:  # no extent holds n: merge loose ids first
             self.merge_loose()
-            i = self._by_length.bisect_left((n, -1))
-        if i < len(self._by_length):  # best fit: one run
-            length, start = self._by_length[i]
-            self._remove(start, start + length)
-            if length > n:
-                self._insert(start + n, start + length)
+            m = self._n
+            starts = self._s[:m]
+            lengths = self._e[:m] - starts
+            fit = (lengths >= n).nonzero()[0]
+        self._num_free -= n
+        if fit.size:  # best fit: the shortest extent that holds n, the lowest start among equals
+            i = int(fit[lengths[fit].argmin()]) if fit.size > 1 else int(fit[0])
+            start = int(starts[i])
+            if lengths[i] > n:
+                starts[i] = start + n
+            else:
+                self._delete(i)
             self.ref_counts[start : start + n] = 1
             self.last_allocation_was_run = True
             return np.arange(start, start + n, dtype=np.int32)
-        else:  # fragmented: largest extents first, so few runs
-            parts, left = [], n
-            while left:
-                length, start = self._by_length.pop()  # the largest extent
-                del self._by_start[start]
-                self._num_free -= length
-                take = min(length, left)
-                if length > take:
-                    self._insert(start + take, start + length)
-                parts.append(np.arange(start, start + take, dtype=np.int32))
-                left -= take
-            out = np.concatenate(parts)
+        # fragmented: the largest extents first (the highest start among equals), so few runs; only
+        # the last one taken may be cut, and its rest stays free
+        order = np.lexsort((starts, lengths))[::-1]
+        total = lengths[order].cumsum()
+        k = int(total.searchsorted(n)) + 1  # extents taken: total[k - 1] >= n
+        used = order[:k]
+        takes = lengths[used]
+        cut = int(total[k - 1]) - n  # left in the last extent taken
+        takes[-1] -= cut
+        out = _spans(starts[used], takes)
+        if cut:
+            starts[used[-1]] += takes[-1]
+            used = used[:-1]
+        keep = np.ones(m, dtype=bool)
+        keep[used] = False
+        left = m - used.size
+        self._s[:left], self._e[:left], self._n = starts[keep], self._e[:m][keep], left
         self.ref_counts[out] = 1
-        self.last_allocation_was_run = len(parts) == 1
+        self.last_allocation_was_run = k == 1
         return out
+
+    def _delete(self, i: int) -> None:
+        """Drop extent ``i`` (the later ones move down one place)."""
+        m = self._n
+        self._s[i : m - 1] = self._s[i + 1 : m]
+        self._e[i : m - 1] = self._e[i + 1 : m]
+        self._n = m - 1
+
+    def _insert(self, i: int, start: int, end: int) -> None:
+        """A new extent at place ``i`` (the later ones move up one place)."""
+        m = self._n
+        if m == self._s.size:
+            self._s = np.concatenate((self._s, np.zeros(m, dtype=np.int64)))
+            self._e = np.concatenate((self._e, np.zeros(m, dtype=np.int64)))
+        self._s[i + 1 : m + 1] = self._s[i:m]
+        self._e[i + 1 : m + 1] = self._e[i:m]
+        self._s[i], self._e[i], self._n = start, end, m + 1
 
     def free(self, ids: np.ndarray) -> None:
         """Return distinct ids whose reference count is zero to the free extents, merging neighbours."""
@@ -174,24 +225,50 @@ class BlockPool:
         if hi - lo == ids.size:  # distinct ids spanning one run: no sort needed
             self.free_run(lo, hi)
             return
-        for start, end in runs(np.sort(np.asarray(ids, dtype=np.int32))):
-            self.free_run(start, end)
+        ids = ids.astype(np.int64)
+        ids.sort()
+        self._free_runs(*run_bounds(ids))
 
     def free_run(self, start: int, end: int) -> None:
         """Return the unreferenced ids ``[start, end)`` to the free extents, merging neighbours."""
-        if end > start:
-            j = self._by_start.bisect_right(start)
-            if j:  # merge with the extent before
-                prev_start = self._by_start.keys()[j - 1]
-                prev_end = self._by_start[prev_start]
-                if prev_end == start:
-                    self._remove(prev_start, prev_end)
-                    start = prev_start
-            next_end = self._by_start.get(end)
-            if next_end is not None:  # merge with the extent after
-                self._remove(end, next_end)
-                end = next_end
-            self._insert(start, end)
+        if end <= start:
+            return
+        m, s, e = self._n, self._s, self._e
+        j = int(s[:m].searchsorted(start))  # the first extent after the run
+        prev = j > 0 and int(e[j - 1]) == start
+        after = j < m and int(s[j]) == end
+        if prev and after:  # the run closes the gap between two extents
+            e[j - 1] = e[j]
+            self._delete(j)
+        elif prev:
+            e[j - 1] = end
+        elif after:
+            s[j] = start
+        else:
+            self._insert(j, start, end)
+        self._num_free += end - start
+
+    def _free_runs(self, starts: np.ndarray, ends: np.ndarray) -> None:
+        """Return the unreferenced runs ``[starts[i], ends[i])`` (ascending, disjoint, none adjacent
+        to another) to the free extents, merging every neighbour at once."""
+        if starts.size == 1:
+            self.free_run(int(starts[0]), int(ends[0]))
+            return
+        self._num_free += int(ends.sum() - starts.sum())
+        m = self._n
+        s = np.concatenate((self._s[:m], starts))
+        e = np.concatenate((self._e[:m], ends))
+        order = s.argsort(kind="stable")
+        s, e = s[order], e[order]
+        breaks = (s[1:] != e[:-1]).nonzero()[0]  # extent i ends short of extent i + 1
+        k = breaks.size + 1
+        if k > self._s.size:
+            self._s, self._e = np.zeros(2 * k, dtype=np.int64), np.zeros(2 * k, dtype=np.int64)
+        self._s[0] = s[0]
+        self._s[1:k] = s[breaks + 1]
+        self._e[: k - 1] = e[breaks]
+        self._e[k - 1] = e[-1]
+        self._n = k
 
     # ---- reference counts --------------------------------------------------------------------
     def incref(self, ids: np.ndarray) -> None:
@@ -234,18 +311,19 @@ class BlockPool:
     def check_free_extents(self) -> list[str]:
         """Problems with the extents themselves (overlap, reserved ids, counts, referenced ids)."""
         problems, prev_end, total = [], self.first_id, len(self._loose)
+        inside = self._extent_mask()
         if self._loose:
             loose = np.array(self._loose, dtype=np.int64)
-            inside = np.zeros(self.num_blocks, dtype=bool)
-            for start, end in self._by_start.items():
-                inside[start:end] = True
             if loose.min() < self.first_id or loose.max() >= self.num_blocks or np.unique(loose).size != loose.size:
                 problems.append(f"loose free ids out of range or repeated: {sorted(self._loose)[:8]}")
             elif inside[loose].any() or self.ref_counts[loose].any():
                 problems.append("loose free ids inside a free extent or referenced")
             if len(self._loose) > self._loose_cap:
                 problems.append(f"{len(self._loose)} loose free ids, over the cap {self._loose_cap}")
-        for start, end in self._by_start.items():
+        if self._starts.shape != self._ends.shape:
+            problems.append("free extent starts and ends differ in number")
+            return problems
+        for start, end in zip(self._starts.tolist(), self._ends.tolist(), strict=True):
             if start < prev_end or end <= start or end > self.num_blocks:
                 problems.append(f"bad free extent [{start}, {end}) after {prev_end}")
             if start == prev_end and start != self.first_id:
@@ -253,7 +331,7 @@ class BlockPool:
             if self.ref_counts[start:end].any():
                 problems.append(f"free extent [{start}, {end}) holds referenced blocks")
             prev_end, total = end, total + end - start
-        if total != self._num_free or len(self._by_length) != len(self._by_start):
+        if total != self._num_free:
             problems.append(f"free count {self._num_free} != extents total {total}")
         if (self.ref_counts < 0).any():
             problems.append(f"negative reference counts at {np.flatnonzero(self.ref_counts < 0)[:8].tolist()}")
@@ -261,9 +339,14 @@ class BlockPool:
             problems.append("the null block is referenced")
         return problems
 
-    def free_mask(self) -> np.ndarray:
+    def _extent_mask(self) -> np.ndarray:
+        """Which ids lie in a free extent (loose ids not included)."""
         mask = np.zeros(self.num_blocks, dtype=bool)
-        for start, end in self._by_start.items():
-            mask[start:end] = True
+        if self._starts.size and (self._ends > self._starts).all():
+            mask[_spans(self._starts, self._ends - self._starts)] = True
+        return mask
+
+    def free_mask(self) -> np.ndarray:
+        mask = self._extent_mask()
         mask[self._loose] = True
         return mask

@@ -37,10 +37,13 @@ from hybridkv.blockmgr.checkpoint_policy import (
     spaced_positions,
 )
 from hybridkv.blockmgr.flops import flop_coefficients, prefill_flops
-from hybridkv.blockmgr.hashing import (
+from hybridkv.blockmgr.hashing import (  # _C, _MASK: the chain's constants, inlined in _register_few
+    _C,
+    _MASK,
     ROOT_KEY,
     TokenArray,
     as_token_array,
+    block_hashes,
     chain_key,
     chain_keys,
     chain_keys_array,
@@ -159,6 +162,10 @@ class _Counters:
     kv_evicted: int = 0
 
 
+_TWO64 = 1 << 64
+_FEW = 16  # register() of up to this many blocks goes block by block (scalar path)
+
+
 class PrefixCache:
     """The cache's books; all block movements go through the manager's pool and ``use`` bytes."""
 
@@ -177,6 +184,13 @@ class PrefixCache:
         self._ck = np.full(cap, -1, dtype=np.int64)  # checkpoint slot (its first block id), -1: none
         self._tok = np.zeros((cap, bs), dtype=np.int64)
         self._free_slots: list[int] = list(range(cap - 1, -1, -1))
+        # the slots of the last chain looked up whole (a request's keys, asked about at its
+        # checkpoints and its release): kept with a copy of the keys, checked before reuse (a
+        # freed slot has position 0)
+        self._memo_keys: list[int] = []
+        self._chain_memo = False  # whether anything asks for deepest checkpoints (set below)
+        self._memo_slots = np.empty(0, dtype=np.int64)
+        self._memo_karr = np.empty(0, dtype=np.int64)
         # ---- cached KV blocks, by block id
         self._node_of = np.full(nb, -1, dtype=np.int64)  # KV block -> slot of the node it caches
         self._n_mapped = 0  # KV blocks mapped to nodes
@@ -215,6 +229,8 @@ class PrefixCache:
         self._ckpt_bytes = manager.num_state_blocks * layout.bytes_per_block
         self._flops = flop_coefficients(layout.model)
         self._bytes_per_block = layout.bytes_per_block
+        self._chain_memo = bool(manager.num_state_groups) and (
+            self.config.demote_tail or self.config.checkpoint is CheckpointPolicy.BRANCH_SPACED)
 
     # ---- counts ------------------------------------------------------------------------------
     @property
@@ -329,11 +345,44 @@ class PrefixCache:
             del d[k]
             if bare:
                 bare.pop(k, None)
+        self._pos[slots] = 0  # a free slot (what _chain_slots checks)
         self._free_slots.extend(slots.tolist())
 
     def _lookup(self, keys: list[int]) -> np.ndarray:
         get = self._slot.get
         return np.array([get(k, -1) for k in keys], dtype=np.int64)
+
+    def _chain_slots(self, keys: list[int]) -> np.ndarray:
+        """The slots of the chain ``keys`` (-1: no node), read-only. The last chain asked about is
+        remembered with its slots: when ``keys`` extends it (the same request again, after more
+        registration), only the new keys and the remembered slots that went stale (node removed,
+        slot reused, node created since) are looked up."""
+        memo, m, n = self._memo_keys, len(self._memo_keys), len(keys)
+        if m and m <= n and (keys[:m] == memo if m < n else keys == memo):
+            slots, karr = self._memo_slots, self._memo_karr
+            s = np.maximum(slots, 0)
+            stale = ((slots < 0) | (self._pos[s] == 0) | (self._key[s] != karr)).nonzero()[0]
+            if stale.size:
+                slots = slots.copy()
+                slots[stale] = self._lookup([keys[i] for i in stale.tolist()])
+            if m < n:
+                more = keys[m:]
+                slots = np.concatenate((slots, self._lookup(more)))
+                karr = np.concatenate((karr, np.array(more, dtype=np.int64)))
+        else:
+            slots, karr = self._lookup(keys), np.array(keys, dtype=np.int64)
+        self._memo_keys, self._memo_slots, self._memo_karr = keys[:], slots, karr
+        return slots
+
+    def _remember_chain(self, keys: list[int], start: int, slots: np.ndarray, new: np.ndarray) -> None:
+        """``register`` added ``keys[start:]`` at ``slots`` (keys ``new``): extend the remembered
+        chain if it was ``keys[:start]``, else start it (when ``start == 0``)."""
+        if start == 0:
+            self._memo_keys, self._memo_slots, self._memo_karr = keys[:], slots, new
+        elif len(self._memo_keys) == start and keys[:start] == self._memo_keys:
+            self._memo_keys = keys[:]
+            self._memo_slots = np.concatenate((self._memo_slots, slots))
+            self._memo_karr = np.concatenate((self._memo_karr, new))
 
     def _verified(self, slots: np.ndarray, tokens: np.ndarray) -> np.ndarray:
         """Whether each of ``slots`` (blocks 0, 1, ... of ``tokens``) exists and holds exactly those
@@ -433,6 +482,9 @@ class PrefixCache:
         """FLOPs of each block's tokens (the block ending at ``positions``) per byte of one block
         (a Python float for an int: the same operations, so the same value)."""
         (lin, quad), bs = self._flops, self.block_size
+        if isinstance(positions, np.ndarray) and positions.size <= 16:  # the same operations on floats
+            per = self._bytes_per_block
+            return np.array([(lin * bs + quad * (2 * p - bs) * bs) / per for p in positions.tolist()], dtype=np.float64)
         return (lin * bs + quad * (2 * positions - bs) * bs) / self._bytes_per_block
 
     def register(self, token_ids: Sequence[int] | np.ndarray | TokenArray, keys: list[int], kv_blocks: np.ndarray,
@@ -455,7 +507,10 @@ class PrefixCache:
             self.ensure(tokens, keys, kv_blocks, start - 1)  # a parent to hang the new blocks on
         parent = keys[-1] if keys else ROOT_KEY
         h = memo.block_hashes(end, bs)[start:end] if memo is not None else None
-        if end - start == 1:  # one block (decode, small chunks): scalar path, same key and books
+        if end - start <= _FEW and self.m._has_kv:  # a prefill chunk, a decode block: scalar path
+            self._register_few(tokens, keys, kv_blocks, start, end, parent, h)
+            return
+        if end - start == 1:  # one block of a state-only model: scalar path, same key and books
             if h is not None:
                 key = key_from_hash(int(h[0]), parent)
             else:
@@ -474,10 +529,15 @@ class PrefixCache:
                 self._place(key, tokens, j, kv_blocks)
             return
         slots = self._lookup(new_list)
-        miss = np.flatnonzero(slots < 0)
-        if miss.size:
+        miss = (slots < 0).nonzero()[0]
+        if miss.size == slots.size:  # all new (a fresh prefill chunk): contiguous, no gathers
+            slots = self._new_slots(new, np.arange(start + 1, end + 1, dtype=np.int64) * bs,
+                                    tokens[start * bs : end * bs].reshape(end - start, bs))
+        elif miss.size:
             j = miss + start
             slots[miss] = self._new_slots(new[miss], (j + 1) * bs, tokens[: end * bs].reshape(end, bs)[j])
+        if self._chain_memo:
+            self._remember_chain(keys, start, slots, new)
         blocks = kv_blocks[start:end]
         take = (self._kv[slots] == 0) & (self._node_of[blocks] < 0)
         if take.any():
@@ -486,6 +546,47 @@ class PrefixCache:
             self._node_of[tb] = ts
             self._n_mapped += int(tb.size)
             self._kv_fpb[tb] = self._fpb(self._pos[ts])
+
+    def _register_few(self, tokens: np.ndarray, keys: list[int], kv_blocks: np.ndarray, start: int, end: int,
+                      parent: int, h: np.ndarray | None) -> None:
+        """:meth:`register` of blocks ``[start, end)`` (a few, KV model) on Python ints, block by
+        block: the same keys, slots (taken from the free list in block order, after the same
+        growth), KV mapping and FLOPs as the array path, without numpy's per-call setup."""
+        bs, n = self.block_size, end - start
+        if h is None:
+            h = block_hashes(tokens[start * bs : end * bs].reshape(n, bs))
+        get = self._slot.get
+        new_keys, found, key = [], [], parent & _MASK
+        for hv in h.tolist():  # key_from_hash, inlined
+            key = (_C * key + hv) & _MASK
+            signed = key - _TWO64 if key >> 63 else key
+            new_keys.append(signed)
+            found.append(get(signed))
+        keys.extend(new_keys)
+        missing = found.count(None)
+        if missing > len(self._free_slots):
+            self._grow(missing - len(self._free_slots))
+        free, d = self._free_slots, self._slot
+        key_a, pos_a, kv_a, ck_a, tok = self._key, self._pos, self._kv, self._ck, self._tok
+        node_of, fpb = self._node_of, self._kv_fpb
+        (lin, quad), per = self._flops, self._bytes_per_block  # _fpb's formula, inlined below
+        blocks = kv_blocks[start:end].tolist()
+        for i, key in enumerate(new_keys):
+            slot = found[i]
+            j = start + i
+            if slot is None:
+                slot = found[i] = free.pop()
+                key_a[slot], pos_a[slot], kv_a[slot], ck_a[slot] = key, (j + 1) * bs, 0, -1
+                tok[slot] = tokens[j * bs : (j + 1) * bs]
+                d[key] = slot
+            block = blocks[i]
+            if not kv_a[slot] and node_of[block] < 0:
+                kv_a[slot] = block
+                node_of[block] = slot
+                self._n_mapped += 1
+                fpb[block] = (lin * bs + quad * (2 * int(pos_a[slot]) - bs) * bs) / per
+        if self._chain_memo:
+            self._remember_chain(keys, start, np.array(found, dtype=np.int64), np.array(new_keys, dtype=np.int64))
 
     def ensure(self, token_ids: Sequence[int] | np.ndarray, keys: list[int], kv_blocks: np.ndarray, j: int) -> int:
         """The slot of block ``j`` of a request's chain, re-created with any missing ancestors.
@@ -527,7 +628,9 @@ class PrefixCache:
             self._bare.move_to_end(key)
             while len(self._bare) > self._bare_cap:
                 old, _ = self._bare.popitem(last=False)
-                self._free_slots.append(self._slot.pop(old))
+                freed = self._slot.pop(old)
+                self._pos[freed] = 0
+                self._free_slots.append(freed)
         return slot
 
     def release(self, ids: np.ndarray, chain: list[int] | None = None) -> np.ndarray:
@@ -652,11 +755,11 @@ class PrefixCache:
 
     def deepest_checkpoint(self, keys: list[int], end: int | None = None) -> int:
         """Token position of the deepest checkpoint among the chain ``keys[:end]`` (0: none)."""
-        keys = keys if end is None else keys[: max(end, 0)]
-        if not keys or not self._ck_ids:
+        n = len(keys) if end is None else min(max(end, 0), len(keys))
+        if not n or not self._ck_ids:
             return 0
-        slots = self._lookup(keys)
-        held = np.flatnonzero((slots >= 0) & (self._ck[np.maximum(slots, 0)] >= 0))
+        slots = self._chain_slots(keys)[:n]
+        held = ((slots >= 0) & (self._ck[np.maximum(slots, 0)] >= 0)).nonzero()[0]
         return (int(held[-1]) + 1) * self.block_size if held.size else 0
 
     def has_checkpoint(self, key: int) -> bool:
@@ -820,7 +923,7 @@ class PrefixCache:
         b = np.where(kv, code, 0)
         live = np.where(kv, self._kv_evictable[b] & (self._kv_order[b] == order),
                         self._ck_live[ck] & (self._ck_order[ck] == order))
-        return np.flatnonzero(live) + start
+        return live.nonzero()[0] + start
 
     def num_protected(self, protect: np.ndarray, protect_ckpt: set[int] = frozenset()) -> int:  # type: ignore[assignment]
         """Evictable blocks that ``evict(..., protect, protect_ckpt)`` may not take."""
@@ -846,33 +949,37 @@ class PrefixCache:
         marks = np.concatenate((protect.astype(np.int64), np.array(held, dtype=np.int64))) + nb
         any_passed = bool(marks.size)
         passed[marks] = True
-        parts, end, step, got = [], self._head, max(2 * target, 256), 0
+        parts, held_parts, end, step, got = [], [], self._head, max(2 * target, 256), 0
         while got < target and end < self._tail:  # live, unprotected entries from the front
             stop = min(end + step, self._tail)
             pos = self._live_queue(end, stop)
             code = self._fifo[pos]
             if any_passed:
-                pos = pos[~passed[code + nb]]
-                code = self._fifo[pos]
+                mask = passed[code + nb]
+                if mask.any():  # passed over: they stay queued, in order
+                    held_parts.append(pos[mask])
+                    keep = ~mask
+                    pos, code = pos[keep], code[keep]
+            parts.append(code)
             parts.append(pos)
-            got += int(code.size + np.count_nonzero(code < 0) * (nsb - 1))
+            got += code.size + int((code < 0).sum()) * (nsb - 1)
             end = stop
+        passed[marks] = False
         if not parts:
-            passed[marks] = False
             return _EMPTY, _EMPTY
-        pos = np.concatenate(parts)
-        code = self._fifo[pos]
-        chosen = self._take_prefix(np.arange(pos.size), np.where(code >= 0, 1, nsb), target)
-        if chosen.size:  # the queue's front up to the last victim keeps only its passed-over live entries
-            last = int(pos[chosen[-1]])
-            keep = self._live_queue(self._head, last + 1) if any_passed else _EMPTY
-            keep = keep[passed[self._fifo[keep] + nb]] if any_passed else keep
+        code = np.concatenate(parts[::2]) if len(parts) > 2 else parts[0]
+        pos = np.concatenate(parts[1::2]) if len(parts) > 2 else parts[1]
+        count = int(np.where(code >= 0, 1, nsb).cumsum().searchsorted(target)) + 1  # the shortest prefix
+        if pos.size:  # the queue's front up to the last victim keeps only its passed-over live entries
+            last = int(pos[min(count, pos.size) - 1])
+            keep = np.concatenate(held_parts) if held_parts else _EMPTY
+            if keep.size:
+                keep = keep[keep <= last]
             new_head = last + 1 - keep.size
             self._fifo[new_head : last + 1] = self._fifo[keep]
             self._fifo_ord[new_head : last + 1] = self._fifo_ord[keep]
             self._head = new_head
-        passed[marks] = False
-        victims = code[chosen]
+        victims = code[:count]
         return victims[victims >= 0], -1 - victims[victims < 0]
 
     def _flop_aware_victims(self, target: int, kv_ids: np.ndarray, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
