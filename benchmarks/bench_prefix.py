@@ -31,9 +31,11 @@ cache, so eviction (where the policies differ) hardly happens.
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import sys
 import time
 from collections import deque
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 from typing import NamedTuple
 
@@ -233,7 +235,7 @@ def multiturn_items(num_sessions: int = 300, seed: int = 0) -> tuple[list[Item],
 
 # ---- replay ---------------------------------------------------------------------------------------
 def replay(model_key, budget_gib, layout_kind, checkpoint, eviction, every_n, items, concurrency, align=(512, 2048),
-           block_size=64, **policy):
+           block_size=64, progress=True, **policy):
     """One replay; ``policy``: further :class:`PrefixCacheConfig` fields (e.g. ``min_gap_tokens``)."""
     name, dtype, tp, _ = MODELS[model_key]
     spec = preset(name, dtype, tp)
@@ -258,8 +260,7 @@ def replay(model_key, budget_gib, layout_kind, checkpoint, eviction, every_n, it
         return True
 
     desc = f"{model_key} {budget_gib} GiB {label(layout_kind, checkpoint, eviction, every_n)}"
-    progress = tqdm(items, desc=desc, unit="req", leave=False, position=1, mininterval=2.0)
-    for item in progress:
+    for item in tqdm(items, desc=desc, unit="req", leave=False, position=1, mininterval=2.0, disable=not progress):
         rid, toks = item.index, item.input_ids
         total += len(toks)
         try:
@@ -386,6 +387,26 @@ def compare(rows: list[dict]) -> list[dict]:
     return out
 
 
+_RUNS: list[tuple] = []  # (workload, items, model, budget, layout, checkpoint, eviction, every_n) of main()
+
+
+def _run(i: int, concurrency: int, align: tuple[int, ...], legacy: bool, progress: bool) -> dict:
+    """Replay ``_RUNS[i]`` (in a worker process with ``--jobs``: no per-request progress bar there)."""
+    workload, items, model_key, budget, layout_kind, checkpoint, eviction, every_n = _RUNS[i]
+    extra = config_kwargs((layout_kind, checkpoint, eviction, every_n), legacy)
+    r = replay(model_key, budget, layout_kind, checkpoint, eviction, every_n, items, concurrency, align,
+               progress=progress, **extra)
+    r.update(extra)
+    r["workload"] = workload
+    return r
+
+
+def _line(r: dict) -> str:
+    return (f"{r['workload']:15s} {r['model']:20s} {r['budget_gib']:4d} {r['config']:42s} {r['token_hit_rate']:8.1%} "
+            f"{r['checkpoint_bytes_mean'] / GiB:9.2f} / {r['checkpoint_bytes_max'] / GiB:7.2f} "
+            f"{r['skipped']:7d} {r['seconds']:6.1f}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--trace", default=str(DEFAULT_TRACE))
@@ -403,9 +424,13 @@ def main(argv: list[str] | None = None) -> int:
                     help="a row not in CONFIGS, e.g. paged every_n_blocks lru 8 (repeatable; with --configs, both)")
     ap.add_argument("--sessions", type=int, default=300, help="multiturn: number of conversations")
     ap.add_argument("--name", default="prefix", help="results file name prefix")
+    ap.add_argument("--jobs", type=int, default=1,
+                    help="replays at once, one process each (same results; per-replay seconds then share cores)")
     ap.add_argument("--legacy", action="store_true",
                     help="demote_tail off in every row (as before it existed: comparable with older runs)")
     args = ap.parse_args(argv)
+    if args.jobs < 1:
+        ap.error(f"--jobs must be at least 1, got {args.jobs}")
     limit = 400 if args.quick and args.limit is None else args.limit
     quick_note = (
         "--quick: a sample (the first 400 requests, one budget per model), not a result. Too few requests "
@@ -435,20 +460,27 @@ def main(argv: list[str] | None = None) -> int:
         f"{'ckpt GiB (mean/max)':>20s} {'skipped':>7s} {'s':>6s}",
         flush=True,
     )
-    overall = tqdm(runs, desc="all runs", unit="run", position=0)
-    for workload, items, model_key, budget, layout_kind, checkpoint, eviction, every_n in overall:
-        extra = config_kwargs((layout_kind, checkpoint, eviction, every_n), args.legacy)
-        r = replay(model_key, budget, layout_kind, checkpoint, eviction, every_n, items, args.concurrency,
-                   tuple(args.align_tokens), **extra)
-        r.update(extra)
-        r["workload"] = workload
-        rows.append(r)
-        tqdm.write(
-            f"{workload:15s} {model_key:20s} {budget:4d} {r['config']:42s} {r['token_hit_rate']:8.1%} "
-            f"{r['checkpoint_bytes_mean'] / GiB:9.2f} / {r['checkpoint_bytes_max'] / GiB:7.2f} "
-            f"{r['skipped']:7d} {r['seconds']:6.1f}"
-        )
+    _RUNS[:] = runs  # read by the workers (forked: the items are not copied per run)
+    settings = (args.concurrency, tuple(args.align_tokens), args.legacy)
+    overall = tqdm(total=len(runs), desc="all runs", unit="run", position=0)
+    t0 = time.perf_counter()
+    if args.jobs > 1:
+        ctx = multiprocessing.get_context("fork")
+        with ProcessPoolExecutor(args.jobs, mp_context=ctx) as pool:
+            futures = [pool.submit(_run, i, *settings, False) for i in range(len(runs))]
+            for done in as_completed(futures):
+                overall.update(1)
+                overall.write(_line(done.result()))
+            rows = [f.result() for f in futures]  # in run order, whatever finished first
+    else:
+        for i in range(len(runs)):
+            rows.append(_run(i, *settings, True))
+            overall.update(1)
+            overall.write(_line(rows[-1]))
+    wall = time.perf_counter() - t0
     overall.close()
+    print(f"{len(rows)} replays in {wall:.1f} s wall ({sum(r['seconds'] for r in rows):.1f} s of replay, "
+          f"{args.jobs} process{'es' if args.jobs > 1 else ''})", flush=True)
     table = compare(rows)
     for t in table:
         ratios = ", ".join(f"{k} {v:.2f}x" for k, v in t["ratio_vs_best_padded"].items() if v is not None)
@@ -461,6 +493,8 @@ def main(argv: list[str] | None = None) -> int:
             "trace": str(args.trace),
             "limit": limit,
             "legacy": args.legacy,
+            "jobs": args.jobs,
+            "wall_seconds": wall,
             "concurrency": args.concurrency,
             "align_tokens": args.align_tokens,
             "assumptions": {
