@@ -22,7 +22,7 @@ from hybridkv.blockmgr.errors import (
     RequestTooLargeError,
     UnknownRequestError,
 )
-from hybridkv.blockmgr.hashing import TokenArray, as_token_array
+from hybridkv.blockmgr.hashing import TokenArray
 from hybridkv.blockmgr.integrity import check_integrity
 from hybridkv.blockmgr.layout import NULL_BLOCK, Layout
 from hybridkv.blockmgr.pool import BlockPool
@@ -262,7 +262,7 @@ class HybridBlockManager(CheckpointMixin, SpeculationMixin, SwapMixin, TransferM
         num_tokens, num_speculative = as_count(num_tokens, "num_tokens"), as_count(num_speculative, "num_speculative")
         self.check_fits(num_tokens, num_speculative)
         if token_ids is not None and self.prefix_cache is not None:
-            token_ids = as_token_array(token_ids)  # once: the match and the record share it
+            token_ids = TokenArray(token_ids)  # once: the match and the record share it (and its hashes)
         taken, need, hit = self._admission(num_tokens, num_speculative, token_ids)
         if taken + self.watermark_blocks > self.num_available_blocks:
             raise NoFreeBlocksError(
@@ -303,7 +303,7 @@ class HybridBlockManager(CheckpointMixin, SpeculationMixin, SwapMixin, TransferM
         if hit is None:
             return Allocation(0, _NO_COPIES)
         assert token_ids is not None and self.prefix_cache is not None
-        rec.token_ids = TokenArray(token_ids)
+        rec.token_ids = token_ids
         rec.block_keys = list(hit.keys)  # the hit's blocks are cached; the rest enter via mark_computed
         rec.branch_tokens = hit.num_matched_tokens
         rec.tail_shared = hit.num_blocks > 0

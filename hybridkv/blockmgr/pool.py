@@ -25,6 +25,7 @@ import numpy as np
 from hybridkv.blockmgr.layout import NULL_BLOCK
 
 _EMPTY = np.empty(0, dtype=np.int32)
+_MIN, _MAX, _SUM = np.minimum.reduce, np.maximum.reduce, np.add.reduce  # reductions without the method wrappers
 LOOSE_CAP = 4096  # most single ids kept out of the extents at once
 
 
@@ -122,8 +123,7 @@ class BlockPool:
         loose = np.array(self._loose, dtype=np.int64)
         self._loose.clear()
         self._num_free -= loose.size  # _free_runs counts them again
-        loose.sort()
-        self._free_runs(*run_bounds(loose))
+        self._free_runs(loose, loose + 1, False)
 
     # ---- extents -----------------------------------------------------------------------------
     def allocate(self, n: int) -> np.ndarray:
@@ -219,15 +219,13 @@ class BlockPool:
             return
         if ids.size == 0:
             return
-        lo, hi = int(ids.min()), int(ids.max()) + 1
+        lo, hi = int(_MIN(ids)), int(_MAX(ids)) + 1
         if lo < self.first_id or hi > self.num_blocks:
             raise ValueError(f"cannot free ids outside [{self.first_id}, {self.num_blocks}): got [{lo}, {hi})")
         if hi - lo == ids.size:  # distinct ids spanning one run: no sort needed
             self.free_run(lo, hi)
             return
-        ids = ids.astype(np.int64)
-        ids.sort()
-        self._free_runs(*run_bounds(ids))
+        self._free_runs(ids, ids + 1, False)
 
     def free_run(self, start: int, end: int) -> None:
         """Return the unreferenced ids ``[start, end)`` to the free extents, merging neighbours."""
@@ -248,17 +246,17 @@ class BlockPool:
             self._insert(j, start, end)
         self._num_free += end - start
 
-    def _free_runs(self, starts: np.ndarray, ends: np.ndarray) -> None:
-        """Return the unreferenced runs ``[starts[i], ends[i])`` (ascending, disjoint, none adjacent
-        to another) to the free extents, merging every neighbour at once."""
+    def _free_runs(self, starts: np.ndarray, ends: np.ndarray, ordered: bool = True) -> None:
+        """Return the unreferenced, disjoint runs ``[starts[i], ends[i])`` (ascending unless not
+        ``ordered``; single ids are runs too) to the free extents, merging every neighbour at once."""
         if starts.size == 1:
             self.free_run(int(starts[0]), int(ends[0]))
             return
-        self._num_free += int(ends.sum() - starts.sum())
+        self._num_free += int(_SUM(ends)) - int(_SUM(starts))
         m = self._n
-        s = np.concatenate((self._s[:m], starts))
-        e = np.concatenate((self._e[:m], ends))
-        order = s.argsort(kind="stable")
+        s = np.concatenate((self._s[:m], starts), dtype=np.int64)
+        e = np.concatenate((self._e[:m], ends), dtype=np.int64)
+        order = s.argsort()  # starts are distinct: any sort gives the same order
         s, e = s[order], e[order]
         breaks = (s[1:] != e[:-1]).nonzero()[0]  # extent i ends short of extent i + 1
         k = breaks.size + 1

@@ -396,18 +396,26 @@ class PrefixCache:
         return ok
 
     # ---- lookup ------------------------------------------------------------------------------
-    def match(self, token_ids: Sequence[int] | np.ndarray, max_tokens: int) -> PrefixHit:
+    def match(self, token_ids: Sequence[int] | np.ndarray | TokenArray, max_tokens: int) -> PrefixHit:
         """The longest hit within ``min(max_tokens, len(token_ids) - 1)`` tokens (one token is
-        always left to compute, so the forward has logits to sample)."""
-        tokens = as_token_array(token_ids)
+        always left to compute, so the forward has logits to sample). A :class:`TokenArray` (the
+        admission's) keeps the block hashes computed here for the registration that follows."""
+        memo = token_ids if isinstance(token_ids, TokenArray) else None
+        tokens = memo.view() if memo is not None else as_token_array(token_ids)
         bs = self.block_size
         limit = (tokens.size - 1) // bs  # the chain over the whole input: branch point
         max_blocks = min(max(max_tokens, 0), tokens.size - 1) // bs
         if limit <= 0 or not self._slot:
             return _miss()
-        if self.m._has_kv and chain_keys_array(tokens, bs, 0, 1)[0] not in self._slot:
+        if memo is not None:
+            h = memo.block_hashes(limit, bs)
+            if self.m._has_kv and key_from_hash(int(h[0]), ROOT_KEY) not in self._slot:
+                return _miss()  # the first block is not cached: a miss
+            keys = keys_from_hashes(h[:limit]).tolist()
+        elif self.m._has_kv and chain_keys_array(tokens, bs, 0, 1)[0] not in self._slot:
             return _miss()  # the first block is not cached: a miss without hashing the rest
-        keys = chain_keys_array(tokens, bs, 0, limit).tolist()
+        else:
+            keys = chain_keys_array(tokens, bs, 0, limit).tolist()
         slots = self._lookup(keys)
         ok = self._verified(slots, tokens)
         if not self.m._has_kv:
@@ -530,10 +538,21 @@ class PrefixCache:
             return
         slots = self._lookup(new_list)
         miss = (slots < 0).nonzero()[0]
-        if miss.size == slots.size:  # all new (a fresh prefill chunk): contiguous, no gathers
+        if miss.size == slots.size:  # all new (a fresh prefill): contiguous, no gathers, no KV yet
             slots = self._new_slots(new, np.arange(start + 1, end + 1, dtype=np.int64) * bs,
                                     tokens[start * bs : end * bs].reshape(end - start, bs))
-        elif miss.size:
+            if self._chain_memo:
+                self._remember_chain(keys, start, slots, new)
+            blocks = kv_blocks[start:end]
+            free = self._node_of[blocks] < 0  # the request's own blocks: unmapped unless it re-created them
+            if not free.all():
+                blocks, slots = blocks[free], slots[free]
+            self._kv[slots] = blocks
+            self._node_of[blocks] = slots
+            self._n_mapped += blocks.size
+            self._kv_fpb[blocks] = self._fpb(self._pos[slots])
+            return
+        if miss.size:
             j = miss + start
             slots[miss] = self._new_slots(new[miss], (j + 1) * bs, tokens[: end * bs].reshape(end, bs)[j])
         if self._chain_memo:
