@@ -5,6 +5,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from hybridkv.blockmgr.flops import prefill_flops
 from hybridkv.blockmgr.layout import plan
 from hybridkv.blockmgr.manager import HybridBlockManager
 from hybridkv.blockmgr.prefix import CheckpointPolicy, EvictionPolicy, PrefixCacheConfig, chain_keys
@@ -316,7 +317,9 @@ def reference_flop_aware(cache, target, protect=(), protect_ckpt=frozenset()):
     kv = sorted(set(cache.cached_kv_blocks().tolist()) - set(protect))  # candidates in block id order
     ck = [k for k in cache.checkpoint_keys() if k not in protect_ckpt and k not in cache.pinned]
     ck_slot = [int(cache.node(k).checkpoint[0]) for k in ck]
-    fpb = np.array([cache._kv_fpb[b] for b in kv] + [cache._ck_fpb[s] for s in ck_slot])
+    # FLOPs per byte from the positions: a KV block's own tokens, a checkpoint's whole prefix
+    fpb = np.array([cache._fpb(int(cache._pos[cache._node_of[b]])) for b in kv]
+                   + [prefill_flops(cache._flops, cache.node(k).position) / cache._ckpt_bytes for k in ck])
     if not fpb.size:
         return set()
     tick = np.array([cache._kv_tick[b] for b in kv] + [cache._ck_tick[s] for s in ck_slot], dtype=np.float64)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import math
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -197,7 +198,8 @@ class PrefixCache:
         self._kv_evictable = np.zeros(nb, dtype=bool)
         self._n_evictable = 0
         self._kv_tick = np.zeros(nb, dtype=np.int64)  # tick of the release that made it evictable
-        self._kv_fpb = np.zeros(nb, dtype=np.float64)  # FLOPs of its tokens per byte
+        # log1p(FLOPs of its tokens per byte), what flop_aware ranks (kept only under flop_aware)
+        self._kv_lfpb = np.zeros(nb, dtype=np.float64)
         # one counter orders every LRU event (KV blocks released, checkpoints made or hit)
         self._order = 0
         self._kv_order = np.zeros(nb, dtype=np.int64)
@@ -212,7 +214,7 @@ class PrefixCache:
         # ---- checkpoints, by slot (first block id)
         self._ck_live = np.zeros(nb, dtype=bool)
         self._ck_tick = np.zeros(nb, dtype=np.int64)
-        self._ck_fpb = np.zeros(nb, dtype=np.float64)
+        self._ck_lfpb = np.zeros(nb, dtype=np.float64)
         self._ck_order = np.zeros(nb, dtype=np.int64)
         self._ck_ids: dict[int, np.ndarray] = {}  # checkpoint slot -> its flat block ids
         self._ck_node: dict[int, int] = {}  # checkpoint slot -> node slot
@@ -229,6 +231,7 @@ class PrefixCache:
         self._ckpt_bytes = manager.num_state_blocks * layout.bytes_per_block
         self._flops = flop_coefficients(layout.model)
         self._bytes_per_block = layout.bytes_per_block
+        self._rank_flops = self.config.eviction is EvictionPolicy.FLOP_AWARE
         self._chain_memo = bool(manager.num_state_groups) and (
             self.config.demote_tail or self.config.checkpoint is CheckpointPolicy.BRANCH_SPACED)
 
@@ -547,10 +550,7 @@ class PrefixCache:
             free = self._node_of[blocks] < 0  # the request's own blocks: unmapped unless it re-created them
             if not free.all():
                 blocks, slots = blocks[free], slots[free]
-            self._kv[slots] = blocks
-            self._node_of[blocks] = slots
-            self._n_mapped += blocks.size
-            self._kv_fpb[blocks] = self._fpb(self._pos[slots])
+            self._map_kv(slots, blocks)
             return
         if miss.size:
             j = miss + start
@@ -560,11 +560,15 @@ class PrefixCache:
         blocks = kv_blocks[start:end]
         take = (self._kv[slots] == 0) & (self._node_of[blocks] < 0)
         if take.any():
-            tb, ts = blocks[take], slots[take]
-            self._kv[ts] = tb
-            self._node_of[tb] = ts
-            self._n_mapped += int(tb.size)
-            self._kv_fpb[tb] = self._fpb(self._pos[ts])
+            self._map_kv(slots[take], blocks[take])
+
+    def _map_kv(self, slots: np.ndarray, blocks: np.ndarray) -> None:
+        """Nodes ``slots`` now cache the KV ``blocks``."""
+        self._kv[slots] = blocks
+        self._node_of[blocks] = slots
+        self._n_mapped += blocks.size
+        if self._rank_flops:
+            self._kv_lfpb[blocks] = np.log1p(self._fpb(self._pos[slots]))
 
     def _register_few(self, tokens: np.ndarray, keys: list[int], kv_blocks: np.ndarray, start: int, end: int,
                       parent: int, h: np.ndarray | None) -> None:
@@ -587,7 +591,7 @@ class PrefixCache:
             self._grow(missing - len(self._free_slots))
         free, d = self._free_slots, self._slot
         key_a, pos_a, kv_a, ck_a, tok = self._key, self._pos, self._kv, self._ck, self._tok
-        node_of, fpb = self._node_of, self._kv_fpb
+        node_of, lfpb, rank = self._node_of, self._kv_lfpb, self._rank_flops
         (lin, quad), per = self._flops, self._bytes_per_block  # _fpb's formula, inlined below
         blocks = kv_blocks[start:end].tolist()
         for i, key in enumerate(new_keys):
@@ -603,7 +607,8 @@ class PrefixCache:
                 kv_a[slot] = block
                 node_of[block] = slot
                 self._n_mapped += 1
-                fpb[block] = (lin * bs + quad * (2 * int(pos_a[slot]) - bs) * bs) / per
+                if rank:
+                    lfpb[block] = math.log1p((lin * bs + quad * (2 * int(pos_a[slot]) - bs) * bs) / per)
         if self._chain_memo:
             self._remember_chain(keys, start, np.array(found, dtype=np.int64), np.array(new_keys, dtype=np.int64))
 
@@ -641,7 +646,8 @@ class PrefixCache:
                 self._kv[slot] = block
                 self._node_of[block] = slot
                 self._n_mapped += 1
-                self._kv_fpb[block] = self._fpb(int(self._pos[slot]))
+                if self._rank_flops:
+                    self._kv_lfpb[block] = math.log1p(self._fpb(int(self._pos[slot])))
         elif self._ck[slot] < 0:  # a bare node of a state-only model: bounded, LRU
             self._bare[key] = None
             self._bare.move_to_end(key)
@@ -797,7 +803,8 @@ class PrefixCache:
         self._ck_tick[ck] = self._now()
         self._ck_order[ck] = order = self._next_order(1)
         self._enqueue_one(-1 - ck, order)
-        self._ck_fpb[ck] = prefill_flops(self._flops, int(self._pos[slot])) / self._ckpt_bytes
+        if self._rank_flops:
+            self._ck_lfpb[ck] = math.log1p(prefill_flops(self._flops, int(self._pos[slot])) / self._ckpt_bytes)
         if self._bare:
             self._bare.pop(key, None)
         self.pinned[key] = self.m.pin_epoch
@@ -1004,10 +1011,11 @@ class PrefixCache:
     def _flop_aware_victims(self, target: int, kv_ids: np.ndarray, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Lowest utility first: ``alpha * norm(log1p(FLOPs saved per byte)) + norm(recency)`` over
         all candidates. A checkpoint saves the FLOPs of the prefix it ends, a KV block those of its
-        own tokens; FLOPs per byte spans orders of magnitude, so it is compared on a log scale."""
+        own tokens; FLOPs per byte spans orders of magnitude, so it is compared on a log scale (the
+        log is taken once, when the block or checkpoint enters the cache)."""
         slots = slots[np.argsort(self._ck_tick[slots], kind="stable")]  # checkpoints in LRU order
-        fpb = np.concatenate((self._kv_fpb[kv_ids], self._ck_fpb[slots]))
-        if not fpb.size:
+        lfpb = np.concatenate((self._kv_lfpb[kv_ids], self._ck_lfpb[slots]))
+        if not lfpb.size:
             return kv_ids[:0], slots[:0]
         tick = np.concatenate((self._kv_tick[kv_ids], self._ck_tick[slots])).astype(np.float64)
         size = np.concatenate((np.ones(kv_ids.size, dtype=np.int64), np.full(slots.size, self.m.num_state_blocks)))
@@ -1016,7 +1024,7 @@ class PrefixCache:
             span = x.max() - x.min()
             return (x - x.min()) / span if span > 0 else np.zeros_like(x)
 
-        utility = self.config.alpha * norm(np.log1p(fpb)) + norm(tick)
+        utility = self.config.alpha * norm(lfpb) + norm(tick)
         # the victims are a prefix of the stable order by utility, at most ``target`` candidates
         # long (each frees >= 1 block): rank only the candidates at or below the target-th utility
         # (ties included, in index order), which is that prefix exactly
