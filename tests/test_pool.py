@@ -80,7 +80,7 @@ def test_same_ids_as_the_reference_pool(num_blocks: int, loose_cap: int, ops: li
             assert new.largest_free_extent() == ref.largest_free_extent()
         assert _books(new) == _books(ref)
         assert new.check_free_extents() == []
-        assert list(zip(new._starts.tolist(), new._ends.tolist(), strict=True)) == list(ref._by_start.items())
+        assert list(zip(new._starts, new._ends, strict=True)) == list(ref._by_start.items())
     for ids in held:
         new.release(ids)
         ref.release(ids.copy())

@@ -4,9 +4,10 @@ Allocation works per request, not per block: :meth:`BlockPool.allocate` hands ou
 call, from the smallest free extent that holds all ``n`` (best fit, ties to the lowest start, so a
 state set comes out as one contiguous id run and the big extents stay whole), or, when no extent is
 large enough, from the largest extents first (ties to the highest start). Free ids are kept as
-maximal extents ``[start, end)`` in two numpy arrays sorted by start, reference counts in a third,
-so admitting and freeing a request costs a handful of array operations, not one per block, and a
-free of many scattered runs (an eviction) merges them all at once.
+maximal extents ``[start, end)`` in plain sorted lists, by start and by ``(length, start)`` (packed
+into one int), reference counts in a numpy array: admitting and freeing a request costs a few
+bisects, not one operation per block, and a free of many scattered ids (an eviction) is merged in
+numpy at once.
 
 Single blocks (decode appends, copy-on-write) take a fast path: a freed single id goes onto a
 bounded stack of loose free ids (counted free, kept out of the extents), and ``allocate(1)`` pops
@@ -20,13 +21,16 @@ Block 0 of a device pool is the null block: zero-filled, never allocated, never 
 
 from __future__ import annotations
 
+from bisect import bisect_left, insort
+
 import numpy as np
 
 from hybridkv.blockmgr.layout import NULL_BLOCK
 
 _EMPTY = np.empty(0, dtype=np.int32)
-_MIN, _MAX, _SUM = np.minimum.reduce, np.maximum.reduce, np.add.reduce  # reductions without the method wrappers
+_MIN, _MAX = np.minimum.reduce, np.maximum.reduce  # reductions without the method wrappers
 LOOSE_CAP = 4096  # most single ids kept out of the extents at once
+_START_MASK = (1 << 32) - 1  # extents by length are keys length << 32 | start
 
 
 def runs(ids: np.ndarray) -> list[tuple[int, int]]:
@@ -50,16 +54,6 @@ def run_bounds(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return starts, out
 
 
-def _spans(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """The ids of runs ``[starts[i], starts[i] + lengths[i])`` concatenated in order (int32)."""
-    offsets = lengths.cumsum()
-    total = int(offsets[-1]) if offsets.size else 0
-    offsets -= lengths  # where each run begins in the output
-    out = (starts - offsets).repeat(lengths)
-    out += np.arange(total, dtype=np.int64)
-    return out.astype(np.int32)
-
-
 class BlockPool:
     """Ids ``[first_id, num_blocks)`` with reference counts; ids below ``first_id`` are reserved.
 
@@ -76,11 +70,15 @@ class BlockPool:
         self.first_id = first
         self.ref_counts = np.zeros(num_blocks, dtype=np.int32)
         self._rc = memoryview(self.ref_counts)  # the same counts, for scalar access without numpy overhead
-        # the free extents [_s[i], _e[i]) for i < _n, sorted by start, disjoint and never adjacent
-        # (maximal); the buffers grow by doubling (at most one extent per two ids)
-        self._s = np.zeros(16, dtype=np.int64)
-        self._e = np.zeros(16, dtype=np.int64)
-        self._s[0], self._e[0], self._n = first, num_blocks, 1
+        # the free extents [starts[i], ends[i]), sorted by start, disjoint and never adjacent
+        # (maximal), and the same extents by (length, start) as sorted keys length << 32 | start:
+        # plain lists (a pool holds tens to hundreds of extents; a bisect and a short memmove beat
+        # numpy's per-call setup)
+        if num_blocks > _START_MASK:
+            raise ValueError(f"a pool holds at most {_START_MASK} blocks, got {num_blocks}")
+        self._starts: list[int] = [first]
+        self._ends: list[int] = [num_blocks]
+        self._by_len: list[int] = [(num_blocks - first) << 32 | first]
         self._num_free = num_blocks - first  # ids in the extents + loose ids
         self.last_allocation_was_run = False  # whether the last allocate() returned one id run
         self._loose: list[int] = []  # free single ids outside the extents, most recent last
@@ -98,23 +96,14 @@ class BlockPool:
     def num_usable(self) -> int:
         return self.num_blocks - self.first_id
 
-    @property
-    def _starts(self) -> np.ndarray:
-        """The free extents' starts, ascending (a view)."""
-        return self._s[: self._n]
-
-    @property
-    def _ends(self) -> np.ndarray:
-        return self._e[: self._n]
-
     def free_extents(self) -> list[tuple[int, int]]:
         """The free extents ``[(start, end), ...]`` in id order, loose ids merged in first."""
         self.merge_loose()
-        return list(zip(self._starts.tolist(), self._ends.tolist(), strict=True))
+        return list(zip(self._starts, self._ends, strict=True))
 
     def largest_free_extent(self) -> int:
         self.merge_loose()
-        return int((self._ends - self._starts).max()) if self._n else 0
+        return self._by_len[-1] >> 32 if self._by_len else 0
 
     def merge_loose(self) -> None:
         """Return the loose single ids to the extents (merging neighbours); the free set is unchanged."""
@@ -123,9 +112,14 @@ class BlockPool:
         loose = np.array(self._loose, dtype=np.int64)
         self._loose.clear()
         self._num_free -= loose.size  # _free_runs counts them again
-        self._free_runs(loose, loose + 1, False)
+        self._free_runs(loose, loose + 1, loose.size)
 
     # ---- extents -----------------------------------------------------------------------------
+    def _drop(self, start: int) -> None:
+        """Remove the extent starting at ``start`` from the by-start lists."""
+        j = bisect_left(self._starts, start)
+        del self._starts[j], self._ends[j]
+
     def allocate(self, n: int) -> np.ndarray:
         """Take ``n`` free ids (reference count 1 each); int32 array in allocation order.
 
@@ -146,64 +140,42 @@ class BlockPool:
             return _EMPTY
         if n > self._num_free:
             raise ValueError(f"asked for {n} blocks, {self._num_free} free")
-        m = self._n
-        starts = self._s[:m]
-        lengths = self._e[:m] - starts
-        fit = (lengths >= n).nonzero()[0]
-        if not fit.size and self._loose and n > 1:  # no extent holds n: merge loose ids first
+        bl = self._by_len
+        i = bisect_left(bl, n << 32)
+        if i == len(bl) and self._loose and n > 1:  # no extent holds n: merge loose ids first
             self.merge_loose()
-            m = self._n
-            starts = self._s[:m]
-            lengths = self._e[:m] - starts
-            fit = (lengths >= n).nonzero()[0]
+            bl = self._by_len
+            i = bisect_left(bl, n << 32)
         self._num_free -= n
-        if fit.size:  # best fit: the shortest extent that holds n, the lowest start among equals
-            i = int(fit[lengths[fit].argmin()]) if fit.size > 1 else int(fit[0])
-            start = int(starts[i])
-            if lengths[i] > n:
-                starts[i] = start + n
+        if i < len(bl):  # best fit: the shortest extent that holds n, the lowest start among equals
+            k = bl.pop(i)
+            length, start = k >> 32, k & _START_MASK
+            if length > n:  # the rest stays free, in the same place by start
+                self._starts[bisect_left(self._starts, start)] = start + n
+                insort(bl, (length - n) << 32 | (start + n))
             else:
-                self._delete(i)
+                self._drop(start)
             self.ref_counts[start : start + n] = 1
             self.last_allocation_was_run = True
             return np.arange(start, start + n, dtype=np.int32)
         # fragmented: the largest extents first (the highest start among equals), so few runs; only
         # the last one taken may be cut, and its rest stays free
-        order = np.lexsort((starts, lengths))[::-1]
-        total = lengths[order].cumsum()
-        k = int(total.searchsorted(n)) + 1  # extents taken: total[k - 1] >= n
-        used = order[:k]
-        takes = lengths[used]
-        cut = int(total[k - 1]) - n  # left in the last extent taken
-        takes[-1] -= cut
-        out = _spans(starts[used], takes)
-        if cut:
-            starts[used[-1]] += takes[-1]
-            used = used[:-1]
-        keep = np.ones(m, dtype=bool)
-        keep[used] = False
-        left = m - used.size
-        self._s[:left], self._e[:left], self._n = starts[keep], self._e[:m][keep], left
+        parts, left = [], n
+        while left:
+            k = bl.pop()
+            length, start = k >> 32, k & _START_MASK
+            if length > left:
+                self._starts[bisect_left(self._starts, start)] = start + left
+                insort(bl, (length - left) << 32 | (start + left))
+                parts.append(self._ids[start : start + left])
+                break
+            self._drop(start)
+            parts.append(self._ids[start : start + length])
+            left -= length
+        out = np.concatenate(parts)
         self.ref_counts[out] = 1
-        self.last_allocation_was_run = k == 1
+        self.last_allocation_was_run = len(parts) == 1
         return out
-
-    def _delete(self, i: int) -> None:
-        """Drop extent ``i`` (the later ones move down one place)."""
-        m = self._n
-        self._s[i : m - 1] = self._s[i + 1 : m]
-        self._e[i : m - 1] = self._e[i + 1 : m]
-        self._n = m - 1
-
-    def _insert(self, i: int, start: int, end: int) -> None:
-        """A new extent at place ``i`` (the later ones move up one place)."""
-        m = self._n
-        if m == self._s.size:
-            self._s = np.concatenate((self._s, np.zeros(m, dtype=np.int64)))
-            self._e = np.concatenate((self._e, np.zeros(m, dtype=np.int64)))
-        self._s[i + 1 : m + 1] = self._s[i:m]
-        self._e[i + 1 : m + 1] = self._e[i:m]
-        self._s[i], self._e[i], self._n = start, end, m + 1
 
     def free(self, ids: np.ndarray) -> None:
         """Return distinct ids whose reference count is zero to the free extents, merging neighbours."""
@@ -225,48 +197,57 @@ class BlockPool:
         if hi - lo == ids.size:  # distinct ids spanning one run: no sort needed
             self.free_run(lo, hi)
             return
-        self._free_runs(ids, ids + 1, False)
+        self._free_runs(ids, ids + 1, ids.size)
 
     def free_run(self, start: int, end: int) -> None:
         """Return the unreferenced ids ``[start, end)`` to the free extents, merging neighbours."""
         if end <= start:
             return
-        m, s, e = self._n, self._s, self._e
-        j = int(s[:m].searchsorted(start))  # the first extent after the run
-        prev = j > 0 and int(e[j - 1]) == start
-        after = j < m and int(s[j]) == end
-        if prev and after:  # the run closes the gap between two extents
-            e[j - 1] = e[j]
-            self._delete(j)
-        elif prev:
-            e[j - 1] = end
-        elif after:
-            s[j] = start
-        else:
-            self._insert(j, start, end)
+        starts, ends, bl = self._starts, self._ends, self._by_len
         self._num_free += end - start
+        j = bisect_left(starts, start)  # the first extent after the run
+        if j and ends[j - 1] == start:  # merge with the extent before
+            prev = starts[j - 1]
+            del bl[bisect_left(bl, (start - prev) << 32 | prev)]
+            if j < len(starts) and starts[j] == end:  # and the one after: the run closes a gap
+                after = ends[j]
+                del bl[bisect_left(bl, (after - end) << 32 | end)]
+                del starts[j], ends[j]
+                end = after
+            ends[j - 1] = end
+            insort(bl, (end - prev) << 32 | prev)
+        elif j < len(starts) and starts[j] == end:  # merge with the extent after
+            after = ends[j]
+            del bl[bisect_left(bl, (after - end) << 32 | end)]
+            starts[j] = start
+            insort(bl, (after - start) << 32 | start)
+        else:
+            starts.insert(j, start)
+            ends.insert(j, end)
+            insort(bl, (end - start) << 32 | start)
 
-    def _free_runs(self, starts: np.ndarray, ends: np.ndarray, ordered: bool = True) -> None:
-        """Return the unreferenced, disjoint runs ``[starts[i], ends[i])`` (ascending unless not
-        ``ordered``; single ids are runs too) to the free extents, merging every neighbour at once."""
-        if starts.size == 1:
-            self.free_run(int(starts[0]), int(ends[0]))
+    def _free_runs(self, starts: np.ndarray, ends: np.ndarray, count: int) -> None:
+        """Return the unreferenced, disjoint runs ``[starts[i], ends[i])`` (``count`` ids, in any
+        order; single ids are runs too) to the free extents, merging every neighbour at once."""
+        if starts.size <= 4:
+            for i in starts.argsort().tolist():
+                self.free_run(int(starts[i]), int(ends[i]))
             return
-        self._num_free += int(_SUM(ends)) - int(_SUM(starts))
-        m = self._n
-        s = np.concatenate((self._s[:m], starts), dtype=np.int64)
-        e = np.concatenate((self._e[:m], ends), dtype=np.int64)
+        self._num_free += count
+        s = np.concatenate((np.array(self._starts, dtype=np.int64), starts), dtype=np.int64)
+        e = np.concatenate((np.array(self._ends, dtype=np.int64), ends), dtype=np.int64)
         order = s.argsort()  # starts are distinct: any sort gives the same order
         s, e = s[order], e[order]
         breaks = (s[1:] != e[:-1]).nonzero()[0]  # extent i ends short of extent i + 1
-        k = breaks.size + 1
-        if k > self._s.size:
-            self._s, self._e = np.zeros(2 * k, dtype=np.int64), np.zeros(2 * k, dtype=np.int64)
-        self._s[0] = s[0]
-        self._s[1:k] = s[breaks + 1]
-        self._e[: k - 1] = e[breaks]
-        self._e[k - 1] = e[-1]
-        self._n = k
+        first = np.empty(breaks.size + 1, dtype=np.int64)
+        first[0], first[1:] = s[0], s[breaks + 1]
+        last = np.empty(breaks.size + 1, dtype=np.int64)
+        last[:-1], last[-1] = e[breaks], e[-1]
+        self._starts, self._ends = first.tolist(), last.tolist()
+        key = (last - first) << 32
+        key |= first
+        key.sort()
+        self._by_len = key.tolist()
 
     # ---- reference counts --------------------------------------------------------------------
     def incref(self, ids: np.ndarray) -> None:
@@ -318,10 +299,12 @@ class BlockPool:
                 problems.append("loose free ids inside a free extent or referenced")
             if len(self._loose) > self._loose_cap:
                 problems.append(f"{len(self._loose)} loose free ids, over the cap {self._loose_cap}")
-        if self._starts.shape != self._ends.shape:
-            problems.append("free extent starts and ends differ in number")
+        if len(self._starts) != len(self._ends) or self._by_len != sorted(
+            (e - s) << 32 | s for s, e in zip(self._starts, self._ends, strict=True)
+        ):
+            problems.append("the free extents by start and by length disagree")
             return problems
-        for start, end in zip(self._starts.tolist(), self._ends.tolist(), strict=True):
+        for start, end in zip(self._starts, self._ends, strict=True):
             if start < prev_end or end <= start or end > self.num_blocks:
                 problems.append(f"bad free extent [{start}, {end}) after {prev_end}")
             if start == prev_end and start != self.first_id:
@@ -340,8 +323,8 @@ class BlockPool:
     def _extent_mask(self) -> np.ndarray:
         """Which ids lie in a free extent (loose ids not included)."""
         mask = np.zeros(self.num_blocks, dtype=bool)
-        if self._starts.size and (self._ends > self._starts).all():
-            mask[_spans(self._starts, self._ends - self._starts)] = True
+        for start, end in zip(self._starts, self._ends, strict=True):
+            mask[start:end] = True
         return mask
 
     def free_mask(self) -> np.ndarray:
