@@ -23,7 +23,7 @@ from __future__ import annotations
 import enum
 import functools
 import math
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
@@ -343,11 +343,11 @@ class PrefixCache:
         """Forget nodes that hold nothing (their slots are reused)."""
         if not slots.size:
             return
-        d, bare = self._slot, self._bare
-        for k in self._key[slots].tolist():
-            del d[k]
-            if bare:
-                bare.pop(k, None)
+        keys = self._key[slots].tolist()
+        deque(map(self._slot.__delitem__, keys), maxlen=0)  # the deletions in C, not a bytecode loop
+        if self._bare:
+            for k in keys:
+                self._bare.pop(k, None)
         self._pos[slots] = 0  # a free slot (what _chain_slots checks)
         self._free_slots.extend(slots.tolist())
 
@@ -590,8 +590,10 @@ class PrefixCache:
         if missing > len(self._free_slots):
             self._grow(missing - len(self._free_slots))
         free, d = self._free_slots, self._slot
-        key_a, pos_a, kv_a, ck_a, tok = self._key, self._pos, self._kv, self._ck, self._tok
-        node_of, lfpb, rank = self._node_of, self._kv_lfpb, self._rank_flops
+        tok = self._tok
+        # memoryviews: scalar reads and writes at half numpy's cost (made here: the arrays may have grown)
+        key_a, pos_a, kv_a, ck_a = (memoryview(a) for a in (self._key, self._pos, self._kv, self._ck))
+        node_of, lfpb, rank = memoryview(self._node_of), memoryview(self._kv_lfpb), self._rank_flops
         (lin, quad), per = self._flops, self._bytes_per_block  # _fpb's formula, inlined below
         blocks = kv_blocks[start:end].tolist()
         for i, key in enumerate(new_keys):
@@ -608,7 +610,7 @@ class PrefixCache:
                 node_of[block] = slot
                 self._n_mapped += 1
                 if rank:
-                    lfpb[block] = math.log1p((lin * bs + quad * (2 * int(pos_a[slot]) - bs) * bs) / per)
+                    lfpb[block] = math.log1p((lin * bs + quad * (2 * pos_a[slot] - bs) * bs) / per)
         if self._chain_memo:
             self._remember_chain(keys, start, np.array(found, dtype=np.int64), np.array(new_keys, dtype=np.int64))
 
@@ -782,6 +784,14 @@ class PrefixCache:
         """Token position of the deepest checkpoint among the chain ``keys[:end]`` (0: none)."""
         n = len(keys) if end is None else min(max(end, 0), len(keys))
         if not n or not self._ck_ids:
+            return 0
+        get, ck = self._slot.get, self._ck
+        for i in range(n - 1, max(n - 5, -1), -1):  # the chain's end first (a request's own checkpoint)
+            slot = get(keys[i])
+            if slot is not None and ck[slot] >= 0:
+                return (i + 1) * self.block_size
+        n -= 4  # none in the last four blocks
+        if n <= 0:
             return 0
         slots = self._chain_slots(keys)[:n]
         held = ((slots >= 0) & (self._ck[np.maximum(slots, 0)] >= 0)).nonzero()[0]
