@@ -167,6 +167,17 @@ _TWO64 = 1 << 64
 _FEW = 16  # register() of up to this many blocks goes block by block (scalar path)
 
 
+def _norm(x: np.ndarray) -> np.ndarray:
+    """``(x - min) / (max - min)`` (a new array), zeros when all are equal."""
+    low = x.min()
+    span = x.max() - low
+    if span > 0:
+        y = x - low
+        y /= span
+        return y
+    return np.zeros_like(x)
+
+
 class PrefixCache:
     """The cache's books; all block movements go through the manager's pool and ``use`` bytes."""
 
@@ -197,7 +208,8 @@ class PrefixCache:
         self._n_mapped = 0  # KV blocks mapped to nodes
         self._kv_evictable = np.zeros(nb, dtype=bool)
         self._n_evictable = 0
-        self._kv_tick = np.zeros(nb, dtype=np.int64)  # tick of the release that made it evictable
+        # tick of the release that made it evictable (float64: flop_aware ranks it as is; exact below 2**53)
+        self._kv_tick = np.zeros(nb, dtype=np.float64)
         # log1p(FLOPs of its tokens per byte), what flop_aware ranks (kept only under flop_aware)
         self._kv_lfpb = np.zeros(nb, dtype=np.float64)
         # one counter orders every LRU event (KV blocks released, checkpoints made or hit)
@@ -213,7 +225,7 @@ class PrefixCache:
         self._front = 0  # orders of demoted entries count down from here (they queue at the front)
         # ---- checkpoints, by slot (first block id)
         self._ck_live = np.zeros(nb, dtype=bool)
-        self._ck_tick = np.zeros(nb, dtype=np.int64)
+        self._ck_tick = np.zeros(nb, dtype=np.float64)
         self._ck_lfpb = np.zeros(nb, dtype=np.float64)
         self._ck_order = np.zeros(nb, dtype=np.int64)
         self._ck_ids: dict[int, np.ndarray] = {}  # checkpoint slot -> its flat block ids
@@ -894,18 +906,25 @@ class PrefixCache:
         """Evictable KV block ids (ascending) and checkpoint slots (ascending), less the protected
         and pinned ones."""
         mask = self._kv_evictable
-        if protect.size:
-            mask = mask.copy()
+        if protect.size:  # off for the scan, then back (no copy of the whole mask)
+            was = mask[protect]
             mask[protect] = False
-        return np.flatnonzero(mask), self._checkpoint_candidates(protect_ckpt)
+            ids = mask.nonzero()[0]
+            mask[protect] = was
+        else:
+            ids = mask.nonzero()[0]
+        return ids, self._checkpoint_candidates(protect_ckpt)
 
     def _checkpoint_candidates(self, protect_ckpt: set[int]) -> np.ndarray:
         """Slots of the checkpoints eviction may take (ascending): not protected, not pinned."""
-        slots = np.fromiter(self._ck_ids, dtype=np.int64, count=len(self._ck_ids))
         held = self._held_checkpoints(protect_ckpt)
         if held:
-            slots = slots[~np.isin(slots, held)]
-        return np.sort(slots)
+            held_set = set(held)
+            slots = np.fromiter((s for s in self._ck_ids if s not in held_set), dtype=np.int64)
+        else:
+            slots = np.fromiter(self._ck_ids, dtype=np.int64, count=len(self._ck_ids))
+        slots.sort()
+        return slots
 
     def _held_checkpoints(self, protect_ckpt: set[int]) -> list[int]:
         """Slots of the checkpoints eviction may not take: protected or pinned."""
@@ -970,11 +989,6 @@ class PrefixCache:
                 n += self.m.num_state_blocks
         return n
 
-    def _take_prefix(self, order: np.ndarray, size: np.ndarray, target: int) -> np.ndarray:
-        """The shortest prefix of ``order`` whose ``size`` sums to at least ``target`` (all if none)."""
-        count = int(np.searchsorted(np.cumsum(size[order]), target)) + 1
-        return order[:count]
-
     def _lru_victims(self, target: int, protect: np.ndarray, protect_ckpt: set[int]) -> tuple[np.ndarray, np.ndarray]:
         """Least recently used first, off the front of the LRU queue: KV blocks by their release (a
         chain's tail first) and checkpoints by their last use, in one order; protected KV blocks,
@@ -1027,25 +1041,22 @@ class PrefixCache:
         lfpb = np.concatenate((self._kv_lfpb[kv_ids], self._ck_lfpb[slots]))
         if not lfpb.size:
             return kv_ids[:0], slots[:0]
-        tick = np.concatenate((self._kv_tick[kv_ids], self._ck_tick[slots])).astype(np.float64)
-        size = np.concatenate((np.ones(kv_ids.size, dtype=np.int64), np.full(slots.size, self.m.num_state_blocks)))
-
-        def norm(x: np.ndarray) -> np.ndarray:
-            span = x.max() - x.min()
-            return (x - x.min()) / span if span > 0 else np.zeros_like(x)
-
-        utility = self.config.alpha * norm(lfpb) + norm(tick)
+        tick = np.concatenate((self._kv_tick[kv_ids], self._ck_tick[slots]))
+        utility = _norm(lfpb)  # alpha * norm(lfpb) + norm(tick), in place (the same operations)
+        utility *= self.config.alpha
+        utility += _norm(tick)
         # the victims are a prefix of the stable order by utility, at most ``target`` candidates
         # long (each frees >= 1 block): rank only the candidates at or below the target-th utility
         # (ties included, in index order), which is that prefix exactly
         k = min(utility.size, target)
         if k < utility.size:
-            near = np.flatnonzero(utility <= np.partition(utility, k - 1)[k - 1])
-            order = near[np.argsort(utility[near], kind="stable")]
+            near = (utility <= np.partition(utility, k - 1)[k - 1]).nonzero()[0]
+            order = near[utility[near].argsort(kind="stable")]
         else:
-            order = np.argsort(utility, kind="stable")
-        chosen = self._take_prefix(order, size, target)
+            order = utility.argsort(kind="stable")
         n_kv = kv_ids.size
+        size = np.where(order < n_kv, 1, self.m.num_state_blocks)  # blocks each frees
+        chosen = order[: int(size.cumsum().searchsorted(target)) + 1]  # the shortest prefix freeing target
         return kv_ids[chosen[chosen < n_kv]], slots[chosen[chosen >= n_kv] - n_kv]
 
     def _drop_all(self, kv: np.ndarray, ck_slots: np.ndarray) -> np.ndarray:
