@@ -918,12 +918,13 @@ class PrefixCache:
     def _checkpoint_candidates(self, protect_ckpt: set[int]) -> np.ndarray:
         """Slots of the checkpoints eviction may take (ascending): not protected, not pinned."""
         held = self._held_checkpoints(protect_ckpt)
-        if held:
-            held_set = set(held)
-            slots = np.fromiter((s for s in self._ck_ids if s not in held_set), dtype=np.int64)
+        live = self._ck_live  # live checkpoints by slot: ascending already
+        if held:  # off for the scan, then back
+            live[held] = False
+            slots = live.nonzero()[0]
+            live[held] = True
         else:
-            slots = np.fromiter(self._ck_ids, dtype=np.int64, count=len(self._ck_ids))
-        slots.sort()
+            slots = live.nonzero()[0]
         return slots
 
     def _held_checkpoints(self, protect_ckpt: set[int]) -> list[int]:
@@ -1037,7 +1038,7 @@ class PrefixCache:
         all candidates. A checkpoint saves the FLOPs of the prefix it ends, a KV block those of its
         own tokens; FLOPs per byte spans orders of magnitude, so it is compared on a log scale (the
         log is taken once, when the block or checkpoint enters the cache)."""
-        slots = slots[np.argsort(self._ck_tick[slots], kind="stable")]  # checkpoints in LRU order
+        slots = slots[self._ck_tick[slots].argsort()]  # checkpoints in LRU order (their ticks are distinct)
         lfpb = np.concatenate((self._kv_lfpb[kv_ids], self._ck_lfpb[slots]))
         if not lfpb.size:
             return kv_ids[:0], slots[:0]
