@@ -64,7 +64,9 @@ class TokenArray:
 
     def __init__(self, token_ids: Sequence[int] | np.ndarray) -> None:
         arr = as_token_array(token_ids)
-        self._buf = np.array(arr, dtype=np.int64, copy=True)
+        # a list was converted into a new array already (ours); the caller's array is copied (it may change)
+        ours = arr is not token_ids and (arr.base is None or isinstance(arr.base, memoryview))
+        self._buf = arr if ours and arr.flags.writeable else np.array(arr, dtype=np.int64, copy=True)
         self._n = arr.size
         self._hashes = np.empty(0, dtype=np.uint64)  # block hashes of the first full blocks (memo)
         self._hash_bs = 0
