@@ -997,10 +997,11 @@ class PrefixCache:
         held = [-1 - ck for ck in self._held_checkpoints(protect_ckpt)]  # their queue codes
         nsb, nb = self.m.num_state_blocks, self._node_of.size
         passed = self._passed  # marked for this call, cleared before returning
-        marks = np.concatenate((protect.astype(np.int64), np.array(held, dtype=np.int64))) + nb
-        any_passed = bool(marks.size)
-        passed[marks] = True
-        parts, held_parts, end, step, got = [], [], self._head, max(2 * target, 256), 0
+        any_passed = bool(protect.size or held)
+        if any_passed:
+            marks = np.concatenate((protect.astype(np.int64), np.array(held, dtype=np.int64))) + nb
+            passed[marks] = True
+        parts, held_parts, end, step, got = [], [], self._head, target + target // 4 + 64, 0
         while got < target and end < self._tail:  # live, unprotected entries from the front
             stop = min(end + step, self._tail)
             pos = self._live_queue(end, stop)
@@ -1015,7 +1016,8 @@ class PrefixCache:
             parts.append(pos)
             got += code.size + int((code < 0).sum()) * (nsb - 1)
             end = stop
-        passed[marks] = False
+        if any_passed:
+            passed[marks] = False
         if not parts:
             return _EMPTY, _EMPTY
         code = np.concatenate(parts[::2]) if len(parts) > 2 else parts[0]
@@ -1084,6 +1086,11 @@ class PrefixCache:
         self._ck[slot] = -1
         self._ck_live[ck] = False
         self.stats.checkpoints_evicted += 1
-        if not self._kv[slot]:
-            self._remove_nodes(np.array([slot], dtype=np.int64))
+        if not self._kv[slot]:  # the node holds nothing now: forget it (_remove_nodes of one slot)
+            key = int(self._key[slot])
+            del self._slot[key]
+            if self._bare:
+                self._bare.pop(key, None)
+            self._pos[slot] = 0
+            self._free_slots.append(slot)
         return ids
