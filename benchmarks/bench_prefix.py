@@ -23,6 +23,11 @@ Workloads (``--workloads``):
     python benchmarks/bench_prefix.py --workloads trace        # both models, 3 budgets, all configs
     python benchmarks/bench_prefix.py --workloads multiturn --sessions 400 --name prefix_multiturn
     python benchmarks/bench_prefix.py --quick                  # first 400 requests, one budget
+    python benchmarks/bench_prefix.py --jobs 2                 # replays in 2 processes (same results)
+    # issue 14's 24 runs (the rows of 2026-11-29), as then: demote_tail off
+    python benchmarks/bench_prefix.py --workloads trace --legacy --config paged every_n_blocks lru 8 \
+        --config paged every_n_blocks flop_aware 8 --config paged branch_and_last lru 8 \
+        --config paged branch_and_last flop_aware 8
 
 ``--quick`` is a sample for checking that the replay runs, not a result: 400 requests barely fill the
 cache, so eviction (where the policies differ) hardly happens.

@@ -505,10 +505,7 @@ class PrefixCache:
         """FLOPs of each block's tokens (the block ending at ``positions``) per byte of one block
         (a Python float for an int: the same operations, so the same value)."""
         (lin, quad), bs = self._flops, self.block_size
-        if isinstance(positions, np.ndarray) and positions.size <= 16:  # the same operations on floats
-            per = self._bytes_per_block
-            return np.array([(lin * bs + quad * (2 * p - bs) * bs) / per for p in positions.tolist()], dtype=np.float64)
-        return (lin * bs + quad * (2 * positions - bs) * bs) / self._bytes_per_block
+        return (lin * bs + quad * (2 * positions - bs) * bs) / self._bytes_per_block  # (inlined in _register_few)
 
     def register(self, token_ids: Sequence[int] | np.ndarray | TokenArray, keys: list[int], kv_blocks: np.ndarray,
                  num_tokens: int) -> None:
