@@ -127,3 +127,19 @@ def test_released_kv_past_the_deepest_checkpoint_is_evicted_first(demote):
     assert (freed.tolist() == [x_tail]) is demote  # without demote_tail: the oldest unit (y's checkpoint)
     m.check_integrity()
     assert m.match_prefix(x + [1]) == 16 and m.match_prefix(y + [1]) == 16  # every hit survives
+
+
+def test_next_checkpoint_position_from_an_engines_own_count():
+    """An engine that counts computed tokens itself (FastDeploy's ``num_computed_tokens``) asks from
+    its count; without one the manager's count is used; the answer is the policy's next position."""
+    m = manager(min_gap=0)
+    a = list(range(1000, 1150))
+    run(m, "a", a)
+    b = a[:100] + list(range(5000, 5050))  # branch 100, grid points 128 and 144
+    m.allocate("b", 4, token_ids=b)
+    assert m.next_checkpoint_position("b") == m.next_checkpoint_position("b", 4) == 100
+    assert m.next_checkpoint_position("b", 100) == 128
+    assert m.next_checkpoint_position("b", 130) == 144
+    assert m.next_checkpoint_position("b", 148) is None  # past the last position it wants
+    with pytest.raises((TypeError, ValueError)):
+        m.next_checkpoint_position("b", -1)

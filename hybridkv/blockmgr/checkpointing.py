@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from hybridkv.blockmgr.records import BlockCopies, RequestId, RequestRecord
+from hybridkv.blockmgr.units import as_count
 
 if TYPE_CHECKING:
     from hybridkv.blockmgr.manager import HybridBlockManager
@@ -16,15 +17,19 @@ class CheckpointMixin:
     """Methods of :class:`~hybridkv.blockmgr.manager.HybridBlockManager` (a mixin: it has no state)."""
 
     # ---- prefix-cache checkpoints --------------------------------------------------------------
-    def next_checkpoint_position(self: HybridBlockManager, request_id: RequestId) -> int | None:
-        """The next input position past the request's tokens where the checkpoint policy wants
-        the state saved (a scheduler ends a prefill chunk there), or None."""
+    def next_checkpoint_position(
+        self: HybridBlockManager, request_id: RequestId, num_tokens: int | None = None
+    ) -> int | None:
+        """The next input position past the request's tokens (or past ``num_tokens``: an engine's
+        own count of computed tokens) where the checkpoint policy wants the state saved (a
+        scheduler ends a prefill chunk there), or None."""
         rec = self._running(request_id)
         cache = self.prefix_cache
         if cache is None or rec.token_ids is None:
             return None
-        below = self._checkpoint_below(rec, rec.num_tokens + self.block_size)
-        return cache.next_checkpoint(rec.num_tokens, len(rec.token_ids), rec.branch_tokens, below)
+        done = rec.num_tokens if num_tokens is None else as_count(num_tokens, "num_tokens")
+        below = self._checkpoint_below(rec, done + self.block_size)
+        return cache.next_checkpoint(done, len(rec.token_ids), rec.branch_tokens, below)
 
     def checkpoint(self: HybridBlockManager, request_id: RequestId, final: bool = False) -> BlockCopies:
         """Save the live state at the request's current position if the policy wants it there.

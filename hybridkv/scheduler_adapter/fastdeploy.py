@@ -35,7 +35,7 @@ import numpy as np
 
 from hybridkv.blockmgr.errors import NoFreeBlocksError, RequestStateError
 from hybridkv.blockmgr.manager import HybridBlockManager
-from hybridkv.blockmgr.records import BlockCopies, RequestId, SwapPlan
+from hybridkv.blockmgr.records import BlockCopies, RequestId, RequestStatus, SwapPlan
 from hybridkv.blockmgr.units import cdiv
 from hybridkv.scheduler_adapter.fastdeploy_worker import (
     FastDeployCaches,
@@ -372,15 +372,14 @@ class FastDeployBlockManager:
             return None
         done = request.num_computed_tokens
         if rec is not None:
-            tokens, branch = rec.token_ids, rec.branch_tokens
-            below = self.manager._checkpoint_below(rec, done + self.block_size)
-        else:  # not admitted yet: the deepest checkpoint on its chain is the hit's
-            pending = self._pending.get(rid)
-            tokens, branch = (pending.token_ids, pending.branch_tokens) if pending else (None, 0)
-            below = pending.num_cached_tokens if pending else 0
-        if tokens is None:
+            if rec.status is not RequestStatus.RUNNING or rec.pending is not None:
+                return None  # swapped out or handing over: it has no prefill chunk to end now
+            return self.manager.next_checkpoint_position(rid, done)
+        # not admitted yet: the deepest checkpoint on its chain is the hit's
+        pending = self._pending.get(rid)
+        if pending is None or pending.token_ids is None:
             return None
-        return cache.next_checkpoint(done, len(tokens), branch, below)
+        return cache.next_checkpoint(done, len(pending.token_ids), pending.branch_tokens, pending.num_cached_tokens)
 
     def cache_output_blocks(self, request: Any, block_size: int) -> None:
         """Output tokens are not cached (their KV has no checkpoint to pair with): nothing to do."""
