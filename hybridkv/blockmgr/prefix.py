@@ -26,6 +26,7 @@ import math
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import repeat
 from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
@@ -364,8 +365,8 @@ class PrefixCache:
         self._free_slots.extend(slots.tolist())
 
     def _lookup(self, keys: list[int]) -> np.ndarray:
-        get = self._slot.get
-        return np.array([get(k, -1) for k in keys], dtype=np.int64)
+        """Slots of ``keys`` (-1: no node); the dict lookups run in C (map), not a bytecode loop."""
+        return np.fromiter(map(self._slot.get, keys, repeat(-1)), dtype=np.int64, count=len(keys))
 
     def _chain_slots(self, keys: list[int]) -> np.ndarray:
         """The slots of the chain ``keys`` (-1: no node), read-only. The last chain asked about is
