@@ -197,7 +197,12 @@ class BlockPool:
         if hi - lo == ids.size:  # distinct ids spanning one run: no sort needed
             self.free_run(lo, hi)
             return
-        self._free_runs(ids, ids + 1, ids.size)
+        starts, ends = run_bounds(np.sort(ids))
+        if starts.size <= 8:  # a few runs (an eviction's victims mostly are): one bisect each
+            for start, end in zip(starts.tolist(), ends.tolist(), strict=True):
+                self.free_run(start, end)
+        else:
+            self._free_runs(starts, ends, ids.size)
 
     def free_run(self, start: int, end: int) -> None:
         """Return the unreferenced ids ``[start, end)`` to the free extents, merging neighbours."""
