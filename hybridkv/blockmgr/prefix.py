@@ -204,6 +204,9 @@ class PrefixCache:
         self._chain_memo = False  # whether anything asks for deepest checkpoints (set below)
         self._memo_slots = np.empty(0, dtype=np.int64)
         self._memo_karr = np.empty(0, dtype=np.int64)
+        # nodes removed and created so far: a remembered chain whose counts still hold needs no check
+        self._removed = self._created = 0
+        self._memo_gen = (-1, -1)
         # ---- cached KV blocks, by block id
         self._node_of = np.full(nb, -1, dtype=np.int64)  # KV block -> slot of the node it caches
         self._n_mapped = 0  # KV blocks mapped to nodes
@@ -350,6 +353,7 @@ class PrefixCache:
         self._ck[slots] = -1
         self._tok[slots] = tokens
         self._slot.update(zip(keys.tolist(), slots.tolist(), strict=True))
+        self._created += 1
         return slots
 
     def _remove_nodes(self, slots: np.ndarray) -> None:
@@ -363,6 +367,7 @@ class PrefixCache:
                 self._bare.pop(k, None)
         self._pos[slots] = 0  # a free slot (what _chain_slots checks)
         self._free_slots.extend(slots.tolist())
+        self._removed += 1
 
     def _lookup(self, keys: list[int]) -> np.ndarray:
         """Slots of ``keys`` (-1: no node); the dict lookups run in C (map), not a bytecode loop."""
@@ -376,8 +381,14 @@ class PrefixCache:
         memo, m, n = self._memo_keys, len(self._memo_keys), len(keys)
         if m and m <= n and (keys[:m] == memo if m < n else keys == memo):
             slots, karr = self._memo_slots, self._memo_karr
-            s = np.maximum(slots, 0)
-            stale = ((slots < 0) | (self._pos[s] == 0) | (self._key[s] != karr)).nonzero()[0]
+            removed, created = self._memo_gen
+            if removed != self._removed:  # a remembered slot may have been freed or reused
+                s = np.maximum(slots, 0)
+                stale = ((slots < 0) | (self._pos[s] == 0) | (self._key[s] != karr)).nonzero()[0]
+            elif created != self._created:  # a missing node may exist now
+                stale = (slots < 0).nonzero()[0]
+            else:
+                stale = _EMPTY
             if stale.size:
                 slots = slots.copy()
                 slots[stale] = self._lookup([keys[i] for i in stale.tolist()])
@@ -388,6 +399,7 @@ class PrefixCache:
         else:
             slots, karr = self._lookup(keys), np.array(keys, dtype=np.int64)
         self._memo_keys, self._memo_slots, self._memo_karr = keys[:], slots, karr
+        self._memo_gen = (self._removed, self._created)
         return slots
 
     def _remember_chain(self, keys: list[int], start: int, slots: np.ndarray, new: np.ndarray) -> None:
@@ -395,10 +407,12 @@ class PrefixCache:
         chain if it was ``keys[:start]``, else start it (when ``start == 0``)."""
         if start == 0:
             self._memo_keys, self._memo_slots, self._memo_karr = keys[:], slots, new
+            self._memo_gen = (self._removed, self._created)
         elif len(self._memo_keys) == start and keys[:start] == self._memo_keys:
             self._memo_keys = keys[:]
             self._memo_slots = np.concatenate((self._memo_slots, slots))
             self._memo_karr = np.concatenate((self._memo_karr, new))
+            # the earlier part is as valid as it was: keep its counts unless it was just checked
 
     def _verified(self, slots: np.ndarray, tokens: np.ndarray) -> np.ndarray:
         """Whether each of ``slots`` (blocks 0, 1, ... of ``tokens``) exists and holds exactly those
@@ -599,6 +613,8 @@ class PrefixCache:
         missing = found.count(None)
         if missing > len(self._free_slots):
             self._grow(missing - len(self._free_slots))
+        if missing:
+            self._created += 1
         free, d = self._free_slots, self._slot
         tok = self._tok
         # memoryviews: scalar reads and writes at half numpy's cost (made here: the arrays may have grown)
@@ -652,6 +668,7 @@ class PrefixCache:
             self._key[slot], self._pos[slot], self._kv[slot], self._ck[slot] = key, (j + 1) * bs, 0, -1
             self._tok[slot] = tokens[j * bs : (j + 1) * bs]
             self._slot[key] = slot
+            self._created += 1
         if self.m._has_kv:
             block = int(kv_blocks[j])
             if not self._kv[slot] and self._node_of[block] < 0:
@@ -668,6 +685,7 @@ class PrefixCache:
                 freed = self._slot.pop(old)
                 self._pos[freed] = 0
                 self._free_slots.append(freed)
+                self._removed += 1
         return slot
 
     def release(self, ids: np.ndarray, chain: list[int] | None = None) -> np.ndarray:
@@ -999,7 +1017,7 @@ class PrefixCache:
         if any_passed:
             marks = np.concatenate((protect.astype(np.int64), np.array(held, dtype=np.int64))) + nb
             passed[marks] = True
-        parts, held_parts, end, step, got = [], [], self._head, target + target // 4 + 64, 0
+        parts, held_parts, end, step, got, n_ck = [], [], self._head, target + target // 4 + 64, 0, 0
         while got < target and end < self._tail:  # live, unprotected entries from the front
             stop = min(end + step, self._tail)
             pos = self._live_queue(end, stop)
@@ -1012,7 +1030,9 @@ class PrefixCache:
                     pos, code = pos[keep], code[keep]
             parts.append(code)
             parts.append(pos)
-            got += code.size + int((code < 0).sum()) * (nsb - 1)
+            k = int(np.count_nonzero(code < 0))  # checkpoints among them
+            n_ck += k
+            got += code.size + k * (nsb - 1)
             end = stop
         if any_passed:
             passed[marks] = False
@@ -1020,7 +1040,10 @@ class PrefixCache:
             return _EMPTY, _EMPTY
         code = np.concatenate(parts[::2]) if len(parts) > 2 else parts[0]
         pos = np.concatenate(parts[1::2]) if len(parts) > 2 else parts[1]
-        count = int(np.where(code >= 0, 1, nsb).cumsum().searchsorted(target)) + 1  # the shortest prefix
+        if n_ck:  # the shortest prefix that frees target blocks
+            count = int(np.where(code >= 0, 1, nsb).cumsum().searchsorted(target)) + 1
+        else:  # KV blocks only: one block each
+            count = target
         if pos.size:  # the queue's front up to the last victim keeps only its passed-over live entries
             last = int(pos[min(count, pos.size) - 1])
             keep = np.concatenate(held_parts) if held_parts else _EMPTY
@@ -1031,6 +1054,8 @@ class PrefixCache:
             self._fifo_ord[new_head : last + 1] = self._fifo_ord[keep]
             self._head = new_head
         victims = code[:count]
+        if not n_ck:
+            return victims, _EMPTY
         return victims[victims >= 0], -1 - victims[victims < 0]
 
     def _flop_aware_victims(self, target: int, kv_ids: np.ndarray, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -1091,4 +1116,5 @@ class PrefixCache:
                 self._bare.pop(key, None)
             self._pos[slot] = 0
             self._free_slots.append(slot)
+            self._removed += 1
         return ids
