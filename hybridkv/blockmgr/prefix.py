@@ -725,10 +725,13 @@ class PrefixCache:
 
     def _dead_tail(self, kept: np.ndarray, chain: list[int] | None) -> np.ndarray:
         """Of ``kept`` (cached blocks in chain order), those past the deepest checkpoint."""
-        pos = self._pos[self._node_of[kept]]
         if chain is not None:
             deepest = self.deepest_checkpoint(chain)
+            if deepest >= len(chain) * self.block_size:  # at the chain's end: nothing lies past it
+                return kept[:0]
+            pos = self._pos[self._node_of[kept]]
         else:
+            pos = self._pos[self._node_of[kept]]
             ck = self._ck[self._node_of[kept]] >= 0
             deepest = int(pos[ck].max()) if ck.any() else 0
         if not deepest:  # no checkpoint on the chain: its KV is how a later request finds where it
