@@ -23,6 +23,7 @@ op = st.one_of(
     st.tuples(st.just("scatter"), st.integers(0, 10**6)),  # every other id of several allocations
     st.tuples(st.just("free1"), st.integers(0, 10**6)),  # one id of a held allocation
     st.tuples(st.just("extents"), st.just(0)),  # a view that merges the loose ids
+    st.tuples(st.just("holes"), st.integers(1, 6)),  # equal-length holes: ties for best fit and largest-first
 )
 
 
@@ -75,6 +76,20 @@ def test_same_ids_as_the_reference_pool(num_blocks: int, loose_cap: int, ops: li
                 held[j] = rest
             else:
                 held.pop(j)
+        elif kind == "holes":  # 6 allocations of `arg` ids, every other one released
+            made = []
+            for _ in range(6):
+                if arg > new.num_free:
+                    break
+                a = new.allocate(arg)
+                assert a.tolist() == ref.allocate(arg).tolist()
+                made.append(a.copy())
+            for i, ids in enumerate(made):
+                if i % 2:
+                    new.release(ids)
+                    ref.release(ids.copy())
+                else:
+                    held.append(ids)
         elif kind == "extents":
             assert new.free_extents() == ref.free_extents()
             assert new.largest_free_extent() == ref.largest_free_extent()
