@@ -1,7 +1,8 @@
-"""The block pool as it was before its extents moved to numpy arrays (two sorted containers, one
-extent operation at a time): the oracle that ``test_pool.py`` holds the array pool's id choices to.
-Decisions downstream (``flop_aware`` ties between blocks, which ids a state set gets) depend on
-them, so the array pool must choose exactly the same ids in the same order.
+"""The block pool's extents as they were before they moved to plain sorted lists (two sorted
+containers, one extent operation at a time): the oracle that ``test_pool.py`` holds the pool's id
+choices to. Decisions downstream (``flop_aware`` ties between blocks, which ids a state set gets)
+depend on them, so the pool must choose exactly the same ids in the same order. Reference counts
+(``incref``, ``decref``, ``release``) did not change and are inherited.
 """
 
 from __future__ import annotations
@@ -9,48 +10,21 @@ from __future__ import annotations
 import numpy as np
 from sortedcontainers import SortedDict, SortedList
 
-from hybridkv.blockmgr.layout import NULL_BLOCK
-from hybridkv.blockmgr.pool import runs
+from hybridkv.blockmgr.pool import BlockPool, runs
 
 _EMPTY = np.empty(0, dtype=np.int32)
-LOOSE_CAP = 4096
 
 
-class ReferencePool:
-    """Ids ``[first_id, num_blocks)`` with reference counts; ids below ``first_id`` are reserved.
-
-    Ownership: the pool only counts. Whoever allocates holds one reference per id and must give
-    it back with :meth:`decref`; ids whose count reaches zero are returned to the caller, which
-    either :meth:`free`s them or keeps them as cached (evictable) blocks.
-    """
+class ReferencePool(BlockPool):
+    """:class:`BlockPool` with the previous extent books (by start and by length, sorted containers)."""
 
     def __init__(self, num_blocks: int, reserve_null: bool = True) -> None:
-        first = NULL_BLOCK + 1 if reserve_null else 0
-        if num_blocks <= first:
-            raise ValueError(f"a pool needs more than {first} block(s), got {num_blocks}")
-        self.num_blocks = num_blocks
-        self.first_id = first
-        self.ref_counts = np.zeros(num_blocks, dtype=np.int32)
-        self._rc = memoryview(self.ref_counts)  # the same counts, for scalar access without numpy overhead
+        super().__init__(num_blocks, reserve_null)
+        del self._starts, self._ends, self._by_len  # the new books: not used here
         self._by_start: SortedDict = SortedDict()  # start -> end
         self._by_length: SortedList = SortedList()  # (length, start)
         self._num_free = 0
-        self.last_allocation_was_run = False  # whether the last allocate() returned one id run
-        self._loose: list[int] = []  # free single ids outside the extents, most recent last
-        self._loose_cap = LOOSE_CAP
-        self._ids = np.arange(num_blocks, dtype=np.int32)  # read-only: one-id results are views of it
-        self._ids.flags.writeable = False
-        self._one: dict[int, np.ndarray] = {}  # id -> its one-id view, made on first use
-        self._insert(first, num_blocks)
-
-    # ---- counts ------------------------------------------------------------------------------
-    @property
-    def num_free(self) -> int:
-        return self._num_free
-
-    @property
-    def num_usable(self) -> int:
-        return self.num_blocks - self.first_id
+        self._insert(self.first_id, num_blocks)
 
     def free_extents(self) -> list[tuple[int, int]]:
         """The free extents ``[(start, end), ...]`` in id order, loose ids merged in first."""
@@ -168,40 +142,3 @@ class ReferencePool:
                 self._remove(end, next_end)
                 end = next_end
             self._insert(start, end)
-
-    # ---- reference counts --------------------------------------------------------------------
-    def incref(self, ids: np.ndarray) -> None:
-        """One more reference on each (distinct) id."""
-        self.ref_counts[ids] += 1
-
-    def decref(self, ids: np.ndarray) -> np.ndarray:
-        """One reference less on each (distinct) id; returns the ids that reached zero."""
-        if ids.size == 1:
-            i = ids.item()
-            count = self._rc[i] - 1
-            self._rc[i] = count
-            return ids if count == 0 else _EMPTY
-        if ids.size == 0:
-            return _EMPTY
-        lo, hi = int(ids.min()), int(ids.max()) + 1
-        if hi - lo == ids.size:  # distinct ids spanning one run: slices instead of fancy indexing
-            counts = self.ref_counts[lo:hi]
-            counts -= 1
-            return ids if not counts.any() else ids[self.ref_counts[ids] == 0]
-        self.ref_counts[ids] -= 1
-        return ids[self.ref_counts[ids] == 0]
-
-    def release(self, ids: np.ndarray) -> None:
-        """Drop one reference and free the ids that reached zero (no caching)."""
-        if ids.size == 1:  # the decode fast path, in one call
-            i = ids.item()
-            count = self._rc[i] - 1
-            self._rc[i] = count
-            if count == 0:
-                if len(self._loose) < self._loose_cap and self.first_id <= i:
-                    self._loose.append(i)
-                    self._num_free += 1
-                else:
-                    self.free(ids)
-            return
-        self.free(self.decref(ids))

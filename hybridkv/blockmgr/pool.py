@@ -111,8 +111,9 @@ class BlockPool:
             return
         loose = np.array(self._loose, dtype=np.int64)
         self._loose.clear()
-        self._num_free -= loose.size  # _free_runs counts them again
-        self._free_runs(loose, loose + 1, loose.size)
+        self._num_free -= loose.size  # _free_sorted counts them again
+        loose.sort()
+        self._free_sorted(loose)
 
     # ---- extents -----------------------------------------------------------------------------
     def _drop(self, start: int) -> None:
@@ -197,12 +198,7 @@ class BlockPool:
         if hi - lo == ids.size:  # distinct ids spanning one run: no sort needed
             self.free_run(lo, hi)
             return
-        starts, ends = run_bounds(np.sort(ids))
-        if starts.size <= 8:  # a few runs (an eviction's victims mostly are): one bisect each
-            for start, end in zip(starts.tolist(), ends.tolist(), strict=True):
-                self.free_run(start, end)
-        else:
-            self._free_runs(starts, ends, ids.size)
+        self._free_sorted(np.sort(ids))
 
     def free_run(self, start: int, end: int) -> None:
         """Return the unreferenced ids ``[start, end)`` to the free extents, merging neighbours."""
@@ -231,13 +227,19 @@ class BlockPool:
             ends.insert(j, end)
             insort(bl, (end - start) << 32 | start)
 
-    def _free_runs(self, starts: np.ndarray, ends: np.ndarray, count: int) -> None:
-        """Return the unreferenced, disjoint runs ``[starts[i], ends[i])`` (``count`` ids, in any
-        order; single ids are runs too) to the free extents, merging every neighbour at once."""
-        if starts.size <= 4:
-            for i in starts.argsort().tolist():
-                self.free_run(int(starts[i]), int(ends[i]))
+    def _free_sorted(self, ids: np.ndarray) -> None:
+        """Return distinct unreferenced ids (ascending) to the free extents: a few runs (an
+        eviction's victims mostly are) one bisect each, many (scattered loose ids) merged at once."""
+        starts, ends = run_bounds(ids)
+        if starts.size <= 8:
+            for start, end in zip(starts.tolist(), ends.tolist(), strict=True):
+                self.free_run(start, end)
             return
+        self._free_runs(starts, ends, ids.size)
+
+    def _free_runs(self, starts: np.ndarray, ends: np.ndarray, count: int) -> None:
+        """Merge the unreferenced, disjoint, ascending runs ``[starts[i], ends[i])`` (``count`` ids)
+        into the free extents at once."""
         self._num_free += count
         s = np.concatenate((np.array(self._starts, dtype=np.int64), starts), dtype=np.int64)
         e = np.concatenate((np.array(self._ends, dtype=np.int64), ends), dtype=np.int64)
