@@ -201,7 +201,6 @@ class PrefixCache:
         # checkpoints and its release): kept with a copy of the keys, checked before reuse (a
         # freed slot has position 0)
         self._memo_keys: list[int] = []
-        self._chain_memo = False  # whether anything asks for deepest checkpoints (set below)
         self._memo_slots = np.empty(0, dtype=np.int64)
         self._memo_karr = np.empty(0, dtype=np.int64)
         # nodes removed and created so far: a remembered chain whose counts still hold needs no check
@@ -367,6 +366,12 @@ class PrefixCache:
                 self._bare.pop(k, None)
         self._pos[slots] = 0  # a free slot (what _chain_slots checks)
         self._free_slots.extend(slots.tolist())
+        self._removed += 1
+
+    def _free_slot(self, slot: int) -> None:
+        """:meth:`_remove_nodes` of one slot whose key is already out of the maps."""
+        self._pos[slot] = 0
+        self._free_slots.append(slot)
         self._removed += 1
 
     def _lookup(self, keys: list[int]) -> np.ndarray:
@@ -682,10 +687,7 @@ class PrefixCache:
             self._bare.move_to_end(key)
             while len(self._bare) > self._bare_cap:
                 old, _ = self._bare.popitem(last=False)
-                freed = self._slot.pop(old)
-                self._pos[freed] = 0
-                self._free_slots.append(freed)
-                self._removed += 1
+                self._free_slot(self._slot.pop(old))
         return slot
 
     def release(self, ids: np.ndarray, chain: list[int] | None = None) -> np.ndarray:
@@ -710,33 +712,35 @@ class PrefixCache:
             self._kv_evictable[kept] = True
             self._n_evictable += int(kept.size)
             self._kv_tick[kept] = now
-            tail = self._dead_tail(kept, chain) if self.config.demote_tail and self.m.num_state_groups else None
-            if tail is not None and tail.size:
-                tail = tail[::-1]  # deepest first, like the rest: the chain is cut from its end
+            dead = self._dead_tail(kept, chain) if self.config.demote_tail and self.m.num_state_groups else None
+            if dead is not None:
+                dead = dead[::-1]  # in queue order: deepest first, the chain is cut from its end
+                tail, back = queued[dead], queued[~dead]
                 self._front -= tail.size
                 self._kv_order[tail] = front = np.arange(self._front, self._front + tail.size)
                 self._kv_tick[tail] = 0
-                back = queued[~np.isin(queued, tail)]  # the rest queue at the back as usual
-                self._enqueue(back, self._kv_order[back])
+                self._enqueue(back, orders[~dead])  # the rest queue at the back as usual
                 self._enqueue_front(tail, front)
             else:
                 self._enqueue(queued, orders)
         return ids[~keep]
 
-    def _dead_tail(self, kept: np.ndarray, chain: list[int] | None) -> np.ndarray:
-        """Of ``kept`` (cached blocks in chain order), those past the deepest checkpoint."""
+    def _dead_tail(self, kept: np.ndarray, chain: list[int] | None) -> np.ndarray | None:
+        """Which of ``kept`` (cached blocks in chain order) lie past the deepest checkpoint (a mask),
+        or None when none do."""
         if chain is not None:
             deepest = self.deepest_checkpoint(chain)
             if deepest >= len(chain) * self.block_size:  # at the chain's end: nothing lies past it
-                return kept[:0]
+                return None
             pos = self._pos[self._node_of[kept]]
         else:
             pos = self._pos[self._node_of[kept]]
             ck = self._ck[self._node_of[kept]] >= 0
             deepest = int(pos[ck].max()) if ck.any() else 0
         if not deepest:  # no checkpoint on the chain: its KV is how a later request finds where it
-            return kept[:0]  # branches (and checkpoints there), so it stays in plain LRU order
-        return kept[pos > deepest]
+            return None  # branches (and checkpoints there), so it stays in plain LRU order
+        dead = pos > deepest
+        return dead if dead.any() else None
 
     @functools.cached_property
     def checkpoint_tokens(self) -> float:
@@ -1112,12 +1116,10 @@ class PrefixCache:
         self._ck[slot] = -1
         self._ck_live[ck] = False
         self.stats.checkpoints_evicted += 1
-        if not self._kv[slot]:  # the node holds nothing now: forget it (_remove_nodes of one slot)
+        if not self._kv[slot]:  # the node holds nothing now
             key = int(self._key[slot])
             del self._slot[key]
             if self._bare:
                 self._bare.pop(key, None)
-            self._pos[slot] = 0
-            self._free_slots.append(slot)
-            self._removed += 1
+            self._free_slot(slot)
         return ids
