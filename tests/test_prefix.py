@@ -38,6 +38,7 @@ def alloc_tokens(m, tokens):
 
 
 PREFIX = list(range(100, 112))  # 3 blocks of 4 tokens
+_EMPTY_IDS = np.empty(0, dtype=np.int32)
 
 
 def test_shared_three_blocks_hit_at_three_blocks_with_a_checkpoint():
@@ -322,7 +323,7 @@ def reference_flop_aware(cache, target, protect=(), protect_ckpt=frozenset()):
                    + [prefill_flops(cache._flops, cache.node(k).position) / cache._ckpt_bytes for k in ck])
     if not fpb.size:
         return set()
-    tick = np.array([cache._kv_tick[b] for b in kv] + [cache._ck_tick[s] for s in ck_slot], dtype=np.float64)
+    tick = np.array([cache._ticks[b] for b in kv] + [cache._ticks[s] for s in ck_slot], dtype=np.float64)
     size = np.array([1] * len(kv) + [cache.m.num_state_blocks] * len(ck))
 
     def norm(x):
@@ -353,7 +354,33 @@ def test_flop_aware_victims_match_a_full_ranking(alpha, data):
     cached = cache.cached_kv_blocks().tolist()
     protect = np.array([b for b in cached if data.draw(st.booleans())], dtype=np.int32)
     for target in (1, 2, 7, cache.num_evictable):
-        kv, ck = cache._flop_aware_victims(target, *cache._candidates(protect, set()))
+        kv, ck = cache._flop_aware_victims(target, protect, set())
         keys = {int(cache._key[cache._ck_node[s]]) for s in ck.tolist()}
         got = {("kv", b) for b in kv.tolist()} | {("ckpt", k) for k in keys}
         assert got == reference_flop_aware(cache, target, protect.tolist())
+
+
+def test_flop_aware_ties_go_to_kv_blocks_by_id_then_to_checkpoints_by_recency():
+    """Equal utilities: KV blocks first (lowest id first), then checkpoints, least recently used
+    first, whatever their block ids (the ranking sorts by block id internally)."""
+    m = cached_manager(num_blocks=120, eviction="flop_aware")
+    prefill(m, "a", list(range(100, 124)))
+    m.free("a")
+    cache = m.prefix_cache
+    kv = sorted(cache.cached_kv_blocks().tolist())
+    slots = sorted(int(cache.node(k).checkpoint[0]) for k in cache.checkpoint_keys())
+    assert len(kv) >= 3 and len(slots) >= 2
+    # utilities by hand: lfpb and ticks normalized over [0, 4] (anchors A and B), alpha 1
+    z, a, b = kv[-1], kv[0], kv[1]  # z: the highest KV id, above both checkpoints' ids below
+    x, y = slots[0], slots[1]  # x has the lower block id but is the more recent one
+    assert z > x
+    cache._lfpb[kv], cache._ticks[kv] = 4.0, 4.0  # utility 2: last
+    cache._lfpb[slots], cache._ticks[slots] = 4.0, 4.0
+    for block, lfpb, tick in ((a, 0.0, 4.0), (b, 4.0, 0.0), (z, 3.0, 0.0), (x, 1.0, 2.0), (y, 2.0, 1.0)):
+        cache._lfpb[block], cache._ticks[block] = lfpb, tick  # a, b: 1.0; z, x, y: 0.75
+    victims, ckpts = cache._flop_aware_victims(1, _EMPTY_IDS, set())
+    assert victims.tolist() == [z] and ckpts.size == 0
+    victims, ckpts = cache._flop_aware_victims(2, _EMPTY_IDS, set())
+    assert victims.tolist() == [z] and ckpts.tolist() == [y]  # y was used before x
+    victims, ckpts = cache._flop_aware_victims(3 + 2 * m.num_state_blocks, _EMPTY_IDS, set())
+    assert victims.tolist() == [z, a, b] and ckpts.tolist() == [y, x]

@@ -211,10 +211,14 @@ class PrefixCache:
         self._n_mapped = 0  # KV blocks mapped to nodes
         self._kv_evictable = np.zeros(nb, dtype=bool)
         self._n_evictable = 0
-        # tick of the release that made it evictable (float64: flop_aware ranks it as is; exact below 2**53)
-        self._kv_tick = np.zeros(nb, dtype=np.float64)
-        # log1p(FLOPs of its tokens per byte), what flop_aware ranks (kept only under flop_aware)
-        self._kv_lfpb = np.zeros(nb, dtype=np.float64)
+        # what flop_aware ranks, by block id: a cached KV block's, or a checkpoint's at its slot
+        # (its first block id; a block is one or the other, and each value is written when the
+        # block becomes one): the tick of its last use (a KV block's release, a checkpoint made or
+        # hit; float64: ranked as is, exact below 2**53) and log1p(FLOPs it saves per byte) (kept
+        # only under flop_aware). One array each, so the ranking gathers all candidates at once
+        self._ticks = np.zeros(nb, dtype=np.float64)
+        self._lfpb = np.zeros(nb, dtype=np.float64)
+        self._cand = np.zeros(nb, dtype=bool)  # scratch: flop_aware's candidates
         # one counter orders every LRU event (KV blocks released, checkpoints made or hit)
         self._order = 0
         self._kv_order = np.zeros(nb, dtype=np.int64)
@@ -228,8 +232,6 @@ class PrefixCache:
         self._front = 0  # orders of demoted entries count down from here (they queue at the front)
         # ---- checkpoints, by slot (first block id)
         self._ck_live = np.zeros(nb, dtype=bool)
-        self._ck_tick = np.zeros(nb, dtype=np.float64)
-        self._ck_lfpb = np.zeros(nb, dtype=np.float64)
         self._ck_order = np.zeros(nb, dtype=np.int64)
         self._ck_ids: dict[int, np.ndarray] = {}  # checkpoint slot -> its flat block ids
         self._ck_node: dict[int, int] = {}  # checkpoint slot -> node slot
@@ -501,14 +503,14 @@ class PrefixCache:
         now = self._now()
         ids = hit.kv_blocks if self.m._has_kv else _EMPTY
         if ids.size:
-            self._kv_tick[ids] = now
+            self._ticks[ids] = now
             self._n_evictable -= int(np.count_nonzero(self._kv_evictable[ids]))
             self._kv_evictable[ids] = False
             self.m.pool.incref(ids)
             self.m.use[ids] = BlockUse.KV
         if hit.checkpoint_key is not None:
             ck = int(self._ck[self._slot[hit.checkpoint_key]])
-            self._ck_tick[ck] = now
+            self._ticks[ck] = now
             self._ck_order[ck] = order = self._next_order(1)
             self._enqueue_one(-1 - ck, order)
             self.pinned[hit.checkpoint_key] = self.m.pin_epoch
@@ -597,7 +599,7 @@ class PrefixCache:
         self._node_of[blocks] = slots
         self._n_mapped += blocks.size
         if self._rank_flops:
-            self._kv_lfpb[blocks] = np.log1p(self._fpb(self._pos[slots]))
+            self._lfpb[blocks] = np.log1p(self._fpb(self._pos[slots]))
 
     def _register_few(self, tokens: np.ndarray, keys: list[int], kv_blocks: np.ndarray, start: int, end: int,
                       parent: int, h: np.ndarray | None) -> None:
@@ -624,7 +626,7 @@ class PrefixCache:
         tok = self._tok
         # memoryviews: scalar reads and writes at half numpy's cost (made here: the arrays may have grown)
         key_a, pos_a, kv_a, ck_a = (memoryview(a) for a in (self._key, self._pos, self._kv, self._ck))
-        node_of, lfpb, rank = memoryview(self._node_of), memoryview(self._kv_lfpb), self._rank_flops
+        node_of, lfpb, rank = memoryview(self._node_of), memoryview(self._lfpb), self._rank_flops
         (lin, quad), per = self._flops, self._bytes_per_block  # _fpb's formula, inlined below
         blocks = kv_blocks[start:end].tolist()
         for i, key in enumerate(new_keys):
@@ -681,7 +683,7 @@ class PrefixCache:
                 self._node_of[block] = slot
                 self._n_mapped += 1
                 if self._rank_flops:
-                    self._kv_lfpb[block] = math.log1p(self._fpb(int(self._pos[slot])))
+                    self._lfpb[block] = math.log1p(self._fpb(int(self._pos[slot])))
         elif self._ck[slot] < 0:  # a bare node of a state-only model: bounded, LRU
             self._bare[key] = None
             self._bare.move_to_end(key)
@@ -711,14 +713,14 @@ class PrefixCache:
             self.m.use[kept] = BlockUse.CACHED_KV
             self._kv_evictable[kept] = True
             self._n_evictable += int(kept.size)
-            self._kv_tick[kept] = now
+            self._ticks[kept] = now
             dead = self._dead_tail(kept, chain) if self.config.demote_tail and self.m.num_state_groups else None
             if dead is not None:
                 dead = dead[::-1]  # in queue order: deepest first, the chain is cut from its end
                 tail, back = queued[dead], queued[~dead]
                 self._front -= tail.size
                 self._kv_order[tail] = front = np.arange(self._front, self._front + tail.size)
-                self._kv_tick[tail] = 0
+                self._ticks[tail] = 0
                 self._enqueue(back, orders[~dead])  # the rest queue at the back as usual
                 self._enqueue_front(tail, front)
             else:
@@ -845,11 +847,11 @@ class PrefixCache:
         self._ck_ids[ck] = blocks
         self._ck_node[ck] = slot
         self._ck_live[ck] = True
-        self._ck_tick[ck] = self._now()
+        self._ticks[ck] = self._now()
         self._ck_order[ck] = order = self._next_order(1)
         self._enqueue_one(-1 - ck, order)
         if self._rank_flops:
-            self._ck_lfpb[ck] = math.log1p(prefill_flops(self._flops, int(self._pos[slot])) / self._ckpt_bytes)
+            self._lfpb[ck] = math.log1p(prefill_flops(self._flops, int(self._pos[slot])) / self._ckpt_bytes)
         if self._bare:
             self._bare.pop(key, None)
         self.pinned[key] = self.m.pin_epoch
@@ -919,36 +921,11 @@ class PrefixCache:
         if self.config.eviction is EvictionPolicy.LRU:
             kv, ck = self._lru_victims(target, protect, protect_ckpt)
         else:
-            kv, ck = self._flop_aware_victims(target, *self._candidates(protect, protect_ckpt))
+            kv, ck = self._flop_aware_victims(target, protect, protect_ckpt)
         ids = self._drop_all(kv, ck)
         self.m.pool.ref_counts[ids] = 0
         self.m.use[ids] = BlockUse.FREE
         return ids
-
-    def _candidates(self, protect: np.ndarray, protect_ckpt: set[int]) -> tuple[np.ndarray, np.ndarray]:
-        """Evictable KV block ids (ascending) and checkpoint slots (ascending), less the protected
-        and pinned ones."""
-        mask = self._kv_evictable
-        if protect.size:  # off for the scan, then back (no copy of the whole mask)
-            was = mask[protect]
-            mask[protect] = False
-            ids = mask.nonzero()[0]
-            mask[protect] = was
-        else:
-            ids = mask.nonzero()[0]
-        return ids, self._checkpoint_candidates(protect_ckpt)
-
-    def _checkpoint_candidates(self, protect_ckpt: set[int]) -> np.ndarray:
-        """Slots of the checkpoints eviction may take (ascending): not protected, not pinned."""
-        held = self._held_checkpoints(protect_ckpt)
-        live = self._ck_live  # live checkpoints by slot: ascending already
-        if held:  # off for the scan, then back
-            live[held] = False
-            slots = live.nonzero()[0]
-            live[held] = True
-        else:
-            slots = live.nonzero()[0]
-        return slots
 
     def _held_checkpoints(self, protect_ckpt: set[int]) -> list[int]:
         """Slots of the checkpoints eviction may not take: protected or pinned."""
@@ -1065,32 +1042,47 @@ class PrefixCache:
             return victims, _EMPTY
         return victims[victims >= 0], -1 - victims[victims < 0]
 
-    def _flop_aware_victims(self, target: int, kv_ids: np.ndarray, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def _flop_aware_victims(
+        self, target: int, protect: np.ndarray, protect_ckpt: set[int]
+    ) -> tuple[np.ndarray, np.ndarray]:
         """Lowest utility first: ``alpha * norm(log1p(FLOPs saved per byte)) + norm(recency)`` over
-        all candidates. A checkpoint saves the FLOPs of the prefix it ends, a KV block those of its
-        own tokens; FLOPs per byte spans orders of magnitude, so it is compared on a log scale (the
-        log is taken once, when the block or checkpoint enters the cache)."""
-        slots = slots[self._ck_tick[slots].argsort()]  # checkpoints in LRU order (their ticks are distinct)
-        lfpb = np.concatenate((self._kv_lfpb[kv_ids], self._ck_lfpb[slots]))
-        if not lfpb.size:
-            return kv_ids[:0], slots[:0]
-        tick = np.concatenate((self._kv_tick[kv_ids], self._ck_tick[slots]))
-        utility = _norm(lfpb)  # alpha * norm(lfpb) + norm(tick), in place (the same operations)
+        all candidates (evictable KV blocks and live checkpoints, less the protected and pinned
+        ones). A checkpoint saves the FLOPs of the prefix it ends, a KV block those of its own
+        tokens; FLOPs per byte spans orders of magnitude, so it is compared on a log scale (the log
+        is taken once, when the block or checkpoint enters the cache). Ties go to KV blocks (lowest
+        id first), then to checkpoints (least recently used first)."""
+        cand = np.logical_or(self._kv_evictable, self._ck_live, out=self._cand)  # by block id: one gather each
+        if protect.size:
+            cand[protect] = False
+        held = self._held_checkpoints(protect_ckpt)
+        if held:
+            cand[held] = False
+        ids = cand.nonzero()[0]
+        if not ids.size:
+            return _EMPTY, _EMPTY
+        tick = self._ticks[ids]
+        utility = _norm(self._lfpb[ids])  # alpha * norm(lfpb) + norm(tick), in place
         utility *= self.config.alpha
         utility += _norm(tick)
-        # the victims are a prefix of the stable order by utility, at most ``target`` candidates
-        # long (each frees >= 1 block): rank only the candidates at or below the target-th utility
-        # (ties included, in index order), which is that prefix exactly
+        # the victims are a prefix of the order by utility, at most ``target`` candidates long
+        # (each frees >= 1 block): rank only the candidates at or below the target-th utility
+        # (ties included), which is that prefix exactly
         k = min(utility.size, target)
         if k < utility.size:
             near = (utility <= np.partition(utility, k - 1)[k - 1]).nonzero()[0]
-            order = near[utility[near].argsort(kind="stable")]
-        else:
-            order = utility.argsort(kind="stable")
-        n_kv = kv_ids.size
-        size = np.where(order < n_kv, 1, self.m.num_state_blocks)  # blocks each frees
-        chosen = order[: int(size.cumsum().searchsorted(target)) + 1]  # the shortest prefix freeing target
-        return kv_ids[chosen[chosen < n_kv]], slots[chosen[chosen >= n_kv] - n_kv]
+            ids, utility, tick = ids[near], utility[near], tick[near]
+        # by utility, then KV blocks before checkpoints, KV blocks by id, checkpoints by tick
+        # (distinct): a stable sort by utility is that order (the ids ascend) unless two are equal
+        order = utility.argsort(kind="stable")
+        is_ck = self._ck_live[ids]
+        u = utility[order]
+        if (u[1:] == u[:-1]).any():
+            order = np.lexsort((np.where(is_ck, tick, ids), is_ck, utility))
+        ids, is_ck = ids[order], is_ck[order]
+        size = np.where(is_ck, self.m.num_state_blocks, 1)  # blocks each frees
+        n = int(size.cumsum().searchsorted(target)) + 1  # the shortest prefix freeing target
+        ids, is_ck = ids[:n], is_ck[:n]
+        return ids[~is_ck], ids[is_ck]
 
     def _drop_all(self, kv: np.ndarray, ck_slots: np.ndarray) -> np.ndarray:
         """Drop the KV blocks ``kv`` and the checkpoints ``ck_slots``; the freed ids (KV first, in
