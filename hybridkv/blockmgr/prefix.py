@@ -1072,13 +1072,17 @@ class PrefixCache:
             near = (utility <= np.partition(utility, k - 1)[k - 1]).nonzero()[0]
             ids, utility, tick = ids[near], utility[near], tick[near]
         # by utility, then KV blocks before checkpoints, KV blocks by id, checkpoints by tick
-        # (distinct): a stable sort by utility is that order (the ids ascend) unless two are equal
+        # (distinct): a stable sort by utility is that order (the ids ascend) unless a checkpoint
+        # ties with another candidate (KV blocks tie often: demoted tails share tick 0)
         order = utility.argsort(kind="stable")
-        is_ck = self._ck_live[ids]
+        is_ck = self._ck_live[ids[order]]
         u = utility[order]
-        if (u[1:] == u[:-1]).any():
-            order = np.lexsort((np.where(is_ck, tick, ids), is_ck, utility))
-        ids, is_ck = ids[order], is_ck[order]
+        tie = u[1:] == u[:-1]
+        if tie.any() and (tie & (is_ck[1:] | is_ck[:-1])).any():
+            ck = self._ck_live[ids]
+            order = np.lexsort((np.where(ck, tick, ids), ck, utility))
+            is_ck = ck[order]
+        ids = ids[order]
         size = np.where(is_ck, self.m.num_state_blocks, 1)  # blocks each frees
         n = int(size.cumsum().searchsorted(target)) + 1  # the shortest prefix freeing target
         ids, is_ck = ids[:n], is_ck[:n]
