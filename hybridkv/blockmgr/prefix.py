@@ -219,6 +219,7 @@ class PrefixCache:
         self._ticks = np.zeros(nb, dtype=np.float64)
         self._lfpb = np.zeros(nb, dtype=np.float64)
         self._cand = np.zeros(nb, dtype=bool)  # scratch: flop_aware's candidates
+        self._views()
         # one counter orders every LRU event (KV blocks released, checkpoints made or hit)
         self._order = 0
         self._kv_order = np.zeros(nb, dtype=np.int64)
@@ -339,6 +340,12 @@ class PrefixCache:
         tok[:cap] = self._tok
         self._tok = tok
         self._free_slots[:0] = range(new - 1, cap - 1, -1)  # popped from the end: low slots first
+        self._views()
+
+    def _views(self) -> None:
+        """Memoryviews of the node and block arrays, for scalar reads and writes at half numpy's
+        cost (the scalar registration path); remade when the node arrays grow."""
+        self._mv = tuple(memoryview(a) for a in (self._key, self._pos, self._kv, self._ck, self._node_of, self._lfpb))
 
     def _new_slots(self, keys: np.ndarray, positions: np.ndarray, tokens: np.ndarray) -> np.ndarray:
         """Create nodes (no blocks yet) for ``keys``; ``tokens``: ``[n, block_size]``. Their slots."""
@@ -623,10 +630,8 @@ class PrefixCache:
         if missing:
             self._created += 1
         free, d = self._free_slots, self._slot
-        tok = self._tok
-        # memoryviews: scalar reads and writes at half numpy's cost (made here: the arrays may have grown)
-        key_a, pos_a, kv_a, ck_a = (memoryview(a) for a in (self._key, self._pos, self._kv, self._ck))
-        node_of, lfpb, rank = memoryview(self._node_of), memoryview(self._lfpb), self._rank_flops
+        key_a, pos_a, kv_a, ck_a, node_of, lfpb = self._mv  # (after the growth above)
+        rank, tok = self._rank_flops, self._tok
         (lin, quad), per = self._flops, self._bytes_per_block  # _fpb's formula, inlined below
         blocks = kv_blocks[start:end].tolist()
         for i, key in enumerate(new_keys):
