@@ -110,3 +110,26 @@ def test_a_records_block_hashes_are_computed_once_and_equal_the_plain_ones():
     c.extend([1] * 8)
     n = len(c) // 8
     assert c.block_hashes(n, 8).tolist() == block_hashes(c.view()[: n * 8].reshape(n, 8)).tolist()
+
+
+@pytest.mark.parametrize("n", [0, 1, 31, 32, 33, 5000])
+def test_token_arrays_of_every_length_convert_exactly_and_reject_bad_ids(n):
+    """Short sequences (array.array) and long ones (struct, splatted) give the same int64 arrays
+    and the same errors, wherever the bad id sits."""
+    ids = [(i * 7919) % 150_000 - (i % 3) for i in range(n)]
+    want = np.array(ids, dtype=np.int64)
+    for seq in (ids, tuple(ids), iter(ids), range(n), [np.int64(x) for x in ids], [bool(x % 2) for x in ids]):
+        got = as_token_array(seq)
+        assert got.dtype == np.int64 and got.ndim == 1
+        if isinstance(seq, range):
+            assert got.tolist() == list(range(n))
+        elif n and isinstance(seq, list) and isinstance(seq[0], bool):
+            assert got.tolist() == [int(x) for x in seq]
+        else:
+            assert np.array_equal(got, want)
+    for bad in (1.5, "a", 2**63, -(2**63) - 1, None):
+        for at in {0, n // 2, max(n - 1, 0)}:
+            seq = ids[:at] + [bad] + ids[at:]
+            with pytest.raises(TypeError):
+                as_token_array(seq)
+    assert as_token_array(ids + [2**63 - 1, -(2**63)])[-2:].tolist() == [2**63 - 1, -(2**63)]
