@@ -209,7 +209,14 @@ class PrefixCache:
         # ---- cached KV blocks, by block id
         self._node_of = np.full(nb, -1, dtype=np.int64)  # KV block -> slot of the node it caches
         self._n_mapped = 0  # KV blocks mapped to nodes
-        self._kv_evictable = np.zeros(nb, dtype=bool)
+        # whether each unit is evictable (a KV block) or live (a checkpoint, by slot), and the LRU
+        # order it was last queued with: one array each, indexed like the LRU queue's codes (a KV
+        # block at its id, a checkpoint at nb + its slot), so the queue's liveness is one gather;
+        # the KV and checkpoint halves are views
+        self._q_live = np.zeros(2 * nb, dtype=bool)
+        self._q_order = np.zeros(2 * nb, dtype=np.int64)
+        self._kv_evictable, self._ck_live = self._q_live[:nb], self._q_live[nb:]
+        self._kv_order, self._ck_order = self._q_order[:nb], self._q_order[nb:]
         self._n_evictable = 0
         # what flop_aware ranks, by block id: a cached KV block's, or a checkpoint's at its slot
         # (its first block id; a block is one or the other, and each value is written when the
@@ -222,7 +229,6 @@ class PrefixCache:
         self._views()
         # one counter orders every LRU event (KV blocks released, checkpoints made or hit)
         self._order = 0
-        self._kv_order = np.zeros(nb, dtype=np.int64)
         # the LRU queue: entries [head, tail) in LRU order, a KV block (code = its id, queued when it
         # becomes evictable) or a checkpoint (code = -1 - its slot, queued when made or hit); an
         # entry is stale once its unit is taken back, evicted or queued again (order mismatch)
@@ -232,8 +238,6 @@ class PrefixCache:
         self._passed = np.zeros(2 * nb + 1, dtype=bool)  # scratch: queue codes eviction passes over (code + nb)
         self._front = 0  # orders of demoted entries count down from here (they queue at the front)
         # ---- checkpoints, by slot (first block id)
-        self._ck_live = np.zeros(nb, dtype=bool)
-        self._ck_order = np.zeros(nb, dtype=np.int64)
         self._ck_ids: dict[int, np.ndarray] = {}  # checkpoint slot -> its flat block ids
         self._ck_node: dict[int, int] = {}  # checkpoint slot -> node slot
         self._tick = 0
@@ -979,11 +983,9 @@ class PrefixCache:
         start = self._head if start is None else start
         end = self._tail if end is None else end
         code, order = self._fifo[start:end], self._fifo_ord[start:end]
-        kv = code >= 0
-        ck = np.where(kv, 0, -1 - code)
-        b = np.where(kv, code, 0)
-        live = np.where(kv, self._kv_evictable[b] & (self._kv_order[b] == order),
-                        self._ck_live[ck] & (self._ck_order[ck] == order))
+        unit = np.where(code >= 0, code, (self._node_of.size - 1) - code)  # -1 - slot -> nb + slot
+        live = self._q_live[unit]
+        live &= self._q_order[unit] == order
         return live.nonzero()[0] + start
 
     def num_protected(self, protect: np.ndarray, protect_ckpt: set[int] = frozenset()) -> int:  # type: ignore[assignment]
