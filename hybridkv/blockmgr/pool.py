@@ -229,23 +229,21 @@ class BlockPool:
 
     def _free_sorted(self, ids: np.ndarray) -> None:
         """Return distinct unreferenced ids (ascending) to the free extents: a few runs (an
-        eviction's victims mostly are) one bisect each, many (scattered loose ids) merged at once."""
-        starts, ends = run_bounds(ids)
-        if starts.size <= 8:
+        eviction's victims often are) one bisect each, many (scattered victims, loose ids) merged
+        with the extents at once."""
+        if int(np.count_nonzero(ids[1:] - ids[:-1] != 1)) < 8:  # at most 8 runs
+            starts, ends = run_bounds(ids)
             for start, end in zip(starts.tolist(), ends.tolist(), strict=True):
                 self.free_run(start, end)
             return
-        self._free_runs(starts, ends, ids.size)
-
-    def _free_runs(self, starts: np.ndarray, ends: np.ndarray, count: int) -> None:
-        """Merge the unreferenced, disjoint, ascending runs ``[starts[i], ends[i])`` (``count`` ids)
-        into the free extents at once."""
-        self._num_free += count
-        s = np.concatenate((np.array(self._starts, dtype=np.int64), starts), dtype=np.int64)
-        e = np.concatenate((np.array(self._ends, dtype=np.int64), ends), dtype=np.int64)
-        order = s.argsort()  # starts are distinct: any sort gives the same order
-        s, e = s[order], e[order]
-        breaks = (s[1:] != e[:-1]).nonzero()[0]  # extent i ends short of extent i + 1
+        self._num_free += ids.size
+        # the extents and the ids as unit runs, all disjoint: sorted starts and sorted ends pair up
+        # (the i-th start with the i-th end); an extent ends where the next one does not start
+        s = np.concatenate((np.array(self._starts, dtype=np.int64), ids))
+        s.sort()
+        e = np.concatenate((np.array(self._ends, dtype=np.int64), ids + 1))
+        e.sort()
+        breaks = (s[1:] != e[:-1]).nonzero()[0]
         first = np.empty(breaks.size + 1, dtype=np.int64)
         first[0], first[1:] = s[0], s[breaks + 1]
         last = np.empty(breaks.size + 1, dtype=np.int64)
