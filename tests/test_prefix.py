@@ -1,5 +1,7 @@
 """Prefix caching: KV hash chain + state checkpoints, scenarios and a property test."""
 
+import random
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -384,3 +386,34 @@ def test_flop_aware_ties_go_to_kv_blocks_by_id_then_to_checkpoints_by_recency():
     assert victims.tolist() == [z] and ckpts.tolist() == [y]  # y was used before x
     victims, ckpts = cache._flop_aware_victims(3 + 2 * m.num_state_blocks, _EMPTY_IDS, set())
     assert victims.tolist() == [z, a, b] and ckpts.tolist() == [y, x]
+
+
+def test_flop_aware_orders_many_ties_the_same_way():
+    """Every candidate at utility 1.0 (many checkpoints among them, the whole-order path): KV
+    blocks by id, then checkpoints by recency."""
+    m = cached_manager(num_blocks=200, eviction="flop_aware")
+    for rid in ("a", "b"):
+        prefill(m, rid, list(range(100 if rid == "a" else 300, 124 if rid == "a" else 324)))
+        m.free(rid)
+    cache = m.prefix_cache
+    kv = sorted(cache.cached_kv_blocks().tolist())
+    slots = sorted(int(cache.node(k).checkpoint[0]) for k in cache.checkpoint_keys())
+    assert len(slots) >= 9
+    # normalized lfpb + normalized tick = 1 for all (values k/8 over [0, 8], exact); checkpoint
+    # ticks distinct and scrambled against their ids
+    perm = list(range(len(slots)))
+    random.Random(0).shuffle(perm)
+    ck_ticks = [p / 8 for p in perm]  # distinct, in [0, 8) (fewer than 64 checkpoints)
+    assert len(kv) >= 9 and len(slots) < 64
+    for i, b in enumerate(kv):  # KV blocks span [0, 8] in both
+        cache._ticks[b] = i % 9
+        cache._lfpb[b] = 8 - i % 9
+    for s, t in zip(slots, ck_ticks, strict=True):
+        cache._ticks[s], cache._lfpb[s] = t, 8 - t
+    by_id = sorted([(b, False) for b in kv] + [(s, True) for s in slots])
+    assert sum(1 for x, y in zip(by_id, by_id[1:], strict=False) if x[1] or y[1]) > 8  # the many-ties path
+    victims, ckpts = cache._flop_aware_victims(3, _EMPTY_IDS, set())
+    assert victims.tolist() == kv[:3] and ckpts.size == 0
+    victims, ckpts = cache._flop_aware_victims(len(kv) + 2 * m.num_state_blocks, _EMPTY_IDS, set())
+    by_tick = [s for _, s in sorted(zip(ck_ticks, slots, strict=True))]
+    assert victims.tolist() == kv and ckpts.tolist() == by_tick[:2]

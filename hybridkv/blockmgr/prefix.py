@@ -1080,20 +1080,47 @@ class PrefixCache:
             ids, utility, tick = ids[near], utility[near], tick[near]
         # by utility, then KV blocks before checkpoints, KV blocks by id, checkpoints by tick
         # (distinct): a stable sort by utility is that order (the ids ascend) unless a checkpoint
-        # ties with another candidate (KV blocks tie often: demoted tails share tick 0)
+        # ties with another candidate (KV blocks tie often: demoted tails share tick 0; the oldest
+        # checkpoint at the highest FLOPs and the newest KV block at the lowest both rank 1.0)
         order = utility.argsort(kind="stable")
         is_ck = self._ck_live[ids[order]]
         u = utility[order]
         tie = u[1:] == u[:-1]
-        if tie.any() and (tie & (is_ck[1:] | is_ck[:-1])).any():
-            ck = self._ck_live[ids]
-            order = np.lexsort((np.where(ck, tick, ids), ck, utility))
-            is_ck = ck[order]
+        if tie.any():
+            bad = (tie & (is_ck[1:] | is_ck[:-1])).nonzero()[0]  # sorted positions i, i + 1 tie, one a checkpoint
+            if bad.size:
+                order = self._order_ties(order, tie, bad, ids, tick)
+                is_ck = self._ck_live[ids[order]]
         ids = ids[order]
         size = np.where(is_ck, self.m.num_state_blocks, 1)  # blocks each frees
         n = int(size.cumsum().searchsorted(target)) + 1  # the shortest prefix freeing target
         ids, is_ck = ids[:n], is_ck[:n]
         return ids[~is_ck], ids[is_ck]
+
+    def _order_ties(self, order: np.ndarray, tie: np.ndarray, bad: np.ndarray, ids: np.ndarray,
+                    tick: np.ndarray) -> np.ndarray:
+        """``order`` (a stable sort by utility of candidates ``ids``) with each group of equal
+        utilities that holds a checkpoint (``bad``: sorted positions that tie with the next, one
+        of them a checkpoint) put in the ranking's order: KV blocks by id, then checkpoints by
+        tick. A few groups (the usual case: the oldest checkpoint and the newest cheapest KV block
+        both at utility 1.0) are sorted in Python; many, at once."""
+        nb = self._node_of.size  # secondary key: a KV block's id (below nb), nb + a checkpoint's tick
+        if bad.size > 8:  # every group by the secondary key, the groups in place
+            group = np.concatenate(([0], np.cumsum(~tie)))
+            return order[np.lexsort((np.where(self._ck_live[ids], tick + nb, ids)[order], group))]
+        order, end = order.copy(), -1
+        for i in bad.tolist():
+            if i <= end:  # in the group just sorted
+                continue
+            start, end = i, i + 1
+            while start and tie[start - 1]:
+                start -= 1
+            while end < tie.size and tie[end]:
+                end += 1
+            group = order[start : end + 1].tolist()
+            group.sort(key=lambda j: nb + float(tick[j]) if self._ck_live[ids[j]] else float(ids[j]))
+            order[start : end + 1] = group
+        return order
 
     def _drop_all(self, kv: np.ndarray, ck_slots: np.ndarray) -> np.ndarray:
         """Drop the KV blocks ``kv`` and the checkpoints ``ck_slots``; the freed ids (KV first, in
