@@ -133,3 +133,6 @@ def test_token_arrays_of_every_length_convert_exactly_and_reject_bad_ids(n):
             with pytest.raises(TypeError):
                 as_token_array(seq)
     assert as_token_array(ids + [2**63 - 1, -(2**63)])[-2:].tolist() == [2**63 - 1, -(2**63)]
+    for text in ("a" * n, b"a" * n, bytearray(n)):
+        with pytest.raises(TypeError):
+            as_token_array(text)

@@ -41,6 +41,8 @@ def as_token_array(token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
         # one strict pass over the ints (floats, strings and ints out of int64's range raise and
         # are classified below); a long sequence is splatted into struct, which packs it straight
         # into a new array about 2.5x faster than array.array's or numpy's conversion of a list
+        if isinstance(token_ids, (str, bytes, bytearray, memoryview)):  # text, or raw bytes: not token ids
+            raise TypeError(f"token ids must be a sequence of integers, got {type(token_ids).__name__}")
         if not hasattr(token_ids, "__len__"):  # an iterator
             token_ids = list(token_ids)
         n = len(token_ids)
