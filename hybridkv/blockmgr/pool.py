@@ -121,6 +121,12 @@ class BlockPool:
         j = bisect_left(self._starts, start)
         del self._starts[j], self._ends[j]
 
+    def _keep_rest(self, start: int, length: int, taken: int) -> None:
+        """The first ``taken`` ids of the extent ``[start, start + length)`` (already out of the
+        by-length list) are taken: its rest stays free, in the same place by start."""
+        self._starts[bisect_left(self._starts, start)] = start + taken
+        insort(self._by_len, (length - taken) << 32 | (start + taken))
+
     def allocate(self, n: int) -> np.ndarray:
         """Take ``n`` free ids (reference count 1 each); int32 array in allocation order.
 
@@ -151,9 +157,8 @@ class BlockPool:
         if i < len(bl):  # best fit: the shortest extent that holds n, the lowest start among equals
             k = bl.pop(i)
             length, start = k >> 32, k & _START_MASK
-            if length > n:  # the rest stays free, in the same place by start
-                self._starts[bisect_left(self._starts, start)] = start + n
-                insort(bl, (length - n) << 32 | (start + n))
+            if length > n:
+                self._keep_rest(start, length, n)
             else:
                 self._drop(start)
             self.ref_counts[start : start + n] = 1
@@ -166,8 +171,7 @@ class BlockPool:
             k = bl.pop()
             length, start = k >> 32, k & _START_MASK
             if length > left:
-                self._starts[bisect_left(self._starts, start)] = start + left
-                insort(bl, (length - left) << 32 | (start + left))
+                self._keep_rest(start, length, left)
                 parts.append(self._ids[start : start + left])
                 break
             self._drop(start)
