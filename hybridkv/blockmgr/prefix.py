@@ -745,8 +745,9 @@ class PrefixCache:
                 return None
             pos = self._pos[self._node_of[kept]]
         else:
-            pos = self._pos[self._node_of[kept]]
-            ck = self._ck[self._node_of[kept]] >= 0
+            nodes = self._node_of[kept]
+            pos = self._pos[nodes]
+            ck = self._ck[nodes] >= 0
             deepest = int(pos[ck].max()) if ck.any() else 0
         if not deepest:  # no checkpoint on the chain: its KV is how a later request finds where it
             return None  # branches (and checkpoints there), so it stays in plain LRU order
@@ -1103,11 +1104,12 @@ class PrefixCache:
         utilities that holds a checkpoint (``bad``: sorted positions that tie with the next, one
         of them a checkpoint) put in the ranking's order: KV blocks by id, then checkpoints by
         tick. A few groups (the usual case: the oldest checkpoint and the newest cheapest KV block
-        both at utility 1.0) are sorted in Python; many, at once."""
-        nb = self._node_of.size  # secondary key: a KV block's id (below nb), nb + a checkpoint's tick
+        both at utility 1.0) are sorted group by group; many, all at once."""
+        # the secondary key, in sorted order: a KV block's id (below nb), nb + a checkpoint's tick
+        key = np.where(self._ck_live[ids], tick + self._node_of.size, ids)[order]
         if bad.size > 8:  # every group by the secondary key, the groups in place
             group = np.concatenate(([0], np.cumsum(~tie)))
-            return order[np.lexsort((np.where(self._ck_live[ids], tick + nb, ids)[order], group))]
+            return order[np.lexsort((key, group))]
         order, end = order.copy(), -1
         for i in bad.tolist():
             if i <= end:  # in the group just sorted
@@ -1117,9 +1119,7 @@ class PrefixCache:
                 start -= 1
             while end < tie.size and tie[end]:
                 end += 1
-            group = order[start : end + 1].tolist()
-            group.sort(key=lambda j: nb + float(tick[j]) if self._ck_live[ids[j]] else float(ids[j]))
-            order[start : end + 1] = group
+            order[start : end + 1] = order[start : end + 1][key[start : end + 1].argsort(kind="stable")]
         return order
 
     def _drop_all(self, kv: np.ndarray, ck_slots: np.ndarray) -> np.ndarray:
