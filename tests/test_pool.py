@@ -11,7 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hybridkv.blockmgr.pool import BlockPool, run_bounds, runs
+from hybridkv.blockmgr import kernels
+from hybridkv.blockmgr.pool import BlockPool, JitBlockPool, run_bounds, runs
 from tests.pool_reference import ReferencePool
 
 EXAMPLES = int(os.environ.get("POOL_EXAMPLES", "300"))
@@ -31,10 +32,16 @@ def _books(p) -> tuple:  # noqa: ANN001
     return (p.num_free, list(p._loose), p.ref_counts.tolist())
 
 
+# both implementations of the free extents: Python lists, and numpy arrays with compiled kernels
+POOLS = [BlockPool, pytest.param(JitBlockPool, marks=pytest.mark.skipif(kernels.numba is None, reason="numba"))]
+
+
+@pytest.mark.parametrize("pool_class", POOLS)
 @settings(max_examples=EXAMPLES, deadline=None)
 @given(num_blocks=st.integers(8, 160), loose_cap=st.sampled_from([0, 3, 4096]), ops=st.lists(op, max_size=80))
-def test_same_ids_as_the_reference_pool(num_blocks: int, loose_cap: int, ops: list) -> None:
-    new, ref = BlockPool(num_blocks), ReferencePool(num_blocks)
+def test_same_ids_as_the_reference_pool(pool_class: type[BlockPool], num_blocks: int, loose_cap: int,
+                                        ops: list) -> None:
+    new, ref = pool_class(num_blocks), ReferencePool(num_blocks)
     new._loose_cap = ref._loose_cap = loose_cap
     held: list[np.ndarray] = []
     for kind, arg in ops:
@@ -103,8 +110,9 @@ def test_same_ids_as_the_reference_pool(num_blocks: int, loose_cap: int, ops: li
     assert new.num_free == num_blocks - 1
 
 
-def test_fragmented_allocation_takes_the_largest_extents_first() -> None:
-    p = BlockPool(40)
+@pytest.mark.parametrize("pool_class", POOLS)
+def test_fragmented_allocation_takes_the_largest_extents_first(pool_class: type[BlockPool]) -> None:
+    p = pool_class(40)
     ids = p.allocate(39)  # 1..39
     for lo, hi in ((2, 5), (8, 11), (14, 20), (25, 28)):  # free extents of 3, 3, 6, 3
         p.ref_counts[lo:hi] = 0
@@ -117,8 +125,9 @@ def test_fragmented_allocation_takes_the_largest_extents_first() -> None:
     del ids
 
 
-def test_a_scattered_free_merges_with_every_neighbour() -> None:
-    p = BlockPool(20)
+@pytest.mark.parametrize("pool_class", POOLS)
+def test_a_scattered_free_merges_with_every_neighbour(pool_class: type[BlockPool]) -> None:
+    p = pool_class(20)
     p.allocate(19)
     evens = np.arange(2, 20, 2, dtype=np.int32)
     p.ref_counts[evens] = 0
@@ -138,8 +147,9 @@ def test_run_bounds() -> None:
     assert starts.tolist() == [1, 5, 7] and ends.tolist() == [3, 6, 10]
 
 
-def test_bad_frees_are_refused_and_change_nothing() -> None:
-    p = BlockPool(10)
+@pytest.mark.parametrize("pool_class", POOLS)
+def test_bad_frees_are_refused_and_change_nothing(pool_class: type[BlockPool]) -> None:
+    p = pool_class(10)
     p.allocate(3)
     before = p.free_extents()
     with pytest.raises(ValueError):

@@ -7,6 +7,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from hybridkv.blockmgr import kernels
 from hybridkv.blockmgr.flops import prefill_flops
 from hybridkv.blockmgr.layout import plan
 from hybridkv.blockmgr.manager import HybridBlockManager
@@ -337,10 +338,19 @@ def reference_flop_aware(cache, target, protect=(), protect_ckpt=frozenset()):
     return {("kv", kv[i]) if i < len(kv) else ("ckpt", ck[i - len(kv)]) for i in order[:count].tolist()}
 
 
+@pytest.fixture(params=[False, pytest.param(True, marks=pytest.mark.skipif(kernels.numba is None, reason="numba"))],
+                ids=["numpy", "jit"])
+def ranking_path(request, monkeypatch):
+    """flop_aware's ranking both ways: numpy, and the compiled kernel (when numba is installed)."""
+    monkeypatch.setattr(kernels, "ENABLED", request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("alpha", [1.0, 0.0])  # alpha 0: recency only, many ties (blocks released together)
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=25, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(data=st.data())
-def test_flop_aware_victims_match_a_full_ranking(alpha, data):
+def test_flop_aware_victims_match_a_full_ranking(alpha, data, ranking_path):
     layout = plan(tiny_model(), 200 * 256, block_size=4)
     config = PrefixCacheConfig(CheckpointPolicy("every_n_blocks"), EvictionPolicy("flop_aware"), every_n=2, alpha=alpha)
     m = HybridBlockManager(layout, prefix_cache=config)
@@ -362,7 +372,7 @@ def test_flop_aware_victims_match_a_full_ranking(alpha, data):
         assert got == reference_flop_aware(cache, target, protect.tolist())
 
 
-def test_flop_aware_ties_go_to_kv_blocks_by_id_then_to_checkpoints_by_recency():
+def test_flop_aware_ties_go_to_kv_blocks_by_id_then_to_checkpoints_by_recency(ranking_path):
     """Equal utilities: KV blocks first (lowest id first), then checkpoints, least recently used
     first, whatever their block ids (the ranking sorts by block id internally)."""
     m = cached_manager(num_blocks=120, eviction="flop_aware")
@@ -388,7 +398,7 @@ def test_flop_aware_ties_go_to_kv_blocks_by_id_then_to_checkpoints_by_recency():
     assert victims.tolist() == [z, a, b] and ckpts.tolist() == [y, x]
 
 
-def test_flop_aware_orders_many_ties_the_same_way():
+def test_flop_aware_orders_many_ties_the_same_way(ranking_path):
     """Every candidate at utility 1.0 (many checkpoints among them, the whole-order path): KV
     blocks by id, then checkpoints by recency."""
     m = cached_manager(num_blocks=200, eviction="flop_aware")
@@ -417,3 +427,74 @@ def test_flop_aware_orders_many_ties_the_same_way():
     victims, ckpts = cache._flop_aware_victims(len(kv) + 2 * m.num_state_blocks, _EMPTY_IDS, set())
     by_tick = [s for _, s in sorted(zip(ck_ticks, slots, strict=True))]
     assert victims.tolist() == kv and ckpts.tolist() == by_tick[:2]
+
+
+@pytest.mark.skipif(kernels.numba is None, reason="numba")
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_compiled_ranking_gives_the_numpy_victims_in_the_same_order(data):
+    """The kernel against the numpy path on arbitrary candidate sets: utilities from a few values
+    (ties everywhere, within and across kinds) or any, protected candidates, several targets."""
+    alpha = data.draw(st.sampled_from([0.0, 0.5, 1.0, 3.0]))
+    config = PrefixCacheConfig(CheckpointPolicy("every_n_blocks"), EvictionPolicy("flop_aware"), alpha=alpha)
+    m = HybridBlockManager(plan(tiny_model(), 120 * 256, block_size=4), prefix_cache=config)
+    cache, nb = m.prefix_cache, m.pool.num_blocks
+    kinds = data.draw(st.lists(st.sampled_from("-kc"), min_size=nb, max_size=nb))  # none, KV, checkpoint
+    values = st.integers(0, 4).map(float) if data.draw(st.booleans()) else st.floats(0, 10, allow_nan=False)
+    for b, kind in enumerate(kinds):
+        cache._kv_evictable[b], cache._ck_live[b] = kind == "k", kind == "c"
+        cache._ticks[b], cache._lfpb[b] = data.draw(values), data.draw(values)
+    protect = _EMPTY_IDS
+    if data.draw(st.booleans()):
+        protect = np.array([b for b, kind in enumerate(kinds) if kind == "k" and data.draw(st.booleans())],
+                           dtype=np.int32)
+    n_cand = kinds.count("k") + kinds.count("c")
+    for target in sorted({1, 2, data.draw(st.integers(1, max(n_cand, 1) * m.num_state_blocks))}):
+        got, was = [], kernels.ENABLED
+        for enabled in (False, True):
+            kernels.ENABLED = enabled
+            try:
+                got.append(cache._flop_aware_victims(target, protect, set()))
+            finally:
+                kernels.ENABLED = was
+        (kv0, ck0), (kv1, ck1) = got
+        assert kv1.tolist() == kv0.tolist() and ck1.tolist() == ck0.tolist()
+
+
+@pytest.mark.skipif(kernels.numba is None, reason="numba")
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_compiled_lru_scan_gives_the_numpy_victims_and_queue(data):
+    """LRU eviction compiled and in numpy, from the same cache (KV blocks and checkpoints queued
+    by a random workload, some released together, demoted tails, protected KV blocks and
+    checkpoints): the same victims in the same order, and the same queue afterwards."""
+    config = PrefixCacheConfig(CheckpointPolicy("every_n_blocks"), EvictionPolicy("lru"), every_n=2)
+    m = HybridBlockManager(plan(tiny_model(), 200 * 256, block_size=4), prefix_cache=config)
+    for r in range(data.draw(st.integers(1, 8))):
+        tokens = [data.draw(st.integers(0, 2)) for _ in range(data.draw(st.integers(4, 30)))]
+        if not m.can_allocate(len(tokens), token_ids=tokens):
+            break
+        m.allocate(r, len(tokens), token_ids=tokens)
+        m.checkpoint(r)
+        m.release_pins()
+        m.free(r)
+    cache = m.prefix_cache
+    cached = cache.cached_kv_blocks().tolist()
+    protect = np.array([b for b in cached if data.draw(st.booleans())], dtype=np.int32)
+    protect_ckpt = {k for k in cache.checkpoint_keys() if data.draw(st.booleans())}
+    for target in sorted({1, 2, data.draw(st.integers(1, max(cache.num_evictable, 1)))}):
+        state = (cache._fifo.copy(), cache._fifo_ord.copy(), cache._head, cache._tail)
+        got, was = [], kernels.ENABLED
+        for enabled in (False, True):
+            cache._fifo, cache._fifo_ord, cache._head, cache._tail = (state[0].copy(), state[1].copy(), *state[2:])
+            kernels.ENABLED = enabled
+            try:
+                kv, ck = cache._lru_victims(target, protect, protect_ckpt)
+            finally:
+                kernels.ENABLED = was
+            assert not cache._passed.any()
+            queue = slice(cache._head, cache._tail)
+            got.append((kv.tolist(), ck.tolist(), cache._head, cache._fifo[queue].tolist(),
+                        cache._fifo_ord[queue].tolist()))
+        assert got[0] == got[1]
+        cache._fifo, cache._fifo_ord, cache._head, cache._tail = state

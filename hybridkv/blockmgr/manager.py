@@ -25,7 +25,7 @@ from hybridkv.blockmgr.errors import (
 from hybridkv.blockmgr.hashing import TokenArray
 from hybridkv.blockmgr.integrity import check_integrity
 from hybridkv.blockmgr.layout import NULL_BLOCK, Layout
-from hybridkv.blockmgr.pool import BlockPool
+from hybridkv.blockmgr.pool import make_pool
 from hybridkv.blockmgr.prefix import PrefixCache, PrefixCacheConfig, PrefixHit
 from hybridkv.blockmgr.records import (
     AdmissionPlan,
@@ -74,8 +74,8 @@ class HybridBlockManager(CheckpointMixin, SpeculationMixin, SwapMixin, TransferM
         self._state_mask = np.arange(self.blocks_per_state)[None, :] < bps[:, None]
         self.num_state_blocks = int(bps.sum())
         self._uniform_sets = bool(self._state_mask.all())
-        self.pool = BlockPool(layout.num_blocks)
-        self.host_pool = BlockPool(num_host_blocks, reserve_null=False) if num_host_blocks > 0 else None  # ids 0..N-1
+        self.pool = make_pool(layout.num_blocks)
+        self.host_pool = make_pool(num_host_blocks, reserve_null=False) if num_host_blocks > 0 else None  # ids 0..N-1
         self.watermark_blocks = int(watermark * self.pool.num_usable)
         self.use = np.zeros(layout.num_blocks, dtype=np.int8)
         self.use[NULL_BLOCK] = BlockUse.NULL

@@ -25,6 +25,7 @@ from bisect import bisect_left, insort
 
 import numpy as np
 
+from hybridkv.blockmgr import kernels
 from hybridkv.blockmgr.layout import NULL_BLOCK
 
 _EMPTY = np.empty(0, dtype=np.int32)
@@ -76,9 +77,7 @@ class BlockPool:
         # numpy's per-call setup)
         if num_blocks > _START_MASK:
             raise ValueError(f"a pool holds at most {_START_MASK} blocks, got {num_blocks}")
-        self._starts: list[int] = [first]
-        self._ends: list[int] = [num_blocks]
-        self._by_len: list[int] = [(num_blocks - first) << 32 | first]
+        self._init_extents(first, num_blocks)
         self._num_free = num_blocks - first  # ids in the extents + loose ids
         self.last_allocation_was_run = False  # whether the last allocate() returned one id run
         self._loose: list[int] = []  # free single ids outside the extents, most recent last
@@ -86,6 +85,12 @@ class BlockPool:
         self._ids = np.arange(num_blocks, dtype=np.int32)  # read-only: one-id results are views of it
         self._ids.flags.writeable = False
         self._one: dict[int, np.ndarray] = {}  # id -> its one-id view, made on first use
+
+    def _init_extents(self, first: int, num_blocks: int) -> None:
+        """One free extent ``[first, num_blocks)``."""
+        self._starts: list[int] = [first]
+        self._ends: list[int] = [num_blocks]
+        self._by_len: list[int] = [(num_blocks - first) << 32 | first]
 
     # ---- counts ------------------------------------------------------------------------------
     @property
@@ -147,13 +152,19 @@ class BlockPool:
             return _EMPTY
         if n > self._num_free:
             raise ValueError(f"asked for {n} blocks, {self._num_free} free")
+        if self._loose and n > 1 and self._largest() < n:  # no extent holds n: merge loose ids first
+            self.merge_loose()
+        self._num_free -= n
+        return self._take(n)
+
+    def _largest(self) -> int:
+        """The length of the largest free extent (loose ids not merged)."""
+        return self._by_len[-1] >> 32 if self._by_len else 0
+
+    def _take(self, n: int) -> np.ndarray:
+        """``allocate`` from the extents (which hold ``n``): best fit, or the largest first."""
         bl = self._by_len
         i = bisect_left(bl, n << 32)
-        if i == len(bl) and self._loose and n > 1:  # no extent holds n: merge loose ids first
-            self.merge_loose()
-            bl = self._by_len
-            i = bisect_left(bl, n << 32)
-        self._num_free -= n
         if i < len(bl):  # best fit: the shortest extent that holds n, the lowest start among equals
             k = bl.pop(i)
             length, start = k >> 32, k & _START_MASK
@@ -340,3 +351,58 @@ class BlockPool:
         mask = self._extent_mask()
         mask[self._loose] = True
         return mask
+
+
+class JitBlockPool(BlockPool):
+    """:class:`BlockPool` with its free extents in numpy arrays, updated by compiled loops
+    (:mod:`hybridkv.blockmgr.kernels`, numba): the same ids for the same calls, without Python's
+    per-extent cost (a fragmented take, an eviction's scattered victims). The loose single ids and
+    the reference counts work as in the base class. Use :func:`make_pool` to get it when numba is
+    installed."""
+
+    def _init_extents(self, first: int, num_blocks: int) -> None:
+        cap = (num_blocks - first + 1) // 2 + 1  # the most disjoint, non-adjacent extents
+        self._s, self._e, self._k = (np.zeros(cap, dtype=np.int64) for _ in range(3))
+        self._tmp_s, self._tmp_e = np.zeros(cap, dtype=np.int64), np.zeros(cap, dtype=np.int64)
+        self._s[0], self._e[0], self._k[0] = first, num_blocks, (num_blocks - first) << 32 | first
+        self._n_ext = 1
+
+    # the extents as the base class's lists (read-only: views and checks)
+    @property
+    def _starts(self) -> list[int]:  # type: ignore[override]
+        return self._s[: self._n_ext].tolist()
+
+    @property
+    def _ends(self) -> list[int]:  # type: ignore[override]
+        return self._e[: self._n_ext].tolist()
+
+    @property
+    def _by_len(self) -> list[int]:  # type: ignore[override]
+        return self._k[: self._n_ext].tolist()
+
+    def _largest(self) -> int:
+        return int(self._k[self._n_ext - 1]) >> 32 if self._n_ext else 0
+
+    def _take(self, n: int) -> np.ndarray:
+        out = np.empty(n, dtype=np.int32)
+        self._n_ext, self.last_allocation_was_run = kernels.take(
+            self._s, self._e, self._k, self._n_ext, n, self.ref_counts, out
+        )
+        return out
+
+    def free_run(self, start: int, end: int) -> None:
+        if end <= start:
+            return
+        self._num_free += end - start
+        self._n_ext = kernels.free_run(self._s, self._e, self._k, self._n_ext, start, end)
+
+    def _free_sorted(self, ids: np.ndarray) -> None:
+        self._num_free += ids.size
+        self._n_ext = kernels.free_sorted(self._s, self._e, self._k, self._n_ext, ids, self._tmp_s, self._tmp_e)
+
+
+def make_pool(num_blocks: int, reserve_null: bool = True, jit: bool | None = None) -> BlockPool:
+    """A :class:`JitBlockPool` when the compiled kernels are available (``jit=None``: when
+    :data:`hybridkv.blockmgr.kernels.ENABLED`), else a :class:`BlockPool`; same ids either way."""
+    use_jit = kernels.ENABLED if jit is None else jit
+    return (JitBlockPool if use_jit else BlockPool)(num_blocks, reserve_null)

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
+from hybridkv.blockmgr import kernels
 from hybridkv.blockmgr.checkpoint_policy import (
     DEFAULT_ALIGN_TOKENS,
     DEFAULT_GAP_FRACTION,
@@ -226,6 +227,7 @@ class PrefixCache:
         self._ticks = np.zeros(nb, dtype=np.float64)
         self._lfpb = np.zeros(nb, dtype=np.float64)
         self._cand = np.zeros(nb, dtype=bool)  # scratch: flop_aware's candidates
+        self._cand_ids = np.zeros(nb, dtype=np.int64)  # scratch: their ids (the compiled ranking)
         self._views()
         # one counter orders every LRU event (KV blocks released, checkpoints made or hit)
         self._order = 0
@@ -620,6 +622,9 @@ class PrefixCache:
         bs, n = self.block_size, end - start
         if h is None:
             h = block_hashes(tokens[start * bs : end * bs].reshape(n, bs))
+        if kernels.ENABLED:
+            self._register_few_compiled(tokens, keys, kv_blocks, start, end, parent, h)
+            return
         get = self._slot.get
         new_keys, found, key = [], [], parent & _MASK
         for hv in h.tolist():  # key_from_hash, inlined
@@ -655,6 +660,38 @@ class PrefixCache:
                     lfpb[block] = math.log1p((lin * bs + quad * (2 * pos_a[slot] - bs) * bs) / per)
         if self._chain_memo:
             self._remember_chain(keys, start, np.array(found, dtype=np.int64), np.array(new_keys, dtype=np.int64))
+
+    def _register_few_compiled(self, tokens: np.ndarray, keys: list[int], kv_blocks: np.ndarray, start: int,
+                               end: int, parent: int, h: np.ndarray) -> None:
+        """:meth:`_register_few` with the chain's keys and the array writes compiled (the same keys,
+        slots, books and floats); the key -> slot map stays a dict, updated here."""
+        new = np.empty(end - start, dtype=np.uint64)
+        kernels.chain_keys(h, np.uint64(parent & _MASK), new)
+        new_keys = new.view(np.int64)
+        key_list = new_keys.tolist()
+        keys.extend(key_list)
+        found = list(map(self._slot.get, key_list))
+        missing = found.count(None)
+        if missing:
+            if missing > len(self._free_slots):
+                self._grow(missing - len(self._free_slots))
+            self._created += 1
+            free = self._free_slots
+            taken = iter(free[len(free) - missing :][::-1])  # popped from the end, in block order
+            del free[len(free) - missing :]
+            is_new = [s is None for s in found]
+            found = [next(taken) if s is None else s for s in found]
+            self._slot.update((k, s) for k, s, n in zip(key_list, found, is_new, strict=True) if n)
+        else:
+            is_new = [False] * len(found)
+        slots = np.array(found, dtype=np.int64)
+        (lin, quad), rank = self._flops, self._rank_flops
+        self._n_mapped += kernels.place_nodes(
+            slots, np.array(is_new), new_keys, start, self.block_size, kv_blocks[start:end], tokens, self._key,
+            self._pos, self._kv, self._ck, self._tok, self._node_of, self._lfpb, rank, float(lin), float(quad),
+            self._bytes_per_block)
+        if self._chain_memo:
+            self._remember_chain(keys, start, slots, new_keys)
 
     def ensure(self, token_ids: Sequence[int] | np.ndarray, keys: list[int], kv_blocks: np.ndarray, j: int) -> int:
         """The slot of block ``j`` of a request's chain, re-created with any missing ancestors.
@@ -1009,6 +1046,16 @@ class PrefixCache:
         if any_passed:
             marks = np.concatenate((protect.astype(np.int64), np.array(held, dtype=np.int64))) + nb
             passed[marks] = True
+        if kernels.ENABLED:  # the same victims and queue, in one compiled scan
+            out = np.empty(self._tail - self._head, dtype=np.int64)
+            count, self._head = kernels.lru_victims(
+                self._fifo, self._fifo_ord, self._head, self._tail, self._q_live, self._q_order, passed, nb, nsb,
+                target, marks.size if any_passed else 0, out)
+            if any_passed:
+                passed[marks] = False
+            victims = out[:count]
+            is_ck = victims < 0
+            return victims[~is_ck], -1 - victims[is_ck]
         parts, held_parts, end, step, got, n_ck = [], [], self._head, target + target // 4 + 64, 0, 0
         while got < target and end < self._tail:  # live, unprotected entries from the front
             stop = min(end + step, self._tail)
@@ -1065,6 +1112,9 @@ class PrefixCache:
         held = self._held_checkpoints(protect_ckpt)
         if held:
             cand[held] = False
+        if kernels.ENABLED:  # the same victims, in one compiled pass
+            return kernels.flop_aware_victims(cand, self._ck_live, self._ticks, self._lfpb, float(self.config.alpha),
+                                              int(target), self.m.num_state_blocks, self._cand_ids)
         ids = cand.nonzero()[0]
         if not ids.size:
             return _EMPTY, _EMPTY

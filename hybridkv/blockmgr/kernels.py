@@ -1,0 +1,376 @@
+"""Compiled loops for the two hot paths that numpy cannot vectorize well: the pool's free extents
+and ``flop_aware``'s eviction ranking.
+
+Optional: with numba installed (``pip install hybridkv[jit]``; vLLM already depends on it) the
+functions below are compiled on first use and cached on disk; without it, or with the environment
+variable ``HYBRIDKV_JIT=0``, :data:`ENABLED` is False and callers use their numpy / list paths.
+Both paths make the same decisions on the same inputs (the tests run both against references).
+
+Ownership: every function works in place on arrays its caller owns and allocates nothing the
+caller keeps, except the victim arrays of :func:`flop_aware_victims`.
+
+Free extents are three int64 arrays of one capacity (the most extents a pool can have): ``s`` and
+``e``, the starts and ends of ``n`` disjoint, non-adjacent extents ``[s[i], e[i])`` in id order,
+and ``k``, the same extents as keys ``length << 32 | start`` in ascending order (best fit is the
+first key >= ``n << 32``; the largest extent is the last).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+try:  # numba is optional
+    import numba
+except ImportError:  # pragma: no cover - depends on the environment
+    numba = None
+
+ENABLED: bool = numba is not None and os.environ.get("HYBRIDKV_JIT", "1") != "0"
+
+_MASK = (1 << 32) - 1
+
+
+def _jit(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Compile ``fn`` lazily with numba (cached on disk) when it is available; else leave it as is."""
+    if numba is None:
+        return fn
+    return numba.njit(cache=True, nogil=True)(fn)
+
+
+# ---- the prefix cache's hash chain (hashing.py's functions, same values) -------------------------
+_C = np.uint64(0x9E3779B97F4A7C15)
+_M1 = np.uint64(0xBF58476D1CE4E5B9)
+_S29 = np.uint64(29)
+
+
+@_jit
+def block_hashes(blocks, salt, out):  # type: ignore[no-untyped-def]
+    """``hashing.block_hashes`` of the rows of ``blocks`` (uint64 ``[n, bs]``, the token ids' bits)
+    into ``out`` (uint64 ``[n]``); ``salt``: uint64 ``[bs]``."""
+    for i in range(blocks.shape[0]):
+        acc = np.uint64(0)
+        for j in range(blocks.shape[1]):
+            x = (blocks[i, j] + salt[j]) * _M1
+            acc += x ^ (x >> _S29)
+        out[i] = acc
+
+
+@_jit
+def chain_keys(h, parent, out):  # type: ignore[no-untyped-def]
+    """The chain's keys after ``parent`` (uint64) of blocks with hashes ``h`` into ``out`` (uint64)."""
+    key = parent
+    for i in range(h.size):
+        key = _C * key + h[i]
+        out[i] = key
+
+
+@_jit
+def place_nodes(slots, is_new, keys, start, bs, blocks, tokens, key_a, pos_a, kv_a, ck_a, tok, node_of, lfpb,  # type: ignore[no-untyped-def]
+                rank, lin, quad, per):
+    """The array writes of ``PrefixCache._register_few`` for blocks ``start + i`` (in order): a new
+    node (``is_new[i]``) in slot ``slots[i]`` gets its key, position, tokens and no blocks; then
+    the request's KV block ``blocks[i]`` becomes the node's if the node has none and the block is
+    nobody's (with its log FLOPs per byte when ``rank``: ``_fpb``'s formula, the same float
+    operations). Returns how many blocks were mapped."""
+    mapped = 0
+    for i in range(slots.size):
+        slot = slots[i]
+        j = start + i
+        if is_new[i]:
+            key_a[slot] = keys[i]
+            pos_a[slot] = (j + 1) * bs
+            kv_a[slot] = 0
+            ck_a[slot] = -1
+            for t in range(bs):
+                tok[slot, t] = tokens[j * bs + t]
+        block = blocks[i]
+        if kv_a[slot] == 0 and node_of[block] < 0:
+            kv_a[slot] = block
+            node_of[block] = slot
+            mapped += 1
+            if rank:
+                lfpb[block] = math.log1p((lin * bs + quad * (2 * pos_a[slot] - bs) * bs) / per)
+    return mapped
+
+
+# ---- free extents ---------------------------------------------------------------------------------
+@_jit
+def _bisect(a, n, x):  # type: ignore[no-untyped-def]
+    """The first index ``i`` in ``[0, n)`` with ``a[i] >= x`` (``n`` if none); ``a[:n]`` ascending."""
+    lo, hi = 0, n
+    while lo < hi:
+        mid = (lo + hi) >> 1
+        if a[mid] < x:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
+
+
+@_jit
+def _insert_key(k, n, key):  # type: ignore[no-untyped-def]
+    """Insert ``key`` into the ascending ``k[:n]`` (``k`` has room for one more)."""
+    i = _bisect(k, n, key)
+    j = n
+    while j > i:
+        k[j] = k[j - 1]
+        j -= 1
+    k[i] = key
+
+
+@_jit
+def _delete_key(k, n, key):  # type: ignore[no-untyped-def]
+    """Remove ``key`` (present) from the ascending ``k[:n]``."""
+    for j in range(_bisect(k, n, key), n - 1):
+        k[j] = k[j + 1]
+
+
+@_jit
+def _delete_extent(s, e, n, j):  # type: ignore[no-untyped-def]
+    for q in range(j, n - 1):
+        s[q] = s[q + 1]
+        e[q] = e[q + 1]
+
+
+@_jit
+def take(s, e, k, n_ext, n, ref_counts, out):  # type: ignore[no-untyped-def]
+    """Take ``n`` ids (at most the free ones, checked by the caller) into ``out[:n]`` (int32) and set
+    their reference counts to 1. Best fit: the shortest extent that holds ``n`` (lowest start among
+    equals), cut from its front. Otherwise the largest extents first (highest start among equals),
+    whole, and the last one cut from its front. Returns ``(number of extents now, one id run)``."""
+    i = _bisect(k, n_ext, n << 32)
+    if i < n_ext:  # best fit
+        key = k[i]
+        length, start = key >> 32, key & _MASK
+        _delete_key(k, n_ext, key)
+        j = _bisect(s, n_ext, start)
+        if length > n:
+            s[j] = start + n
+            _insert_key(k, n_ext - 1, ((length - n) << 32) | (start + n))
+        else:
+            _delete_extent(s, e, n_ext, j)
+            n_ext -= 1
+        for x in range(n):
+            out[x] = start + x
+            ref_counts[start + x] = 1
+        return n_ext, True
+    left, pos, cnt, removed, parts = n, 0, n_ext, 0, 0
+    while left > 0:  # fragmented
+        cnt -= 1
+        key = k[cnt]
+        length, start = key >> 32, key & _MASK
+        parts += 1
+        j = _bisect(s, n_ext, start)  # (s is intact until the compaction below)
+        got = min(length, left)
+        for x in range(got):
+            out[pos + x] = start + x
+            ref_counts[start + x] = 1
+        pos += got
+        left -= got
+        if length > got:  # the last one: its rest stays free, in the same place by start
+            s[j] = start + got
+            _insert_key(k, cnt, ((length - got) << 32) | (start + got))
+            cnt += 1
+        else:
+            e[j] = -1  # taken whole: removed below
+            removed += 1
+    if removed:
+        w = 0
+        for r in range(n_ext):
+            if e[r] >= 0:
+                s[w] = s[r]
+                e[w] = e[r]
+                w += 1
+        n_ext = w
+    return n_ext, parts == 1
+
+
+@_jit
+def free_run(s, e, k, n_ext, start, end):  # type: ignore[no-untyped-def]
+    """Return ``[start, end)`` (free, outside every extent) to the extents, merging neighbours.
+    Returns the number of extents now."""
+    j = _bisect(s, n_ext, start)  # the first extent after the run
+    before = j > 0 and e[j - 1] == start
+    after = j < n_ext and s[j] == end
+    if before:
+        prev = s[j - 1]
+        _delete_key(k, n_ext, ((start - prev) << 32) | prev)
+        nk = n_ext - 1
+        if after:  # the run closes a gap
+            last = e[j]
+            _delete_key(k, nk, ((last - end) << 32) | end)
+            nk -= 1
+            _delete_extent(s, e, n_ext, j)
+            n_ext -= 1
+            end = last
+        e[j - 1] = end
+        _insert_key(k, nk, ((end - prev) << 32) | prev)
+        return n_ext
+    if after:
+        last = e[j]
+        _delete_key(k, n_ext, ((last - end) << 32) | end)
+        s[j] = start
+        _insert_key(k, n_ext - 1, ((last - start) << 32) | start)
+        return n_ext
+    q = n_ext
+    while q > j:
+        s[q] = s[q - 1]
+        e[q] = e[q - 1]
+        q -= 1
+    s[j] = start
+    e[j] = end
+    _insert_key(k, n_ext, ((end - start) << 32) | start)
+    return n_ext + 1
+
+
+@_jit
+def free_sorted(s, e, k, n_ext, ids, tmp_s, tmp_e):  # type: ignore[no-untyped-def]
+    """Return distinct free ids (ascending, outside every extent) to the extents. A few runs go one
+    :func:`free_run` each; many are merged with the extents in one pass (into ``tmp_s``/``tmp_e``,
+    of the same capacity) and the keys are rebuilt. Returns the number of extents now."""
+    m = ids.size
+    runs = 1
+    for i in range(1, m):
+        if ids[i] != ids[i - 1] + 1:
+            runs += 1
+    if runs <= 8:
+        a = 0
+        for i in range(1, m + 1):
+            if i == m or ids[i] != ids[i - 1] + 1:
+                n_ext = free_run(s, e, k, n_ext, ids[a], ids[i - 1] + 1)
+                a = i
+        return n_ext
+    i, j, w = 0, 0, 0
+    while i < n_ext or j < m:
+        if j == m or (i < n_ext and s[i] < ids[j]):
+            a, b = s[i], e[i]
+            i += 1
+        else:
+            a = ids[j]
+            b = a + 1
+            j += 1
+        if w and tmp_e[w - 1] == a:
+            tmp_e[w - 1] = b
+        else:
+            tmp_s[w] = a
+            tmp_e[w] = b
+            w += 1
+    for q in range(w):
+        s[q] = tmp_s[q]
+        e[q] = tmp_e[q]
+        k[q] = ((tmp_e[q] - tmp_s[q]) << 32) | tmp_s[q]
+    k[:w].sort()
+    return w
+
+
+# ---- LRU eviction ---------------------------------------------------------------------------------
+@_jit
+def lru_victims(fifo, ords, head, tail, q_live, q_order, passed, nb, ck_blocks, target, n_marks, out):  # type: ignore[no-untyped-def]
+    """The victims of ``PrefixCache._lru_victims`` (see there), off the front of the queue
+    ``fifo[head:tail]`` (codes: a KV block id, or ``-1 - checkpoint id``; ``ords``: their orders).
+    An entry is live when ``q_live[unit]`` and ``q_order[unit] == ords[pos]`` (``unit``: the code,
+    or ``nb + checkpoint id``); live entries marked in ``passed[code + nb]`` (``n_marks`` marks) are
+    passed over and stay queued. The shortest prefix of the rest freeing ``target`` blocks (a
+    checkpoint frees ``ck_blocks``) goes into ``out``; the queue's front up to the last victim keeps
+    only its passed-over entries (moved up, in order). Returns ``(victims, new head)``."""
+    held = np.empty(n_marks, dtype=np.int64)
+    got, count, nh, last = 0, 0, 0, -1
+    for p in range(head, tail):
+        if got >= target:
+            break
+        code = fifo[p]
+        unit = code if code >= 0 else (nb - 1) - code
+        if not q_live[unit] or q_order[unit] != ords[p]:
+            continue
+        if n_marks and passed[code + nb]:
+            held[nh] = p
+            nh += 1
+            continue
+        out[count] = code
+        count += 1
+        got += 1 if code >= 0 else ck_blocks
+        last = p
+    if not count:
+        return 0, head
+    k = 0
+    while k < nh and held[k] < last:
+        k += 1
+    keep_codes, keep_ords = fifo[held[:k]], ords[held[:k]]  # (copies: the moves may overlap)
+    new_head = last + 1 - k
+    for i in range(k):
+        fifo[new_head + i] = keep_codes[i]
+        ords[new_head + i] = keep_ords[i]
+    return count, new_head
+
+
+# ---- flop_aware ranking ---------------------------------------------------------------------------
+@_jit
+def flop_aware_victims(cand, is_ck, ticks, lfpb, alpha, target, ck_blocks, buf):  # type: ignore[no-untyped-def]
+    """The victims of ``PrefixCache._flop_aware_victims`` (see there): candidates are the ids where
+    ``cand`` is set (a KV block, or a checkpoint's first block where ``is_ck``); utility
+    ``alpha * norm(lfpb) + norm(ticks)`` over them, computed with the same operations in the same
+    order as the numpy path (so the same floats); order by utility, then KV blocks by id, then
+    checkpoints by tick (then id); the shortest prefix freeing ``target`` blocks (a checkpoint frees
+    ``ck_blocks``). ``buf``: int64 scratch of ``cand``'s size. Returns ``(KV block ids, checkpoint
+    ids)`` (int64, in victim order)."""
+    nb = cand.size
+    count = 0
+    for b in range(nb):  # the candidates' ids, without a branch per id
+        buf[count] = b
+        count += cand[b]
+    ids = buf[:count].copy()
+    if not count:
+        return ids, ids
+    tick = np.empty(count, dtype=np.float64)
+    util = np.empty(count, dtype=np.float64)
+    for c in range(count):
+        tick[c] = ticks[ids[c]]
+        util[c] = lfpb[ids[c]]
+    lo, hi, tlo, thi = util[0], util[0], tick[0], tick[0]
+    for c in range(1, count):
+        lo, hi = min(lo, util[c]), max(hi, util[c])
+        tlo, thi = min(tlo, tick[c]), max(thi, tick[c])
+    span, tspan = hi - lo, thi - tlo
+    for c in range(count):  # _norm(lfpb) * alpha + _norm(tick), operation for operation
+        u = (util[c] - lo) / span if span > 0 else 0.0
+        u *= alpha
+        util[c] = u + ((tick[c] - tlo) / tspan if tspan > 0 else 0.0)
+    # the victims are a prefix of the order, at most target candidates long: rank only the
+    # candidates at or below the target-th utility (ties included)
+    kth = min(count, target)
+    near = np.arange(count)
+    if kth < count:
+        bound = np.partition(util, kth - 1)[kth - 1]
+        near = np.nonzero(util <= bound)[0]
+    ids, util, tick = ids[near], util[near], tick[near]
+    # secondary key: a KV block's id (below nb), nb + a checkpoint's tick; ids ascend already, so
+    # two stable sorts give (utility, key, id)
+    key = np.empty(ids.size, dtype=np.float64)
+    for c in range(ids.size):
+        key[c] = tick[c] + nb if is_ck[ids[c]] else ids[c]
+    order = np.argsort(key, kind="mergesort")
+    order = order[np.argsort(util[order], kind="mergesort")]
+    ids = ids[order]
+    n, freed = 0, 0
+    while n < ids.size and freed < target:
+        freed += ck_blocks if is_ck[ids[n]] else 1
+        n += 1
+    nk = 0
+    for c in range(n):
+        if not is_ck[ids[c]]:
+            nk += 1
+    kv = np.empty(nk, dtype=np.int64)
+    ck = np.empty(n - nk, dtype=np.int64)
+    a, z = 0, 0
+    for c in range(n):
+        if is_ck[ids[c]]:
+            ck[z] = ids[c]
+            z += 1
+        else:
+            kv[a] = ids[c]
+            a += 1
+    return kv, ck
