@@ -27,11 +27,16 @@ def machine_info() -> dict[str, Any]:
         pass
     import numpy
 
+    from hybridkv.blockmgr import kernels
+
     return {
         "cpu": cpu,
         "cores": os.cpu_count(),
         "python": platform.python_version(),
         "numpy": numpy.__version__,
+        # hybridkv's compiled paths (blockmgr/kernels.py): on with numba unless HYBRIDKV_JIT=0
+        "hybridkv_jit": kernels.ENABLED,
+        "numba": getattr(kernels.numba, "__version__", None),
         "platform": platform.platform(),
         "load_average_1min": os.getloadavg()[0],  # other work on the machine inflates timings
     }

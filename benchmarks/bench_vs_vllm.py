@@ -498,11 +498,14 @@ def main(argv: list[str] | None = None) -> int:
         if "skipped" in r:
             print(f"{name:20s} skipped: {r['skipped']}", flush=True)
             continue
-        print(
-            f"{name:20s} hybridkv {r.get('hybridkv_us', {}).get('median', float('nan')):10.3f} us  "
-            f"vLLM {r.get('vllm_us', {}).get('median', float('nan')):10.3f} us  ratio {r['ratio_median']:.3f}",
-            flush=True,
-        )
+        if "by_eviction" in r:  # the prefix rows: one line per eviction policy below
+            print(f"{name:20s} worst ratio {r['ratio_median']:.3f}", flush=True)
+        else:
+            print(
+                f"{name:20s} hybridkv {r['hybridkv_us']['median']:10.3f} us  "
+                f"vLLM {r['vllm_us']['median']:10.3f} us  ratio {r['ratio_median']:.3f}",
+                flush=True,
+            )
         if "with_metadata" in r:
             sub = r["with_metadata"]
             print(

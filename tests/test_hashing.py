@@ -7,7 +7,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hybridkv.blockmgr import kernels
 from hybridkv.blockmgr.hashing import (
     ROOT_KEY,
     TokenArray,
@@ -16,7 +15,6 @@ from hybridkv.blockmgr.hashing import (
     chain_key,
     chain_keys,
     chain_keys_array,
-    keys_from_hashes,
 )
 
 MASK = (1 << 64) - 1
@@ -139,23 +137,3 @@ def test_token_arrays_of_every_length_convert_exactly_and_reject_bad_ids(n):
         with pytest.raises(TypeError):
             as_token_array(text)
 
-
-@pytest.mark.skipif(kernels.numba is None, reason="numba")
-@settings(max_examples=200, deadline=None)
-@given(n=st.integers(2, 80), bs=st.sampled_from([1, 3, 16, 64]), parent=st.integers(-(2**63), 2**63 - 1),
-       seed=st.integers(0, 2**32 - 1), wide=st.booleans())
-def test_compiled_hashing_gives_the_numpy_values(n, bs, parent, seed, wide):
-    """Block hashes and chain keys, compiled and in numpy: the same uint64 / int64 values (any
-    int64 token ids, negative ones included, any parent key)."""
-    rng = np.random.default_rng(seed)
-    lo, hi = (-(2**63), 2**63 - 1) if wide else (0, 200_000)
-    blocks = rng.integers(lo, hi, size=(n, bs), dtype=np.int64)
-    got, was = [], kernels.ENABLED
-    for enabled in (False, True):
-        kernels.ENABLED = enabled
-        try:
-            h = block_hashes(blocks)
-            got.append((h.dtype, h.tolist(), keys_from_hashes(h, parent).tolist()))
-        finally:
-            kernels.ENABLED = was
-    assert got[0] == got[1]

@@ -21,8 +21,6 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
-from hybridkv.blockmgr import kernels
-
 ROOT_KEY = 0
 _MASK = (1 << 64) - 1
 _C = 0x9E3779B97F4A7C15  # odd: invertible mod 2**64
@@ -162,10 +160,6 @@ def _salt(block_size: int) -> np.ndarray:
 
 def block_hashes(blocks: np.ndarray) -> np.ndarray:
     """``h`` of each row of ``blocks`` (``[n, block_size]`` int64): uint64 ``[n]``."""
-    if kernels.ENABLED and blocks.shape[0] > 1:  # the same values in one compiled pass
-        out = np.empty(blocks.shape[0], dtype=np.uint64)
-        kernels.block_hashes(blocks.view(np.uint64), _salt(blocks.shape[1]), out)
-        return out
     x = blocks.view(np.uint64) + _salt(blocks.shape[1])
     x *= _M1
     x ^= x >> _S29
@@ -192,10 +186,6 @@ def keys_from_hashes(h: np.ndarray, parent: int = ROOT_KEY) -> np.ndarray:
             key = (_C * key + x) & _MASK
             keys.append(key)
         return np.array(keys, dtype=np.uint64).view(np.int64)
-    if kernels.ENABLED:  # the recurrence itself, compiled
-        out = np.empty(n, dtype=np.uint64)
-        kernels.chain_keys(h, np.uint64(parent & _MASK), out)
-        return out.view(np.int64)
     pw, ipw = _POWERS.get(n)
     s = np.cumsum(h * ipw, dtype=np.uint64)  # uint64 array arithmetic wraps mod 2**64 (no warning)
     s += np.uint64((_C * (parent & _MASK)) & _MASK)

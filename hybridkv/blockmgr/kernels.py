@@ -1,5 +1,5 @@
-"""Compiled loops for the two hot paths that numpy cannot vectorize well: the pool's free extents
-and ``flop_aware``'s eviction ranking.
+"""Compiled loops for the paths that numpy cannot vectorize well: the pool's free extents, the LRU
+queue's scan and ``flop_aware``'s eviction ranking.
 
 Optional: with numba installed (``pip install hybridkv[jit]``; vLLM already depends on it) the
 functions below are compiled on first use and cached on disk; without it, or with the environment
@@ -17,7 +17,6 @@ first key >= ``n << 32``; the largest extent is the last).
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Callable
 from typing import Any
@@ -39,62 +38,6 @@ def _jit(fn: Callable[..., Any]) -> Callable[..., Any]:
     if numba is None:
         return fn
     return numba.njit(cache=True, nogil=True)(fn)
-
-
-# ---- the prefix cache's hash chain (hashing.py's functions, same values) -------------------------
-_C = np.uint64(0x9E3779B97F4A7C15)
-_M1 = np.uint64(0xBF58476D1CE4E5B9)
-_S29 = np.uint64(29)
-
-
-@_jit
-def block_hashes(blocks, salt, out):  # type: ignore[no-untyped-def]
-    """``hashing.block_hashes`` of the rows of ``blocks`` (uint64 ``[n, bs]``, the token ids' bits)
-    into ``out`` (uint64 ``[n]``); ``salt``: uint64 ``[bs]``."""
-    for i in range(blocks.shape[0]):
-        acc = np.uint64(0)
-        for j in range(blocks.shape[1]):
-            x = (blocks[i, j] + salt[j]) * _M1
-            acc += x ^ (x >> _S29)
-        out[i] = acc
-
-
-@_jit
-def chain_keys(h, parent, out):  # type: ignore[no-untyped-def]
-    """The chain's keys after ``parent`` (uint64) of blocks with hashes ``h`` into ``out`` (uint64)."""
-    key = parent
-    for i in range(h.size):
-        key = _C * key + h[i]
-        out[i] = key
-
-
-@_jit
-def place_nodes(slots, is_new, keys, start, bs, blocks, tokens, key_a, pos_a, kv_a, ck_a, tok, node_of, lfpb,  # type: ignore[no-untyped-def]
-                rank, lin, quad, per):
-    """The array writes of ``PrefixCache._register_few`` for blocks ``start + i`` (in order): a new
-    node (``is_new[i]``) in slot ``slots[i]`` gets its key, position, tokens and no blocks; then
-    the request's KV block ``blocks[i]`` becomes the node's if the node has none and the block is
-    nobody's (with its log FLOPs per byte when ``rank``: ``_fpb``'s formula, the same float
-    operations). Returns how many blocks were mapped."""
-    mapped = 0
-    for i in range(slots.size):
-        slot = slots[i]
-        j = start + i
-        if is_new[i]:
-            key_a[slot] = keys[i]
-            pos_a[slot] = (j + 1) * bs
-            kv_a[slot] = 0
-            ck_a[slot] = -1
-            for t in range(bs):
-                tok[slot, t] = tokens[j * bs + t]
-        block = blocks[i]
-        if kv_a[slot] == 0 and node_of[block] < 0:
-            kv_a[slot] = block
-            node_of[block] = slot
-            mapped += 1
-            if rank:
-                lfpb[block] = math.log1p((lin * bs + quad * (2 * pos_a[slot] - bs) * bs) / per)
-    return mapped
 
 
 # ---- free extents ---------------------------------------------------------------------------------
@@ -309,19 +252,65 @@ def lru_victims(fifo, ords, head, tail, q_live, q_order, passed, nb, ck_blocks, 
 
 # ---- flop_aware ranking ---------------------------------------------------------------------------
 @_jit
+def _before(u, k, a, b):  # type: ignore[no-untyped-def]
+    """Whether position ``a`` sorts before ``b`` by ``(u, k, position)``."""
+    if u[a] != u[b]:
+        return u[a] < u[b]
+    if k[a] != k[b]:
+        return k[a] < k[b]
+    return a < b
+
+
+@_jit
+def _sort_by(u, k):  # type: ignore[no-untyped-def]
+    """The positions ``0..n-1`` ordered by ``(u, k, position)``: a bottom-up merge sort (one
+    pass over a composite order, instead of stable sorts one key at a time)."""
+    n = u.size
+    a = np.arange(n)
+    b = np.empty(n, dtype=np.int64)
+    width = 1
+    while width < n:
+        for lo in range(0, n, 2 * width):
+            mid, hi = min(lo + width, n), min(lo + 2 * width, n)
+            i, j, o = lo, mid, lo
+            while i < mid and j < hi:
+                if _before(u, k, a[j], a[i]):
+                    b[o] = a[j]
+                    j += 1
+                else:
+                    b[o] = a[i]
+                    i += 1
+                o += 1
+            while i < mid:
+                b[o] = a[i]
+                i += 1
+                o += 1
+            while j < hi:
+                b[o] = a[j]
+                j += 1
+                o += 1
+        a, b = b, a
+        width *= 2
+    return a
+
+
+@_jit
 def flop_aware_victims(cand, is_ck, ticks, lfpb, alpha, target, ck_blocks, buf):  # type: ignore[no-untyped-def]
     """The victims of ``PrefixCache._flop_aware_victims`` (see there): candidates are the ids where
     ``cand`` is set (a KV block, or a checkpoint's first block where ``is_ck``); utility
     ``alpha * norm(lfpb) + norm(ticks)`` over them, computed with the same operations in the same
     order as the numpy path (so the same floats); order by utility, then KV blocks by id, then
     checkpoints by tick (then id); the shortest prefix freeing ``target`` blocks (a checkpoint frees
-    ``ck_blocks``). ``buf``: int64 scratch of ``cand``'s size. Returns ``(KV block ids, checkpoint
-    ids)`` (int64, in victim order)."""
+    ``ck_blocks``). ``cand``'s size is a multiple of 8 (padded with False); ``buf``: int64 scratch of
+    its size. Returns ``(KV block ids, checkpoint ids)`` (int64, in victim order)."""
     nb = cand.size
     count = 0
-    for b in range(nb):  # the candidates' ids, without a branch per id
-        buf[count] = b
-        count += cand[b]
+    words = cand.view(np.uint64)  # (cand's size is a multiple of 8): skip 8 ids at a time
+    for w in range(words.size):
+        if words[w]:
+            for b in range(8 * w, 8 * w + 8):  # without a branch per id
+                buf[count] = b
+                count += cand[b]
     ids = buf[:count].copy()
     if not count:
         return ids, ids
@@ -347,14 +336,11 @@ def flop_aware_victims(cand, is_ck, ticks, lfpb, alpha, target, ck_blocks, buf):
         bound = np.partition(util, kth - 1)[kth - 1]
         near = np.nonzero(util <= bound)[0]
     ids, util, tick = ids[near], util[near], tick[near]
-    # secondary key: a KV block's id (below nb), nb + a checkpoint's tick; ids ascend already, so
-    # two stable sorts give (utility, key, id)
+    # secondary key: a KV block's id (below nb), nb + a checkpoint's tick; then the id
     key = np.empty(ids.size, dtype=np.float64)
     for c in range(ids.size):
         key[c] = tick[c] + nb if is_ck[ids[c]] else ids[c]
-    order = np.argsort(key, kind="mergesort")
-    order = order[np.argsort(util[order], kind="mergesort")]
-    ids = ids[order]
+    ids = ids[_sort_by(util, key)]
     n, freed = 0, 0
     while n < ids.size and freed < target:
         freed += ck_blocks if is_ck[ids[n]] else 1

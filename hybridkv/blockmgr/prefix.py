@@ -202,8 +202,8 @@ class PrefixCache:
         # checkpoints and its release): kept with a copy of the keys, checked before reuse (a
         # freed slot has position 0)
         self._memo_keys: list[int] = []
-        self._memo_slots = np.empty(0, dtype=np.int64)
-        self._memo_karr = np.empty(0, dtype=np.int64)
+        self._memo_slots = np.empty(64, dtype=np.int64)  # [:len(_memo_keys)] used
+        self._memo_karr = np.empty(64, dtype=np.int64)
         # nodes removed and created so far: a remembered chain whose counts still hold needs no check
         self._removed = self._created = 0
         self._memo_gen = (-1, -1)
@@ -226,8 +226,10 @@ class PrefixCache:
         # only under flop_aware). One array each, so the ranking gathers all candidates at once
         self._ticks = np.zeros(nb, dtype=np.float64)
         self._lfpb = np.zeros(nb, dtype=np.float64)
-        self._cand = np.zeros(nb, dtype=bool)  # scratch: flop_aware's candidates
-        self._cand_ids = np.zeros(nb, dtype=np.int64)  # scratch: their ids (the compiled ranking)
+        # scratch: flop_aware's candidates (padded to whole 8-byte words for the compiled scan), their ids
+        self._cand_words = np.zeros(-(-nb // 8) * 8, dtype=bool)
+        self._cand = self._cand_words[:nb]
+        self._cand_ids = np.zeros(self._cand_words.size, dtype=np.int64)
         self._views()
         # one counter orders every LRU event (KV blocks released, checkpoints made or hit)
         self._order = 0
@@ -394,13 +396,16 @@ class PrefixCache:
         return np.fromiter(map(self._slot.get, keys, repeat(-1)), dtype=np.int64, count=len(keys))
 
     def _chain_slots(self, keys: list[int]) -> np.ndarray:
-        """The slots of the chain ``keys`` (-1: no node), read-only. The last chain asked about is
-        remembered with its slots: when ``keys`` extends it (the same request again, after more
-        registration), only the new keys and the remembered slots that went stale (node removed,
-        slot reused, node created since) are looked up."""
+        """The slots of the chain ``keys`` (-1: no node), read-only (a view of the memo, valid until
+        the next call). The last chain asked about is remembered with its slots: when ``keys``
+        extends it (the same request again, after more registration; a chain key stands for its
+        whole prefix, so the last remembered key is compared), only the new keys and the
+        remembered slots that went stale (node removed, slot reused, node created since) are looked
+        up, and the memo grows in place (a long request's checkpoints cost their new blocks, not
+        its whole chain)."""
         memo, m, n = self._memo_keys, len(self._memo_keys), len(keys)
-        if m and m <= n and (keys[:m] == memo if m < n else keys == memo):
-            slots, karr = self._memo_slots, self._memo_karr
+        if m and m <= n and keys[m - 1] == memo[-1]:
+            slots, karr = self._memo_slots[:m], self._memo_karr[:m]
             removed, created = self._memo_gen
             if removed != self._removed:  # a remembered slot may have been freed or reused
                 s = np.maximum(slots, 0)
@@ -410,28 +415,40 @@ class PrefixCache:
             else:
                 stale = _EMPTY
             if stale.size:
-                slots = slots.copy()
                 slots[stale] = self._lookup([keys[i] for i in stale.tolist()])
             if m < n:
                 more = keys[m:]
-                slots = np.concatenate((slots, self._lookup(more)))
-                karr = np.concatenate((karr, np.array(more, dtype=np.int64)))
+                self._memo_put(m, self._lookup(more), np.array(more, dtype=np.int64))
+                memo.extend(more)
         else:
-            slots, karr = self._lookup(keys), np.array(keys, dtype=np.int64)
-        self._memo_keys, self._memo_slots, self._memo_karr = keys[:], slots, karr
+            self._memo_keys = keys[:]
+            self._memo_put(0, self._lookup(keys), np.array(keys, dtype=np.int64))
         self._memo_gen = (self._removed, self._created)
-        return slots
+        return self._memo_slots[:n]
+
+    def _memo_put(self, at: int, slots: np.ndarray, karr: np.ndarray) -> None:
+        """Remembered slots and keys ``[at, at + len(slots))`` (the arrays grow by doubling)."""
+        end = at + slots.size
+        if end > self._memo_slots.size:
+            cap = max(end, 2 * self._memo_slots.size)
+            for name in ("_memo_slots", "_memo_karr"):
+                grown = np.empty(cap, dtype=np.int64)
+                grown[:at] = getattr(self, name)[:at]
+                setattr(self, name, grown)
+        self._memo_slots[at:end] = slots
+        self._memo_karr[at:end] = karr
 
     def _remember_chain(self, keys: list[int], start: int, slots: np.ndarray, new: np.ndarray) -> None:
         """``register`` added ``keys[start:]`` at ``slots`` (keys ``new``): extend the remembered
-        chain if it was ``keys[:start]``, else start it (when ``start == 0``)."""
+        chain if it was ``keys[:start]`` (its last key compared), else start it (when ``start == 0``)."""
+        memo = self._memo_keys
         if start == 0:
-            self._memo_keys, self._memo_slots, self._memo_karr = keys[:], slots, new
-            self._memo_gen = (self._removed, self._created)
-        elif len(self._memo_keys) == start and keys[:start] == self._memo_keys:
             self._memo_keys = keys[:]
-            self._memo_slots = np.concatenate((self._memo_slots, slots))
-            self._memo_karr = np.concatenate((self._memo_karr, new))
+            self._memo_put(0, slots, new)
+            self._memo_gen = (self._removed, self._created)
+        elif len(memo) == start and keys[start - 1] == memo[-1]:
+            memo.extend(keys[start:])
+            self._memo_put(start, slots, new)
             # the earlier part is as valid as it was: keep its counts unless it was just checked
 
     def _verified(self, slots: np.ndarray, tokens: np.ndarray) -> np.ndarray:
@@ -622,9 +639,6 @@ class PrefixCache:
         bs, n = self.block_size, end - start
         if h is None:
             h = block_hashes(tokens[start * bs : end * bs].reshape(n, bs))
-        if kernels.ENABLED:
-            self._register_few_compiled(tokens, keys, kv_blocks, start, end, parent, h)
-            return
         get = self._slot.get
         new_keys, found, key = [], [], parent & _MASK
         for hv in h.tolist():  # key_from_hash, inlined
@@ -660,38 +674,6 @@ class PrefixCache:
                     lfpb[block] = math.log1p((lin * bs + quad * (2 * pos_a[slot] - bs) * bs) / per)
         if self._chain_memo:
             self._remember_chain(keys, start, np.array(found, dtype=np.int64), np.array(new_keys, dtype=np.int64))
-
-    def _register_few_compiled(self, tokens: np.ndarray, keys: list[int], kv_blocks: np.ndarray, start: int,
-                               end: int, parent: int, h: np.ndarray) -> None:
-        """:meth:`_register_few` with the chain's keys and the array writes compiled (the same keys,
-        slots, books and floats); the key -> slot map stays a dict, updated here."""
-        new = np.empty(end - start, dtype=np.uint64)
-        kernels.chain_keys(h, np.uint64(parent & _MASK), new)
-        new_keys = new.view(np.int64)
-        key_list = new_keys.tolist()
-        keys.extend(key_list)
-        found = list(map(self._slot.get, key_list))
-        missing = found.count(None)
-        if missing:
-            if missing > len(self._free_slots):
-                self._grow(missing - len(self._free_slots))
-            self._created += 1
-            free = self._free_slots
-            taken = iter(free[len(free) - missing :][::-1])  # popped from the end, in block order
-            del free[len(free) - missing :]
-            is_new = [s is None for s in found]
-            found = [next(taken) if s is None else s for s in found]
-            self._slot.update((k, s) for k, s, n in zip(key_list, found, is_new, strict=True) if n)
-        else:
-            is_new = [False] * len(found)
-        slots = np.array(found, dtype=np.int64)
-        (lin, quad), rank = self._flops, self._rank_flops
-        self._n_mapped += kernels.place_nodes(
-            slots, np.array(is_new), new_keys, start, self.block_size, kv_blocks[start:end], tokens, self._key,
-            self._pos, self._kv, self._ck, self._tok, self._node_of, self._lfpb, rank, float(lin), float(quad),
-            self._bytes_per_block)
-        if self._chain_memo:
-            self._remember_chain(keys, start, slots, new_keys)
 
     def ensure(self, token_ids: Sequence[int] | np.ndarray, keys: list[int], kv_blocks: np.ndarray, j: int) -> int:
         """The slot of block ``j`` of a request's chain, re-created with any missing ancestors.
@@ -1113,8 +1095,9 @@ class PrefixCache:
         if held:
             cand[held] = False
         if kernels.ENABLED:  # the same victims, in one compiled pass
-            return kernels.flop_aware_victims(cand, self._ck_live, self._ticks, self._lfpb, float(self.config.alpha),
-                                              int(target), self.m.num_state_blocks, self._cand_ids)
+            return kernels.flop_aware_victims(self._cand_words, self._ck_live, self._ticks, self._lfpb,
+                                              float(self.config.alpha), int(target), self.m.num_state_blocks,
+                                              self._cand_ids)
         ids = cand.nonzero()[0]
         if not ids.size:
             return _EMPTY, _EMPTY
