@@ -338,6 +338,23 @@ def reference_flop_aware(cache, target, protect=(), protect_ckpt=frozenset()):
     return {("kv", kv[i]) if i < len(kv) else ("ckpt", ck[i - len(kv)]) for i in order[:count].tolist()}
 
 
+def _random_cache(data, eviction, max_requests, alpha=1.0):
+    """A cache filled by a few random prompts over 3 token values (shared prefixes, checkpoints
+    every 2 blocks), and a random subset of its cached KV blocks to protect."""
+    config = PrefixCacheConfig(CheckpointPolicy("every_n_blocks"), EvictionPolicy(eviction), every_n=2, alpha=alpha)
+    m = HybridBlockManager(plan(tiny_model(), 200 * 256, block_size=4), prefix_cache=config)
+    for r in range(data.draw(st.integers(1, max_requests))):
+        tokens = [data.draw(st.integers(0, 2)) for _ in range(data.draw(st.integers(4, 30)))]
+        if not m.can_allocate(len(tokens), token_ids=tokens):
+            break
+        m.allocate(r, len(tokens), token_ids=tokens)
+        m.checkpoint(r)
+        m.release_pins()
+        m.free(r)
+    cached = m.prefix_cache.cached_kv_blocks().tolist()
+    return m.prefix_cache, np.array([b for b in cached if data.draw(st.booleans())], dtype=np.int32)
+
+
 @pytest.fixture(params=[False, pytest.param(True, marks=pytest.mark.skipif(kernels.numba is None, reason="numba"))],
                 ids=["numpy", "jit"])
 def ranking_path(request, monkeypatch):
@@ -351,20 +368,7 @@ def ranking_path(request, monkeypatch):
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_flop_aware_victims_match_a_full_ranking(alpha, data, ranking_path):
-    layout = plan(tiny_model(), 200 * 256, block_size=4)
-    config = PrefixCacheConfig(CheckpointPolicy("every_n_blocks"), EvictionPolicy("flop_aware"), every_n=2, alpha=alpha)
-    m = HybridBlockManager(layout, prefix_cache=config)
-    for r in range(data.draw(st.integers(1, 6))):
-        tokens = [data.draw(st.integers(0, 2)) for _ in range(data.draw(st.integers(4, 30)))]
-        if not m.can_allocate(len(tokens), token_ids=tokens):
-            break
-        m.allocate(r, len(tokens), token_ids=tokens)
-        m.checkpoint(r)
-        m.release_pins()
-        m.free(r)
-    cache = m.prefix_cache
-    cached = cache.cached_kv_blocks().tolist()
-    protect = np.array([b for b in cached if data.draw(st.booleans())], dtype=np.int32)
+    cache, protect = _random_cache(data, "flop_aware", 6, alpha=alpha)
     for target in (1, 2, 7, cache.num_evictable):
         kv, ck = cache._flop_aware_victims(target, protect, set())
         keys = {int(cache._key[cache._ck_node[s]]) for s in ck.tolist()}
@@ -468,19 +472,7 @@ def test_compiled_lru_scan_gives_the_numpy_victims_and_queue(data):
     """LRU eviction compiled and in numpy, from the same cache (KV blocks and checkpoints queued
     by a random workload, some released together, demoted tails, protected KV blocks and
     checkpoints): the same victims in the same order, and the same queue afterwards."""
-    config = PrefixCacheConfig(CheckpointPolicy("every_n_blocks"), EvictionPolicy("lru"), every_n=2)
-    m = HybridBlockManager(plan(tiny_model(), 200 * 256, block_size=4), prefix_cache=config)
-    for r in range(data.draw(st.integers(1, 8))):
-        tokens = [data.draw(st.integers(0, 2)) for _ in range(data.draw(st.integers(4, 30)))]
-        if not m.can_allocate(len(tokens), token_ids=tokens):
-            break
-        m.allocate(r, len(tokens), token_ids=tokens)
-        m.checkpoint(r)
-        m.release_pins()
-        m.free(r)
-    cache = m.prefix_cache
-    cached = cache.cached_kv_blocks().tolist()
-    protect = np.array([b for b in cached if data.draw(st.booleans())], dtype=np.int32)
+    cache, protect = _random_cache(data, "lru", 8)
     protect_ckpt = {k for k in cache.checkpoint_keys() if data.draw(st.booleans())}
     for target in sorted({1, 2, data.draw(st.integers(1, max(cache.num_evictable, 1)))}):
         state = (cache._fifo.copy(), cache._fifo_ord.copy(), cache._head, cache._tail)
