@@ -111,3 +111,36 @@ def test_the_same_workload_gives_the_same_ids_and_books_with_and_without_kernels
     assert _books(ms[False]) == _books(ms[True])
     for m in ms.values():
         m.check_integrity()
+
+
+def test_kernels_compile_without_a_writable_cache(monkeypatch):
+    """A read-only install with no writable cache directory: numba refuses ``cache=True`` (it
+    raises when the function is decorated), so the kernels compile per process instead of
+    breaking the import."""
+    import importlib.util
+
+    import numba.core.caching
+    import numpy as np
+
+    monkeypatch.setattr(numba.core.caching.CacheImpl, "_locator_classes", [])
+    spec = importlib.util.spec_from_file_location("kernels_uncached", kernels.__file__)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # raised RuntimeError before the fallback
+    s, e, k = (np.zeros(8, dtype=np.int64) for _ in range(3))
+    s[0], e[0], k[0] = 1, 10, (9 << 32) | 1
+    out, counts = np.empty(3, dtype=np.int32), np.zeros(10, dtype=np.int32)
+    assert module.take(s, e, k, 1, 3, counts, out) == (1, True)
+    assert out.tolist() == [1, 2, 3] and s[0] == 4
+
+
+def test_hybridkv_jit_0_turns_the_kernels_off():
+    """``HYBRIDKV_JIT=0``: the numpy / list paths, with numba installed."""
+    import os
+    import subprocess
+    import sys
+
+    code = "from hybridkv.blockmgr import kernels, pool; print(kernels.ENABLED, type(pool.make_pool(10)).__name__)"
+    for value, expected in (("0", "False BlockPool"), ("1", "True JitBlockPool")):
+        out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "HYBRIDKV_JIT": value},
+                             capture_output=True, text=True, check=True)
+        assert out.stdout.split() == expected.split()

@@ -34,10 +34,15 @@ _MASK = (1 << 32) - 1
 
 
 def _jit(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Compile ``fn`` lazily with numba (cached on disk) when it is available; else leave it as is."""
+    """Compile ``fn`` lazily with numba (cached on disk) when it is available; else leave it as is.
+    Without a writable cache location (a read-only install and no writable home or
+    ``NUMBA_CACHE_DIR``, where numba refuses ``cache=True``) it compiles in each process instead."""
     if numba is None:
         return fn
-    return numba.njit(cache=True, nogil=True)(fn)
+    try:
+        return numba.njit(cache=True, nogil=True)(fn)
+    except RuntimeError:  # "cannot cache function ...: no locator available"
+        return numba.njit(nogil=True)(fn)
 
 
 # ---- free extents ---------------------------------------------------------------------------------
