@@ -7,7 +7,8 @@ variable ``HYBRIDKV_JIT=0``, :data:`ENABLED` is False and callers use their nump
 Both paths make the same decisions on the same inputs (the tests run both against references).
 
 Ownership: every function works in place on arrays its caller owns and allocates nothing the
-caller keeps, except the victim arrays of :func:`flop_aware_victims`.
+caller keeps, except the victim arrays of :func:`flop_aware_victims`. They hold the GIL while they
+run (no ``nogil``): the books they change are the manager's, which is single-threaded.
 
 Free extents are three int64 arrays of one capacity (the most extents a pool can have): ``s`` and
 ``e``, the starts and ends of ``n`` disjoint, non-adjacent extents ``[s[i], e[i])`` in id order,
@@ -40,9 +41,9 @@ def _jit(fn: Callable[..., Any]) -> Callable[..., Any]:
     if numba is None:
         return fn
     try:
-        return numba.njit(cache=True, nogil=True)(fn)
+        return numba.njit(cache=True)(fn)
     except RuntimeError:  # "cannot cache function ...: no locator available"
-        return numba.njit(nogil=True)(fn)
+        return numba.njit()(fn)
 
 
 # ---- free extents ---------------------------------------------------------------------------------
