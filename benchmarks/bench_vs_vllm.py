@@ -8,7 +8,8 @@ hybridkv is faster.
 
 Rows (the table of issue 14):
 
-- ``pool_admit_free``: allocate + free 624 blocks beside 256 x 624 held (``BlockPool`` both sides).
+- ``pool_admit_free``: allocate + free 624 blocks beside 256 x 624 held (hybridkv: ``make_pool``, the
+  manager's pool; vLLM: ``BlockPool``).
 - ``pool_one_block``: 256 x allocate(1) then 256 x free(1), per block (the decode pattern).
 - ``manager_admit_free``: admit + free one 32k-token MiniMax-M1 TP8 request beside 256 running, no
   prefix cache (hybridkv: 512 KV + 112 state blocks of 64 tokens; vLLM ``KVCacheManager``: one
@@ -60,7 +61,7 @@ from benchmarks._common import save  # noqa: E402
 from benchmarks.bench_scheduler import NUM_REQUESTS, PROMPT_TOKENS, warm_decode  # noqa: E402
 from hybridkv.blockmgr.layout import plan  # noqa: E402
 from hybridkv.blockmgr.manager import HybridBlockManager  # noqa: E402
-from hybridkv.blockmgr.pool import BlockPool  # noqa: E402
+from hybridkv.blockmgr.pool import make_pool  # noqa: E402
 from hybridkv.blockmgr.prefix import EvictionPolicy, PrefixCacheConfig  # noqa: E402
 from hybridkv.blockmgr.presets import preset  # noqa: E402
 from hybridkv.scheduler_adapter import StepOutputs, build_step_metadata  # noqa: E402
@@ -212,7 +213,7 @@ class Vllm:
 # ---- rows ----------------------------------------------------------------------------------------
 def row_pool_admit_free(v: Vllm, repeats: int, number: int) -> dict:
     held, n = 256, 624
-    ours = BlockPool(held * n + n + 1)
+    ours = make_pool(held * n + n + 1)  # the manager's pool (compiled extents with numba)
     keep = [ours.allocate(n) for _ in range(held)]
     theirs = v.BlockPool(held * n + n + 1, enable_caching=False, hash_block_size=VLLM_BLOCK)
     keep_v = [theirs.get_new_blocks(n) for _ in range(held)]
@@ -232,7 +233,7 @@ def row_pool_admit_free(v: Vllm, repeats: int, number: int) -> dict:
 
 def row_pool_one_block(v: Vllm, repeats: int, number: int) -> dict:
     held, n, k = 256, 624, 256
-    ours = BlockPool(held * n + 4 * k)
+    ours = make_pool(held * n + 4 * k)
     keep = [ours.allocate(n) for _ in range(held)]
     theirs = v.BlockPool(held * n + 4 * k, enable_caching=False, hash_block_size=VLLM_BLOCK)
     keep_v = [theirs.get_new_blocks(n) for _ in range(held)]
