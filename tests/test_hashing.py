@@ -136,4 +136,3 @@ def test_token_arrays_of_every_length_convert_exactly_and_reject_bad_ids(n):
     for text in ("a" * n, b"a" * n, bytearray(n)):
         with pytest.raises(TypeError):
             as_token_array(text)
-

@@ -177,10 +177,10 @@ def free_run(s, e, k, n_ext, start, end):  # type: ignore[no-untyped-def]
 
 
 @_jit
-def free_sorted(s, e, k, n_ext, ids, tmp_s, tmp_e):  # type: ignore[no-untyped-def]
+def free_sorted(s, e, k, n_ext, ids):  # type: ignore[no-untyped-def]
     """Return distinct free ids (ascending, outside every extent) to the extents. A few runs go one
-    :func:`free_run` each; many are merged with the extents in one pass (into ``tmp_s``/``tmp_e``,
-    of the same capacity) and the keys are rebuilt. Returns the number of extents now."""
+    :func:`free_run` each; many are merged with the extents in one pass and the keys are rebuilt.
+    Returns the number of extents now."""
     m = ids.size
     runs = 1
     for i in range(1, m):
@@ -193,6 +193,7 @@ def free_sorted(s, e, k, n_ext, ids, tmp_s, tmp_e):  # type: ignore[no-untyped-d
                 n_ext = free_run(s, e, k, n_ext, ids[a], ids[i - 1] + 1)
                 a = i
         return n_ext
+    tmp_s, tmp_e = np.empty(n_ext + m, dtype=np.int64), np.empty(n_ext + m, dtype=np.int64)
     i, j, w = 0, 0, 0
     while i < n_ext or j < m:
         if j == m or (i < n_ext and s[i] < ids[j]):
@@ -336,12 +337,10 @@ def flop_aware_victims(cand, is_ck, ticks, lfpb, alpha, target, ck_blocks, buf):
         util[c] = u + ((tick[c] - tlo) / tspan if tspan > 0 else 0.0)
     # the victims are a prefix of the order, at most target candidates long: rank only the
     # candidates at or below the target-th utility (ties included)
-    kth = min(count, target)
-    near = np.arange(count)
-    if kth < count:
-        bound = np.partition(util, kth - 1)[kth - 1]
+    if target < count:
+        bound = np.partition(util, target - 1)[target - 1]
         near = np.nonzero(util <= bound)[0]
-    ids, util, tick = ids[near], util[near], tick[near]
+        ids, util, tick = ids[near], util[near], tick[near]
     # secondary key: a KV block's id (below nb), nb + a checkpoint's tick; then the id
     key = np.empty(ids.size, dtype=np.float64)
     for c in range(ids.size):
@@ -351,18 +350,6 @@ def flop_aware_victims(cand, is_ck, ticks, lfpb, alpha, target, ck_blocks, buf):
     while n < ids.size and freed < target:
         freed += ck_blocks if is_ck[ids[n]] else 1
         n += 1
-    nk = 0
-    for c in range(n):
-        if not is_ck[ids[c]]:
-            nk += 1
-    kv = np.empty(nk, dtype=np.int64)
-    ck = np.empty(n - nk, dtype=np.int64)
-    a, z = 0, 0
-    for c in range(n):
-        if is_ck[ids[c]]:
-            ck[z] = ids[c]
-            z += 1
-        else:
-            kv[a] = ids[c]
-            a += 1
-    return kv, ck
+    ids = ids[:n]
+    mask = is_ck[ids]
+    return ids[~mask], ids[mask]

@@ -108,7 +108,7 @@ class BlockPool:
 
     def largest_free_extent(self) -> int:
         self.merge_loose()
-        return self._by_len[-1] >> 32 if self._by_len else 0
+        return self._largest()
 
     def merge_loose(self) -> None:
         """Return the loose single ids to the extents (merging neighbours); the free set is unchanged."""
@@ -363,7 +363,6 @@ class JitBlockPool(BlockPool):
     def _init_extents(self, first: int, num_blocks: int) -> None:
         cap = (num_blocks - first + 1) // 2 + 1  # the most disjoint, non-adjacent extents
         self._s, self._e, self._k = (np.zeros(cap, dtype=np.int64) for _ in range(3))
-        self._tmp_s, self._tmp_e = np.zeros(cap, dtype=np.int64), np.zeros(cap, dtype=np.int64)
         self._s[0], self._e[0], self._k[0] = first, num_blocks, (num_blocks - first) << 32 | first
         self._n_ext = 1
 
@@ -398,7 +397,7 @@ class JitBlockPool(BlockPool):
 
     def _free_sorted(self, ids: np.ndarray) -> None:
         self._num_free += ids.size
-        self._n_ext = kernels.free_sorted(self._s, self._e, self._k, self._n_ext, ids, self._tmp_s, self._tmp_e)
+        self._n_ext = kernels.free_sorted(self._s, self._e, self._k, self._n_ext, ids)
 
 
 def make_pool(num_blocks: int, reserve_null: bool = True, jit: bool | None = None) -> BlockPool:
