@@ -35,7 +35,7 @@ def _books(m: HybridBlockManager) -> dict:
     live = c._live_queue()
     return {
         "extents": p.free_extents(), "free": p.num_free, "loose": list(p._loose), "rc": p.ref_counts.tolist(),
-        "use": m.use.tolist(), "slot": sorted(c._slot.items()), "free_slots": list(c._free_slots),
+        "use": m.use.tolist(), "slot": sorted(c._slot.items()), "free_slots": c._free[: c._n_free].tolist(),
         "key": c._key.tolist(), "pos": c._pos.tolist(), "kv": c._kv.tolist(), "ck": c._ck.tolist(),
         "tok": c._tok.tolist(), "node_of": c._node_of.tolist(), "lfpb": c._lfpb.tolist(),
         "ticks": c._ticks.tolist(), "queue": c._fifo[live].tolist(), "orders": c._fifo_ord[live].tolist(),

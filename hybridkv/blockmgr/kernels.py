@@ -18,6 +18,7 @@ first key >= ``n << 32``; the largest extent is the last).
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable
 from typing import Any
@@ -44,6 +45,22 @@ def _jit(fn: Callable[..., Any]) -> Callable[..., Any]:
         return numba.njit(cache=True)(fn)
     except RuntimeError:  # "cannot cache function ...: no locator available"
         return numba.njit()(fn)
+
+
+# ---- scattered writes -----------------------------------------------------------------------------
+@_jit
+def _put(a, ids, value):  # type: ignore[no-untyped-def]
+    for i in range(ids.size):
+        a[ids[i]] = value
+
+
+def put(a: np.ndarray, ids: np.ndarray, value: int) -> None:
+    """``a[ids] = value``, compiled when :data:`ENABLED`: numpy converts int32 ids (the pool's) to
+    intp before it writes, which costs more than the write for the few ids of a step."""
+    if ENABLED:
+        _put(a, ids, value)
+    else:
+        a[ids] = value
 
 
 # ---- free extents ---------------------------------------------------------------------------------
@@ -353,3 +370,138 @@ def flop_aware_victims(cand, is_ck, ticks, lfpb, alpha, target, ck_blocks, buf):
     ids = ids[:n]
     mask = is_ck[ids]
     return ids[~mask], ids[mask]
+
+
+# ---- the prefix cache's key -> slot map -----------------------------------------------------------
+# Open addressing with linear probing in two int64 arrays of a power-of-two size: ``hk`` (keys) and
+# ``hv`` (slots, -1: empty cell); ``meta = [count, shift, most keys]`` (``shift``: 64 - log2(size)). A key's
+# home cell is the top bits of ``key * _GOLD`` (Fibonacci hashing); removal shifts the probe run back
+# (no tombstones). ``meta[2]``: the most keys the caller allows (``SlotMap``: one half of the size).
+_GOLD = 0x9E3779B97F4A7C15
+
+
+@_jit
+def _km_home(key, shift):  # type: ignore[no-untyped-def]
+    return np.int64((np.uint64(key) * np.uint64(_GOLD)) >> np.uint64(shift))
+
+
+@_jit
+def _km_index(hk, hv, shift, key):  # type: ignore[no-untyped-def]
+    """The cell holding ``key``, or ``-1 - cell`` of the empty cell that ends its probe run."""
+    mask = hk.size - 1
+    i = _km_home(key, shift)
+    while hv[i] >= 0:
+        if hk[i] == key:
+            return i
+        i = (i + 1) & mask
+    return -1 - i
+
+
+@_jit
+def km_get(hk, hv, meta, key):  # type: ignore[no-untyped-def]
+    """The slot of ``key`` (-1: absent)."""
+    i = _km_index(hk, hv, meta[1], key)
+    return hv[i] if i >= 0 else -1
+
+
+@_jit
+def km_lookup(hk, hv, meta, keys, out):  # type: ignore[no-untyped-def]
+    """``out[j]``: the slot of ``keys[j]`` (-1: absent)."""
+    shift = meta[1]
+    for j in range(keys.size):
+        i = _km_index(hk, hv, shift, keys[j])
+        out[j] = hv[i] if i >= 0 else -1
+
+
+@_jit
+def km_put(hk, hv, meta, keys, vals):  # type: ignore[no-untyped-def]
+    """Map each of ``keys`` to the value at the same position (replacing a present key's)."""
+    shift = meta[1]
+    for j in range(keys.size):
+        i = _km_index(hk, hv, shift, keys[j])
+        if i < 0:
+            i = -1 - i
+            hk[i] = keys[j]
+            meta[0] += 1
+        hv[i] = vals[j]
+
+
+@_jit
+def _km_remove_at(hk, hv, shift, i):  # type: ignore[no-untyped-def]
+    """Empty cell ``i``, moving back the later entries of its probe run that may live there."""
+    mask = hk.size - 1
+    j = i
+    while True:
+        j = (j + 1) & mask
+        if hv[j] < 0:
+            break
+        h = _km_home(hk[j], shift)
+        if (j > i and (h <= i or h > j)) or (j < i and h <= i and h > j):  # home not in (i, j]
+            hk[i] = hk[j]
+            hv[i] = hv[j]
+            i = j
+    hv[i] = -1
+
+
+@_jit
+def km_remove(hk, hv, meta, keys, out):  # type: ignore[no-untyped-def]
+    """Remove each of ``keys``; ``out[j]``: the slot it had (-1: it was absent)."""
+    shift = meta[1]
+    for j in range(keys.size):
+        i = _km_index(hk, hv, shift, keys[j])
+        if i < 0:
+            out[j] = -1
+            continue
+        out[j] = hv[i]
+        _km_remove_at(hk, hv, shift, i)
+        meta[0] -= 1
+
+
+@_jit
+def register_few(h, parent, need_parent, c, hk, hv, meta, node_key, node_pos, node_kv, node_ck, node_tok, tokens,  # type: ignore[no-untyped-def]
+                 start, blocks, node_of, lfpb, rank, lin, quad, per, free, n_free, out):
+    """``PrefixCache._register_few`` with the key map above: blocks ``start, start + 1, ...`` of
+    ``tokens`` (block hashes ``h``, uint64) after the chain key ``parent``. Each block's chain key
+    ``c * key + h`` (mod 2**64, as int64); a new key gets a node at the slot popped from the stack
+    ``free[:n_free]`` (position, no KV block, no checkpoint, its tokens); a node without a KV block
+    caches the request's block (``blocks[i]``) unless that block caches another node already, with
+    ``log1p`` of its FLOPs per byte when ``rank``. ``out[0]``: the keys, ``out[1]``: the slots.
+    Returns ``(n_free, nodes created, KV blocks mapped)``, or ``(n_free, -1, 0)`` with nothing
+    changed when the stack holds fewer than ``h.size`` slots, the map has no room for as many keys
+    (``meta[2]``: its most keys), or ``need_parent`` and ``parent`` has no node."""
+    bs = node_tok.shape[1]
+    shift = meta[1]
+    if n_free < h.size or meta[0] + h.size > meta[2] or (need_parent and _km_index(hk, hv, shift, parent) < 0):
+        return n_free, -1, 0
+    key = np.uint64(parent)
+    created, mapped = 0, 0
+    for i in range(h.size):
+        key = c * key + h[i]
+        signed = np.int64(key)
+        cell = _km_index(hk, hv, shift, signed)
+        if cell >= 0:
+            slot = hv[cell]
+        else:
+            n_free -= 1
+            slot = free[n_free]
+            cell = -1 - cell
+            hk[cell] = signed
+            hv[cell] = slot
+            meta[0] += 1
+            created += 1
+            j = start + i
+            node_key[slot] = signed
+            node_pos[slot] = (j + 1) * bs
+            node_kv[slot] = 0
+            node_ck[slot] = -1
+            node_tok[slot, :] = tokens[j * bs : (j + 1) * bs]
+        block = blocks[i]
+        if node_kv[slot] == 0 and node_of[block] < 0:
+            node_kv[slot] = block
+            node_of[block] = slot
+            mapped += 1
+            if rank:
+                lfpb[block] = math.log1p((lin * bs + quad * (2 * node_pos[slot] - bs) * bs) / per)
+        out[0, i] = signed
+        out[1, i] = slot
+    return n_free, created, mapped

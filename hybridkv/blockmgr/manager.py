@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from hybridkv.blockmgr import kernels
 from hybridkv.blockmgr.checkpointing import CheckpointMixin
 from hybridkv.blockmgr.errors import (
     DuplicateRequestError,
@@ -315,8 +316,10 @@ class HybridBlockManager(CheckpointMixin, SpeculationMixin, SwapMixin, TransferM
 
     def num_new_kv_blocks(self, request_id: RequestId, num_new_tokens: int) -> int:
         """Blocks ``append`` takes for ``num_new_tokens`` more tokens (copy-on-write included)."""
-        rec = self._running(request_id)
-        num_new_tokens = as_count(num_new_tokens, "num_new_tokens")
+        return self._new_blocks(self._running(request_id), as_count(num_new_tokens, "num_new_tokens"))
+
+    def _new_blocks(self, rec: RequestRecord, num_new_tokens: int) -> int:
+        """:meth:`num_new_kv_blocks` of a running request's record (the count checked)."""
         if not self._has_kv:
             return 0
         grow = cdiv(rec.num_tokens + num_new_tokens, self.block_size) - rec.num_kv_blocks
@@ -344,7 +347,7 @@ class HybridBlockManager(CheckpointMixin, SpeculationMixin, SwapMixin, TransferM
             if rec.token_ids is not None:
                 self._cache_tokens(rec, token_ids)
             return _NO_COPIES
-        need = self.num_new_kv_blocks(request_id, num_new_tokens)
+        need = self._new_blocks(rec, num_new_tokens)
         if need > self.num_available_blocks:
             raise NoFreeBlocksError(
                 f"append of {num_new_tokens} tokens to {request_id!r}", need, self.num_available_blocks
@@ -522,7 +525,7 @@ class HybridBlockManager(CheckpointMixin, SpeculationMixin, SwapMixin, TransferM
         return sets[..., self._state_mask].ravel()
 
     def _mark(self, ids: np.ndarray, use: BlockUse) -> None:
-        self.use[ids] = use
+        kernels.put(self.use, ids, use.value)
 
     def _mark_sets(self, sets: np.ndarray, use: BlockUse) -> None:
         self.use[sets[..., self._state_mask]] = use

@@ -54,6 +54,7 @@ from hybridkv.blockmgr.hashing import (  # _C, _MASK: the chain's constants, inl
     keys_from_hashes,
 )
 from hybridkv.blockmgr.records import BlockUse
+from hybridkv.blockmgr.slotmap import SlotMap
 
 if TYPE_CHECKING:
     from hybridkv.blockmgr.manager import HybridBlockManager
@@ -167,6 +168,7 @@ class _Counters:
 
 _TWO64 = 1 << 64
 _FEW = 16  # register() of up to this many blocks goes block by block (scalar path)
+_C64 = np.uint64(_C)
 
 
 def _norm(x: np.ndarray) -> np.ndarray:
@@ -190,14 +192,20 @@ class PrefixCache:
         layout = manager.layout
         nb = layout.num_blocks
         # ---- nodes, by slot
-        self._slot: dict[int, int] = {}  # chain key -> slot
         cap = max(256, nb)  # about one node per block; zero pages cost nothing until written
+        # chain key -> slot: with the kernels, a SlotMap (its arrays are what the compiled
+        # registration writes into); else a dict
+        self._fast = kernels.ENABLED
+        self._slot: dict[int, int] | SlotMap = SlotMap(cap) if self._fast else {}
         self._key = np.zeros(cap, dtype=np.int64)
         self._pos = np.zeros(cap, dtype=np.int64)
         self._kv = np.zeros(cap, dtype=np.int32)  # 0: no KV block
         self._ck = np.full(cap, -1, dtype=np.int64)  # checkpoint slot (its first block id), -1: none
         self._tok = np.zeros((cap, bs), dtype=np.int64)
-        self._free_slots: list[int] = list(range(cap - 1, -1, -1))
+        # free slots, a stack: _free[:_n_free], popped from the end (low slots first)
+        self._free = np.arange(cap - 1, -1, -1, dtype=np.int64)
+        self._n_free = cap
+        self._reg_out = np.empty((2, _FEW), dtype=np.int64)  # scratch: the compiled registration's keys, slots
         # the slots of the last chain looked up whole (a request's keys, asked about at its
         # checkpoints and its release): kept with a copy of the keys, checked before reuse (a
         # freed slot has position 0)
@@ -347,28 +355,36 @@ class PrefixCache:
         tok = np.zeros((new, self.block_size), dtype=np.int64)
         tok[:cap] = self._tok
         self._tok = tok
-        self._free_slots[:0] = range(new - 1, cap - 1, -1)  # popped from the end: low slots first
+        # the new slots go under the free ones (popped after them), the lowest on top
+        free = np.empty(new, dtype=np.int64)  # (room for every slot)
+        free[: new - cap] = np.arange(new - 1, cap - 1, -1)
+        free[new - cap : new - cap + self._n_free] = self._free[: self._n_free]
+        self._free = free
+        self._n_free += new - cap
         self._views()
 
     def _views(self) -> None:
         """Memoryviews of the node and block arrays, for scalar reads and writes at half numpy's
         cost (the scalar registration path); remade when the node arrays grow."""
-        self._mv = tuple(memoryview(a) for a in (self._key, self._pos, self._kv, self._ck, self._node_of, self._lfpb))
+        self._mv = tuple(memoryview(a) for a in (self._key, self._pos, self._kv, self._ck, self._node_of, self._lfpb,
+                                                 self._free))
 
     def _new_slots(self, keys: np.ndarray, positions: np.ndarray, tokens: np.ndarray) -> np.ndarray:
         """Create nodes (no blocks yet) for ``keys``; ``tokens``: ``[n, block_size]``. Their slots."""
         n = keys.size
-        if n > len(self._free_slots):
-            self._grow(n - len(self._free_slots))
-        free = self._free_slots
-        slots = np.array(free[len(free) - n :][::-1], dtype=np.int64)
-        del free[len(free) - n :]
+        if n > self._n_free:
+            self._grow(n - self._n_free)
+        self._n_free -= n
+        slots = self._free[self._n_free : self._n_free + n][::-1].copy()
         self._key[slots] = keys
         self._pos[slots] = positions
         self._kv[slots] = 0
         self._ck[slots] = -1
         self._tok[slots] = tokens
-        self._slot.update(zip(keys.tolist(), slots.tolist(), strict=True))
+        if self._fast:
+            self._slot.put(keys, slots)
+        else:
+            self._slot.update(zip(keys.tolist(), slots.tolist(), strict=True))
         self._created += 1
         return slots
 
@@ -376,23 +392,33 @@ class PrefixCache:
         """Forget nodes that hold nothing (their slots are reused)."""
         if not slots.size:
             return
-        keys = self._key[slots].tolist()
-        deque(map(self._slot.__delitem__, keys), maxlen=0)  # the deletions in C, not a bytecode loop
+        keys = self._key[slots]
+        if self._fast:
+            self._slot.remove(keys)
+        else:
+            deque(map(self._slot.__delitem__, keys.tolist()), maxlen=0)  # the deletions in C, not a bytecode loop
         if self._bare:
-            for k in keys:
+            for k in keys.tolist():
                 self._bare.pop(k, None)
         self._pos[slots] = 0  # a free slot (what _chain_slots checks)
-        self._free_slots.extend(slots.tolist())
+        self._free[self._n_free : self._n_free + slots.size] = slots
+        self._n_free += slots.size
         self._removed += 1
 
     def _free_slot(self, slot: int) -> None:
         """:meth:`_remove_nodes` of one slot whose key is already out of the maps."""
         self._pos[slot] = 0
-        self._free_slots.append(slot)
+        self._free[self._n_free] = slot
+        self._n_free += 1
         self._removed += 1
 
-    def _lookup(self, keys: list[int]) -> np.ndarray:
-        """Slots of ``keys`` (-1: no node); the dict lookups run in C (map), not a bytecode loop."""
+    def _lookup(self, keys: list[int] | np.ndarray) -> np.ndarray:
+        """Slots of ``keys`` (-1: no node): one compiled call (SlotMap), or dict lookups run in C
+        (map), not a bytecode loop."""
+        if self._fast:
+            return self._slot.lookup(np.asarray(keys, dtype=np.int64))
+        if isinstance(keys, np.ndarray):
+            keys = keys.tolist()
         return np.fromiter(map(self._slot.get, keys, repeat(-1)), dtype=np.int64, count=len(keys))
 
     def _chain_slots(self, keys: list[int]) -> np.ndarray:
@@ -478,12 +504,13 @@ class PrefixCache:
             h = memo.block_hashes(limit, bs)
             if self.m._has_kv and key_from_hash(int(h[0]), ROOT_KEY) not in self._slot:
                 return _miss()  # the first block is not cached: a miss
-            keys = keys_from_hashes(h[:limit]).tolist()
+            karr = keys_from_hashes(h[:limit])
         elif self.m._has_kv and chain_keys_array(tokens, bs, 0, 1)[0] not in self._slot:
             return _miss()  # the first block is not cached: a miss without hashing the rest
         else:
-            keys = chain_keys_array(tokens, bs, 0, limit).tolist()
-        slots = self._lookup(keys)
+            karr = chain_keys_array(tokens, bs, 0, limit)
+        keys = karr.tolist()
+        slots = self._lookup(karr if self._fast else keys)
         ok = self._verified(slots, tokens)
         if not self.m._has_kv:
             return self._match_state_only(keys, slots, ok, max_blocks)
@@ -575,11 +602,17 @@ class PrefixCache:
         end = min(num_tokens, tokens.size) // bs
         if end <= start:
             return
+        h = memo.block_hashes(end, bs)[start:end] if memo is not None else None
+        few = end - start <= _FEW and self.m._has_kv  # a prefill chunk, a decode block: scalar path
+        if few and self._fast:  # in one compiled call unless the parent is missing or slots run short
+            if h is None:
+                h = block_hashes(tokens[start * bs : end * bs].reshape(end - start, bs))
+            if self._register_compiled(tokens, keys, kv_blocks, start, h, True):
+                return
         if start:
             self.ensure(tokens, keys, kv_blocks, start - 1)  # a parent to hang the new blocks on
         parent = keys[-1] if keys else ROOT_KEY
-        h = memo.block_hashes(end, bs)[start:end] if memo is not None else None
-        if end - start <= _FEW and self.m._has_kv:  # a prefill chunk, a decode block: scalar path
+        if few:
             self._register_few(tokens, keys, kv_blocks, start, end, parent, h)
             return
         if end - start == 1:  # one block of a state-only model: scalar path, same key and books
@@ -639,6 +672,10 @@ class PrefixCache:
         bs, n = self.block_size, end - start
         if h is None:
             h = block_hashes(tokens[start * bs : end * bs].reshape(n, bs))
+        if self._fast:
+            self._slot.reserve(n)
+            if self._register_compiled(tokens, keys, kv_blocks, start, h, False):
+                return  # (else the free slots may run short: the growth is decided below)
         get = self._slot.get
         new_keys, found, key = [], [], parent & _MASK
         for hv in h.tolist():  # key_from_hash, inlined
@@ -648,12 +685,12 @@ class PrefixCache:
             found.append(get(signed))
         keys.extend(new_keys)
         missing = found.count(None)
-        if missing > len(self._free_slots):
-            self._grow(missing - len(self._free_slots))
+        if missing > self._n_free:
+            self._grow(missing - self._n_free)
         if missing:
             self._created += 1
-        free, d = self._free_slots, self._slot
-        key_a, pos_a, kv_a, ck_a, node_of, lfpb = self._mv  # (after the growth above)
+        d, n_free = self._slot, self._n_free
+        key_a, pos_a, kv_a, ck_a, node_of, lfpb, free = self._mv  # (after the growth above)
         rank, tok = self._rank_flops, self._tok
         (lin, quad), per = self._flops, self._bytes_per_block  # _fpb's formula, inlined below
         blocks = kv_blocks[start:end].tolist()
@@ -661,7 +698,8 @@ class PrefixCache:
             slot = found[i]
             j = start + i
             if slot is None:
-                slot = found[i] = free.pop()
+                n_free -= 1
+                slot = found[i] = free[n_free]
                 key_a[slot], pos_a[slot], kv_a[slot], ck_a[slot] = key, (j + 1) * bs, 0, -1
                 tok[slot] = tokens[j * bs : (j + 1) * bs]
                 d[key] = slot
@@ -672,8 +710,31 @@ class PrefixCache:
                 self._n_mapped += 1
                 if rank:
                     lfpb[block] = math.log1p((lin * bs + quad * (2 * pos_a[slot] - bs) * bs) / per)
+        self._n_free = n_free
         if self._chain_memo:
             self._remember_chain(keys, start, np.array(found, dtype=np.int64), np.array(new_keys, dtype=np.int64))
+
+    def _register_compiled(self, tokens: np.ndarray, keys: list[int], kv_blocks: np.ndarray, start: int,
+                           h: np.ndarray, check: bool) -> bool:
+        """:meth:`_register_few` in one compiled call (:func:`~hybridkv.blockmgr.kernels.register_few`,
+        the same books). False, with nothing changed, when the free slots or the key map's room
+        could run short (the caller grows them as the scalar path does) or, with ``check``, when
+        the chain's last key (the parent) has no node (the caller re-creates it)."""
+        sm, out, (lin, quad), n = self._slot, self._reg_out, self._flops, h.size
+        n_free, created, mapped = kernels.register_few(
+            h, keys[-1] if start else ROOT_KEY, check and start > 0, _C64, sm.hk, sm.hv, sm.meta, self._key,
+            self._pos, self._kv, self._ck, self._tok, tokens, start, kv_blocks[start : start + n], self._node_of,
+            self._lfpb, self._rank_flops, lin, quad, self._bytes_per_block, self._free, self._n_free, out)
+        if created < 0:
+            return False
+        self._n_free = n_free
+        keys.extend(out[0, :n].tolist())
+        if created:
+            self._created += 1
+        self._n_mapped += mapped
+        if self._chain_memo:
+            self._remember_chain(keys, start, out[1, :n], out[0, :n])
+        return True
 
     def ensure(self, token_ids: Sequence[int] | np.ndarray, keys: list[int], kv_blocks: np.ndarray, j: int) -> int:
         """The slot of block ``j`` of a request's chain, re-created with any missing ancestors.
@@ -697,9 +758,10 @@ class PrefixCache:
         bs = self.block_size
         slot = self._slot.get(key)
         if slot is None:
-            if not self._free_slots:
+            if not self._n_free:
                 self._grow(1)
-            slot = self._free_slots.pop()
+            self._n_free -= 1
+            slot = int(self._free[self._n_free])
             self._key[slot], self._pos[slot], self._kv[slot], self._ck[slot] = key, (j + 1) * bs, 0, -1
             self._tok[slot] = tokens[j * bs : (j + 1) * bs]
             self._slot[key] = slot
@@ -884,7 +946,7 @@ class PrefixCache:
         if self._bare:
             self._bare.pop(key, None)
         self.pinned[key] = self.m.pin_epoch
-        self.m.use[blocks] = BlockUse.CHECKPOINT
+        kernels.put(self.m.use, blocks, BlockUse.CHECKPOINT.value)
         self.stats.checkpoints_made += 1
 
     def check(self) -> list[str]:
@@ -895,7 +957,8 @@ class PrefixCache:
         keys = np.fromiter(self._slot.keys(), dtype=np.int64, count=len(self._slot))
         if not np.array_equal(self._key[slots], keys):
             problems.append("the prefix cache's key -> slot map disagrees with its slots")
-        if len(set(self._free_slots)) != len(self._free_slots) or set(self._free_slots) & set(slots.tolist()):
+        free = self._free[: self._n_free]
+        if np.unique(free).size != free.size or np.isin(free, slots).any():
             problems.append("a node slot is both free and in use")
         kv = self._kv[slots]
         mapped = np.flatnonzero(self._node_of >= 0)
@@ -952,8 +1015,8 @@ class PrefixCache:
         else:
             kv, ck = self._flop_aware_victims(target, protect, protect_ckpt)
         ids = self._drop_all(kv, ck)
-        self.m.pool.ref_counts[ids] = 0
-        self.m.use[ids] = BlockUse.FREE
+        kernels.put(self.m.pool.ref_counts, ids, 0)
+        kernels.put(self.m.use, ids, BlockUse.FREE.value)
         return ids
 
     def _held_checkpoints(self, protect_ckpt: set[int]) -> list[int]:
@@ -1010,7 +1073,10 @@ class PrefixCache:
 
     def num_protected(self, protect: np.ndarray, protect_ckpt: set[int] = frozenset()) -> int:  # type: ignore[assignment]
         """Evictable blocks that ``evict(..., protect, protect_ckpt)`` may not take."""
-        n = int(np.count_nonzero(self._kv_evictable[protect])) if protect.size else 0
+        if protect.size == 1:  # (a checkpoint's node: a scalar read, not a gather)
+            n = int(self._kv_evictable[protect[0]])
+        else:
+            n = int(np.count_nonzero(self._kv_evictable[protect])) if protect.size else 0
         for key in protect_ckpt:
             s = self._slot.get(key)
             if s is not None and self._ck[s] >= 0 and key not in self.pinned:
