@@ -27,7 +27,7 @@ def _key_at(home: int, r: int, shift: int) -> int:
 def test_crafted_keys_have_their_home_cells():
     m = SlotMap()
     shift = int(m.meta[1])
-    size = m.hk.size
+    size = m.tab.shape[0]
     for home in (0, 1, size - 1, size // 2):
         assert kernels._km_home(_key_at(home, 12345, shift), shift) == home
 
@@ -36,7 +36,7 @@ def test_crafted_keys_have_their_home_cells():
 @given(data=st.data())
 def test_the_map_agrees_with_a_dict(data):
     m, d = SlotMap(), {}
-    shift, size = int(m.meta[1]), m.hk.size
+    shift, size = int(m.meta[1]), m.tab.shape[0]
     # keys in a few clusters of shared home cells, some at the table's end (runs wrap around)
     homes = data.draw(st.lists(st.sampled_from([0, 1, 2, size - 3, size - 2, size - 1, 500]), min_size=1, max_size=4))
     pool = [_key_at(h, r, shift) for h in homes for r in range(12)] + [-1, 0, 1, (1 << 63) - 1, -(1 << 63)]
@@ -81,10 +81,10 @@ def test_growth_keeps_every_key():
     keys = rng.integers(-(1 << 63), (1 << 63) - 1, size=5000, dtype=np.int64)
     keys = np.unique(keys)
     m = SlotMap(16)
-    size = m.hk.size
+    size = m.tab.shape[0]
     for i in range(0, keys.size, 700):  # bulk puts past the load bound: the arrays double
         m.put(keys[i : i + 700], np.arange(i, min(i + 700, keys.size), dtype=np.int64))
-    assert m.hk.size > size and len(m) == keys.size and len(m) <= m.hk.size // 2
+    assert m.tab.shape[0] > size and len(m) == keys.size and len(m) <= m.tab.shape[0] // 2
     assert m.lookup(keys).tolist() == list(range(keys.size))
     m.remove(keys[::2])
     assert m.lookup(keys).tolist() == [-1 if i % 2 == 0 else i for i in range(keys.size)]

@@ -54,9 +54,9 @@ class CheckpointMixin:
             return _NO_COPIES
         key = rec.block_keys[pos // bs - 1]
         # the node must survive the eviction that makes room, so what it pins is not available
-        if cache.has_checkpoint(key):
+        kv = cache.checkpoint_protect(key)
+        if kv is None:  # it has one
             return _NO_COPIES
-        kv = cache.kv_block_of(key)
         if self.num_state_blocks > self.num_available_blocks - cache.num_protected(kv):
             return _NO_COPIES
         self._make_room(self.num_state_blocks, protect=kv)

@@ -373,10 +373,11 @@ def flop_aware_victims(cand, is_ck, ticks, lfpb, alpha, target, ck_blocks, buf):
 
 
 # ---- the prefix cache's key -> slot map -----------------------------------------------------------
-# Open addressing with linear probing in two int64 arrays of a power-of-two size: ``hk`` (keys) and
-# ``hv`` (slots, -1: empty cell); ``meta = [count, shift, most keys]`` (``shift``: 64 - log2(size)). A key's
-# home cell is the top bits of ``key * _GOLD`` (Fibonacci hashing); removal shifts the probe run back
-# (no tombstones). ``meta[2]``: the most keys the caller allows (``SlotMap``: one half of the size).
+# Open addressing with linear probing in one int64 array ``tab`` of shape ``[size, 2]`` (a power of
+# two of cells: the key, then its slot, -1 for an empty cell; one cache line holds both) and
+# ``meta = [count, shift, most keys]`` (``shift``: 64 - log2(size); ``most keys``: the load the
+# caller allows, ``SlotMap``: one half). A key's home cell is the top bits of ``key * _GOLD``
+# (Fibonacci hashing); removal shifts the probe run back (no tombstones).
 _GOLD = 0x9E3779B97F4A7C15
 
 
@@ -386,79 +387,79 @@ def _km_home(key, shift):  # type: ignore[no-untyped-def]
 
 
 @_jit
-def _km_index(hk, hv, shift, key):  # type: ignore[no-untyped-def]
+def _km_index(tab, shift, key):  # type: ignore[no-untyped-def]
     """The cell holding ``key``, or ``-1 - cell`` of the empty cell that ends its probe run."""
-    mask = hk.size - 1
+    mask = tab.shape[0] - 1
     i = _km_home(key, shift)
-    while hv[i] >= 0:
-        if hk[i] == key:
+    while tab[i, 1] >= 0:
+        if tab[i, 0] == key:
             return i
         i = (i + 1) & mask
     return -1 - i
 
 
 @_jit
-def km_get(hk, hv, meta, key):  # type: ignore[no-untyped-def]
+def km_get(tab, meta, key):  # type: ignore[no-untyped-def]
     """The slot of ``key`` (-1: absent)."""
-    i = _km_index(hk, hv, meta[1], key)
-    return hv[i] if i >= 0 else -1
+    i = _km_index(tab, meta[1], key)
+    return tab[i, 1] if i >= 0 else -1
 
 
 @_jit
-def km_lookup(hk, hv, meta, keys, out):  # type: ignore[no-untyped-def]
+def km_lookup(tab, meta, keys, out):  # type: ignore[no-untyped-def]
     """``out[j]``: the slot of ``keys[j]`` (-1: absent)."""
     shift = meta[1]
     for j in range(keys.size):
-        i = _km_index(hk, hv, shift, keys[j])
-        out[j] = hv[i] if i >= 0 else -1
+        i = _km_index(tab, shift, keys[j])
+        out[j] = tab[i, 1] if i >= 0 else -1
 
 
 @_jit
-def km_put(hk, hv, meta, keys, vals):  # type: ignore[no-untyped-def]
+def km_put(tab, meta, keys, vals):  # type: ignore[no-untyped-def]
     """Map each of ``keys`` to the value at the same position (replacing a present key's)."""
     shift = meta[1]
     for j in range(keys.size):
-        i = _km_index(hk, hv, shift, keys[j])
+        i = _km_index(tab, shift, keys[j])
         if i < 0:
             i = -1 - i
-            hk[i] = keys[j]
+            tab[i, 0] = keys[j]
             meta[0] += 1
-        hv[i] = vals[j]
+        tab[i, 1] = vals[j]
 
 
 @_jit
-def _km_remove_at(hk, hv, shift, i):  # type: ignore[no-untyped-def]
+def _km_remove_at(tab, shift, i):  # type: ignore[no-untyped-def]
     """Empty cell ``i``, moving back the later entries of its probe run that may live there."""
-    mask = hk.size - 1
+    mask = tab.shape[0] - 1
     j = i
     while True:
         j = (j + 1) & mask
-        if hv[j] < 0:
+        if tab[j, 1] < 0:
             break
-        h = _km_home(hk[j], shift)
+        h = _km_home(tab[j, 0], shift)
         if (j > i and (h <= i or h > j)) or (j < i and h <= i and h > j):  # home not in (i, j]
-            hk[i] = hk[j]
-            hv[i] = hv[j]
+            tab[i, 0] = tab[j, 0]
+            tab[i, 1] = tab[j, 1]
             i = j
-    hv[i] = -1
+    tab[i, 1] = -1
 
 
 @_jit
-def km_remove(hk, hv, meta, keys, out):  # type: ignore[no-untyped-def]
+def km_remove(tab, meta, keys, out):  # type: ignore[no-untyped-def]
     """Remove each of ``keys``; ``out[j]``: the slot it had (-1: it was absent)."""
     shift = meta[1]
     for j in range(keys.size):
-        i = _km_index(hk, hv, shift, keys[j])
+        i = _km_index(tab, shift, keys[j])
         if i < 0:
             out[j] = -1
             continue
-        out[j] = hv[i]
-        _km_remove_at(hk, hv, shift, i)
+        out[j] = tab[i, 1]
+        _km_remove_at(tab, shift, i)
         meta[0] -= 1
 
 
 @_jit
-def register_few(h, parent, need_parent, c, hk, hv, meta, node_key, node_pos, node_kv, node_ck, node_tok, tokens,  # type: ignore[no-untyped-def]
+def register_few(h, parent, need_parent, c, tab, meta, node_key, node_pos, node_kv, node_ck, node_tok, tokens,  # type: ignore[no-untyped-def]
                  start, blocks, node_of, lfpb, rank, lin, quad, per, free, n_free, out):
     """``PrefixCache._register_few`` with the key map above: blocks ``start, start + 1, ...`` of
     ``tokens`` (block hashes ``h``, uint64) after the chain key ``parent``. Each block's chain key
@@ -471,22 +472,22 @@ def register_few(h, parent, need_parent, c, hk, hv, meta, node_key, node_pos, no
     (``meta[2]``: its most keys), or ``need_parent`` and ``parent`` has no node."""
     bs = node_tok.shape[1]
     shift = meta[1]
-    if n_free < h.size or meta[0] + h.size > meta[2] or (need_parent and _km_index(hk, hv, shift, parent) < 0):
+    if n_free < h.size or meta[0] + h.size > meta[2] or (need_parent and _km_index(tab, shift, parent) < 0):
         return n_free, -1, 0
     key = np.uint64(parent)
     created, mapped = 0, 0
     for i in range(h.size):
         key = c * key + h[i]
         signed = np.int64(key)
-        cell = _km_index(hk, hv, shift, signed)
+        cell = _km_index(tab, shift, signed)
         if cell >= 0:
-            slot = hv[cell]
+            slot = tab[cell, 1]
         else:
             n_free -= 1
             slot = free[n_free]
             cell = -1 - cell
-            hk[cell] = signed
-            hv[cell] = slot
+            tab[cell, 0] = signed
+            tab[cell, 1] = slot
             meta[0] += 1
             created += 1
             j = start + i

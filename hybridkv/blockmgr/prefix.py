@@ -722,7 +722,7 @@ class PrefixCache:
         the chain's last key (the parent) has no node (the caller re-creates it)."""
         sm, out, (lin, quad), n = self._slot, self._reg_out, self._flops, h.size
         n_free, created, mapped = kernels.register_few(
-            h, keys[-1] if start else ROOT_KEY, check and start > 0, _C64, sm.hk, sm.hv, sm.meta, self._key,
+            h, keys[-1] if start else ROOT_KEY, check and start > 0, _C64, sm.tab, sm.meta, self._key,
             self._pos, self._kv, self._ck, self._tok, tokens, start, kv_blocks[start : start + n], self._node_of,
             self._lfpb, self._rank_flops, lin, quad, self._bytes_per_block, self._free, self._n_free, out)
         if created < 0:
@@ -929,6 +929,16 @@ class PrefixCache:
         slot = self._slot.get(key)
         return slot is not None and self._ck[slot] >= 0
 
+    def checkpoint_protect(self, key: int) -> np.ndarray | None:
+        """None when node ``key`` holds a checkpoint already; else what the eviction that makes room
+        for a checkpoint there must keep: the KV block the node caches (empty if none)."""
+        slot = self._slot.get(key)
+        if slot is None:
+            return _EMPTY
+        if self._ck[slot] >= 0:
+            return None
+        return self._kv[slot : slot + 1].copy() if self._kv[slot] else _EMPTY
+
     def add_checkpoint(self, slot: int, blocks: np.ndarray) -> None:
         """Node ``slot`` (from :meth:`ensure`) now holds the checkpoint ``blocks`` (flat state set ids)."""
         key = int(self._key[slot])
@@ -1095,7 +1105,7 @@ class PrefixCache:
             marks = np.concatenate((protect.astype(np.int64), np.array(held, dtype=np.int64))) + nb
             passed[marks] = True
         if kernels.ENABLED:  # the same victims and queue, in one compiled scan
-            out = np.empty(self._tail - self._head, dtype=np.int64)
+            out = np.empty(min(self._tail - self._head, target), dtype=np.int64)  # (each victim frees >= 1)
             count, self._head = kernels.lru_victims(
                 self._fifo, self._fifo_ord, self._head, self._tail, self._q_live, self._q_order, passed, nb, nsb,
                 target, marks.size if any_passed else 0, out)

@@ -26,15 +26,15 @@ _MIN_SIZE = 1024
 class SlotMap:
     """Chain key -> slot, open addressing (see :mod:`hybridkv.blockmgr.kernels`)."""
 
-    __slots__ = ("hk", "hv", "meta")
+    __slots__ = ("tab", "meta")
 
     def __init__(self, capacity: int = 0) -> None:
         self._alloc(max(capacity, 1))
 
     def _alloc(self, capacity: int) -> None:
         size = max(_MIN_SIZE, 1 << (2 * capacity - 1).bit_length())  # >= 2 * capacity
-        self.hk = np.zeros(size, dtype=np.int64)
-        self.hv = np.full(size, -1, dtype=np.int64)
+        self.tab = np.zeros((size, 2), dtype=np.int64)  # [key, slot] per cell, slot -1: empty
+        self.tab[:, 1] = -1
         self.meta = np.array([0, 64 - (size.bit_length() - 1), size // 2], dtype=np.int64)  # count, shift, most keys
 
     def reserve(self, n: int) -> None:
@@ -43,28 +43,28 @@ class SlotMap:
         if count + n > most:
             keys, vals = self._arrays()
             self._alloc(int(count) + n)
-            kernels.km_put(self.hk, self.hv, self.meta, keys, vals)
+            kernels.km_put(self.tab, self.meta, keys, vals)
 
     def _arrays(self) -> tuple[np.ndarray, np.ndarray]:
-        used = self.hv >= 0
-        return self.hk[used], self.hv[used]
+        used = self.tab[:, 1] >= 0
+        return self.tab[used, 0], self.tab[used, 1]
 
     # ---- bulk, on int64 arrays -----------------------------------------------------------------
     def lookup(self, keys: np.ndarray) -> np.ndarray:
         """The slots of ``keys`` (int64; -1: absent)."""
         out = np.empty(keys.size, dtype=np.int64)
-        kernels.km_lookup(self.hk, self.hv, self.meta, keys, out)
+        kernels.km_lookup(self.tab, self.meta, keys, out)
         return out
 
     def put(self, keys: np.ndarray, slots: np.ndarray) -> None:
         """Map ``keys[i]`` to ``slots[i]`` (int64 arrays)."""
         self.reserve(keys.size)
-        kernels.km_put(self.hk, self.hv, self.meta, keys, slots)
+        kernels.km_put(self.tab, self.meta, keys, slots)
 
     def remove(self, keys: np.ndarray) -> np.ndarray:
         """Remove ``keys``; the slots they had (-1: absent)."""
         out = np.empty(keys.size, dtype=np.int64)
-        kernels.km_remove(self.hk, self.hv, self.meta, keys, out)
+        kernels.km_remove(self.tab, self.meta, keys, out)
         return out
 
     # ---- the dict operations -------------------------------------------------------------------
@@ -72,14 +72,14 @@ class SlotMap:
         return int(self.meta[0])
 
     def get(self, key: int, default: int | None = None) -> int | None:
-        slot = kernels.km_get(self.hk, self.hv, self.meta, key)
+        slot = kernels.km_get(self.tab, self.meta, key)
         return default if slot < 0 else slot
 
     def __contains__(self, key: int) -> bool:
-        return kernels.km_get(self.hk, self.hv, self.meta, key) >= 0
+        return kernels.km_get(self.tab, self.meta, key) >= 0
 
     def __getitem__(self, key: int) -> int:
-        slot = kernels.km_get(self.hk, self.hv, self.meta, key)
+        slot = kernels.km_get(self.tab, self.meta, key)
         if slot < 0:
             raise KeyError(key)
         return slot
