@@ -44,10 +44,12 @@ class CheckpointMixin:
         the end of finished requests for the next turn take it.
         """
         rec = self._running(request_id)
-        self.mark_computed(request_id, rec.num_tokens)
-        cache = self.prefix_cache
-        pos, bs = rec.num_tokens, self.block_size
-        if cache is None or rec.token_ids is None or pos % bs or pos // bs > len(rec.block_keys):
+        cache, pos, bs = self.prefix_cache, rec.num_tokens, self.block_size
+        if cache is None or rec.token_ids is None:
+            return _NO_COPIES
+        if pos // bs > len(rec.block_keys):  # mark_computed(request_id, pos), on the record
+            cache.register(rec.token_ids, rec.block_keys, rec.kv_blocks, pos)
+        if pos % bs or pos // bs > len(rec.block_keys):
             return _NO_COPIES
         below = self._checkpoint_below(rec, pos)
         if not cache.wants_checkpoint(pos, len(rec.token_ids), rec.branch_tokens, final, below):

@@ -121,6 +121,17 @@ class TokenArray:
         self._buf[self._n : end] = arr
         self._n = end
 
+    def same_as(self, other: TokenArray | np.ndarray) -> bool:
+        """Whether ``other`` holds exactly these tokens (compared, not assumed)."""
+        view = other.view() if isinstance(other, TokenArray) else other
+        return view.size == self._n and np.array_equal(view, self.view())
+
+    def adopt_hashes(self, other: TokenArray) -> None:
+        """Keep ``other``'s block hashes when it holds the same tokens and has hashed more blocks
+        (a scheduler asks about a request's tokens, then admits it: hashed once)."""
+        if other._hashes.size > self._hashes.size and (self._hash_bs in (0, other._hash_bs)) and self.same_as(other):
+            self._hashes, self._hash_bs = other._hashes, other._hash_bs
+
     def copy(self) -> TokenArray:
         out = TokenArray(self.view())
         out._hashes, out._hash_bs = self._hashes, self._hash_bs  # same tokens, same hashes

@@ -242,10 +242,11 @@ def lru_victims(fifo, ords, head, tail, q_live, q_order, passed, nb, ck_blocks, 
     An entry is live when ``q_live[unit]`` and ``q_order[unit] == ords[pos]`` (``unit``: the code,
     or ``nb + checkpoint id``); live entries marked in ``passed[code + nb]`` (``n_marks`` marks) are
     passed over and stay queued. The shortest prefix of the rest freeing ``target`` blocks (a
-    checkpoint frees ``ck_blocks``) goes into ``out``; the queue's front up to the last victim keeps
-    only its passed-over entries (moved up, in order). Returns ``(victims, new head)``."""
+    checkpoint frees ``ck_blocks``) are the victims, in order: KV block ids into ``out[0]``,
+    checkpoint ids into ``out[1]``; the queue's front up to the last victim keeps only its
+    passed-over entries (moved up, in order). Returns ``(KV victims, checkpoint victims, new head)``."""
     held = np.empty(n_marks, dtype=np.int64)
-    got, count, nh, last = 0, 0, 0, -1
+    got, count, n_ck, nh, last = 0, 0, 0, 0, -1
     for p in range(head, tail):
         if got >= target:
             break
@@ -257,12 +258,17 @@ def lru_victims(fifo, ords, head, tail, q_live, q_order, passed, nb, ck_blocks, 
             held[nh] = p
             nh += 1
             continue
-        out[count] = code
+        if code >= 0:
+            out[0, count - n_ck] = code
+            got += 1
+        else:
+            out[1, n_ck] = -1 - code
+            n_ck += 1
+            got += ck_blocks
         count += 1
-        got += 1 if code >= 0 else ck_blocks
         last = p
     if not count:
-        return 0, head
+        return 0, 0, head
     k = 0
     while k < nh and held[k] < last:
         k += 1
@@ -271,7 +277,7 @@ def lru_victims(fifo, ords, head, tail, q_live, q_order, passed, nb, ck_blocks, 
     for i in range(k):
         fifo[new_head + i] = keep_codes[i]
         ords[new_head + i] = keep_ords[i]
-    return count, new_head
+    return count - n_ck, n_ck, new_head
 
 
 # ---- flop_aware ranking ---------------------------------------------------------------------------

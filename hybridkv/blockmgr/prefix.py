@@ -266,6 +266,7 @@ class PrefixCache:
         self._flops = flop_coefficients(layout.model)
         self._bytes_per_block = layout.bytes_per_block
         self._rank_flops = self.config.eviction is EvictionPolicy.FLOP_AWARE
+        self._recent: TokenArray | None = None  # the tokens last matched (see _recent_tokens)
         self._chain_memo = bool(manager.num_state_groups) and (
             self.config.demote_tail or self.config.checkpoint is CheckpointPolicy.BRANCH_SPACED)
 
@@ -493,22 +494,17 @@ class PrefixCache:
         """The longest hit within ``min(max_tokens, len(token_ids) - 1)`` tokens (one token is
         always left to compute, so the forward has logits to sample). A :class:`TokenArray` (the
         admission's) keeps the block hashes computed here for the registration that follows."""
-        memo = token_ids if isinstance(token_ids, TokenArray) else None
-        tokens = memo.view() if memo is not None else as_token_array(token_ids)
+        memo = self._recent_tokens(token_ids)
+        tokens = memo.view()
         bs = self.block_size
         limit = (tokens.size - 1) // bs  # the chain over the whole input: branch point
         max_blocks = min(max(max_tokens, 0), tokens.size - 1) // bs
         if limit <= 0 or not self._slot:
             return _miss()
-        if memo is not None:
-            h = memo.block_hashes(limit, bs)
-            if self.m._has_kv and key_from_hash(int(h[0]), ROOT_KEY) not in self._slot:
-                return _miss()  # the first block is not cached: a miss
-            karr = keys_from_hashes(h[:limit])
-        elif self.m._has_kv and chain_keys_array(tokens, bs, 0, 1)[0] not in self._slot:
-            return _miss()  # the first block is not cached: a miss without hashing the rest
-        else:
-            karr = chain_keys_array(tokens, bs, 0, limit)
+        h = memo.block_hashes(limit, bs)
+        if self.m._has_kv and key_from_hash(int(h[0]), ROOT_KEY) not in self._slot:
+            return _miss()  # the first block is not cached: a miss
+        karr = keys_from_hashes(h[:limit])
         keys = karr.tolist()
         slots = self._lookup(karr if self._fast else keys)
         ok = self._verified(slots, tokens)
@@ -530,6 +526,23 @@ class PrefixCache:
             return PrefixHit(best * bs, kv, None, n * bs, keys[:best], None)
         ck = int(self._ck[s[best - 1]])
         return PrefixHit(best * bs, kv, keys[best - 1], n * bs, keys[:best], self._ck_ids[ck])
+
+    def _recent_tokens(self, token_ids: Sequence[int] | np.ndarray | TokenArray) -> TokenArray:
+        """``token_ids`` as a :class:`TokenArray` whose block hashes serve the next match of the same
+        tokens: a scheduler asks about a request (``match_prefix``, ``can_allocate``), then admits it
+        (``allocate``, whose registration reuses them). The array last matched is kept; tokens equal
+        to it (compared) share its hashes."""
+        recent = self._recent
+        if isinstance(token_ids, TokenArray):
+            if recent is not None and recent is not token_ids:
+                token_ids.adopt_hashes(recent)
+            self._recent = token_ids
+            return token_ids
+        tokens = as_token_array(token_ids)
+        if recent is not None and recent.same_as(tokens):
+            return recent
+        self._recent = memo = TokenArray(tokens)
+        return memo
 
     def _match_state_only(self, keys: list[int], slots: np.ndarray, ok: np.ndarray, max_blocks: int) -> PrefixHit:
         """No KV: a hit needs only the deepest checkpoint on the request's chain (chain keys hash
@@ -1102,18 +1115,17 @@ class PrefixCache:
         passed = self._passed  # marked for this call, cleared before returning
         any_passed = bool(protect.size or held)
         if any_passed:
-            marks = np.concatenate((protect.astype(np.int64), np.array(held, dtype=np.int64))) + nb
+            marks = np.array(protect.tolist() + held, dtype=np.int64)
+            marks += nb
             passed[marks] = True
         if kernels.ENABLED:  # the same victims and queue, in one compiled scan
-            out = np.empty(min(self._tail - self._head, target), dtype=np.int64)  # (each victim frees >= 1)
-            count, self._head = kernels.lru_victims(
+            out = np.empty((2, min(self._tail - self._head, target)), dtype=np.int64)  # (each victim frees >= 1)
+            n_kv, n_ck, self._head = kernels.lru_victims(
                 self._fifo, self._fifo_ord, self._head, self._tail, self._q_live, self._q_order, passed, nb, nsb,
                 target, marks.size if any_passed else 0, out)
             if any_passed:
                 passed[marks] = False
-            victims = out[:count]
-            is_ck = victims < 0
-            return victims[~is_ck], -1 - victims[is_ck]
+            return out[0, :n_kv], out[1, :n_ck]
         parts, held_parts, end, step, got, n_ck = [], [], self._head, target + target // 4 + 64, 0, 0
         while got < target and end < self._tail:  # live, unprotected entries from the front
             stop = min(end + step, self._tail)
