@@ -354,26 +354,54 @@ def flop_aware_victims(cand, is_ck, ticks, lfpb, alpha, target, ck_blocks, buf):
         lo, hi = min(lo, util[c]), max(hi, util[c])
         tlo, thi = min(tlo, tick[c]), max(thi, tick[c])
     span, tspan = hi - lo, thi - tlo
+    ulo, uhi = np.inf, -np.inf
     for c in range(count):  # _norm(lfpb) * alpha + _norm(tick), operation for operation
         u = (util[c] - lo) / span if span > 0 else 0.0
         u *= alpha
-        util[c] = u + ((tick[c] - tlo) / tspan if tspan > 0 else 0.0)
-    # the victims are a prefix of the order, at most target candidates long: rank only the
-    # candidates at or below the target-th utility (ties included)
-    if target < count:
-        bound = np.partition(util, target - 1)[target - 1]
-        near = np.nonzero(util <= bound)[0]
-        ids, util, tick = ids[near], util[near], tick[near]
-    # secondary key: a KV block's id (below nb), nb + a checkpoint's tick; then the id
-    key = np.empty(ids.size, dtype=np.float64)
-    for c in range(ids.size):
-        key[c] = tick[c] + nb if is_ck[ids[c]] else ids[c]
-    ids = ids[_sort_by(util, key)]
-    n, freed = 0, 0
-    while n < ids.size and freed < target:
-        freed += ck_blocks if is_ck[ids[n]] else 1
-        n += 1
-    ids = ids[:n]
+        u += (tick[c] - tlo) / tspan if tspan > 0 else 0.0
+        util[c] = u
+        ulo, uhi = min(ulo, u), max(uhi, u)
+    # The order is by utility first, so it is the order of any monotone bucketing of the
+    # utilities, each bucket ranked alone: bucket the candidates (a counting sort, stable), then
+    # rank bucket by bucket, only until the victims free target blocks (usually a few checkpoints,
+    # from the first buckets). Equal utilities share a bucket.
+    nbk = min(count, 4096)
+    scale = nbk / (uhi - ulo) if uhi > ulo else 0.0
+    bucket = np.empty(count, dtype=np.int64)
+    first = np.zeros(nbk + 1, dtype=np.int64)
+    for c in range(count):
+        b = min(int((util[c] - ulo) * scale), nbk - 1)
+        bucket[c] = b
+        first[b + 1] += 1
+    for b in range(nbk):
+        first[b + 1] += first[b]
+    fill = first[:nbk].copy()
+    members = np.empty(count, dtype=np.int64)  # candidates by bucket, ascending within each
+    for c in range(count):
+        members[fill[bucket[c]]] = c
+        fill[bucket[c]] += 1
+    out = np.empty(count, dtype=np.int64)
+    n, freed, b = 0, 0, 0
+    while freed < target and b < nbk:
+        ranked = members[first[b] : first[b + 1]]
+        m = ranked.size
+        if m > 1:  # by utility, then a KV block's id (below nb) or nb + a checkpoint's tick, then the id
+            u = np.empty(m, dtype=np.float64)
+            key = np.empty(m, dtype=np.float64)
+            for q in range(m):
+                c = ranked[q]
+                u[q] = util[c]
+                key[q] = tick[c] + nb if is_ck[ids[c]] else ids[c]
+            ranked = ranked[_sort_by(u, key)]
+        for q in range(m):
+            if freed >= target:
+                break
+            i = ids[ranked[q]]
+            out[n] = i
+            n += 1
+            freed += ck_blocks if is_ck[i] else 1
+        b += 1
+    ids = out[:n]
     mask = is_ck[ids]
     return ids[~mask], ids[mask]
 
