@@ -136,3 +136,20 @@ def test_token_arrays_of_every_length_convert_exactly_and_reject_bad_ids(n):
     for text in ("a" * n, b"a" * n, bytearray(n)):
         with pytest.raises(TypeError):
             as_token_array(text)
+
+
+def test_token_arrays_adopt_hashes_only_from_the_same_tokens():
+    rng = np.random.default_rng(2)
+    a = TokenArray(rng.integers(0, 1000, 40))
+    a.block_hashes(5, 8)
+    same, other = TokenArray(a.view().copy()), TokenArray(a.view().copy())
+    other.extend([])  # (no change)
+    other._buf[3] += 1  # one token differs
+    assert same.same_as(a) and same.same_as(a.view()) and not other.same_as(a)
+    same.adopt_hashes(a)
+    other.adopt_hashes(a)
+    assert same._hashes is a._hashes and other._hashes.size == 0
+    assert other.block_hashes(5, 8).tolist() == block_hashes(other.view().reshape(5, 8)).tolist()
+    shorter = TokenArray(a.view()[:32].copy())
+    shorter.adopt_hashes(a)  # another length: not the same tokens
+    assert shorter._hashes.size == 0

@@ -490,3 +490,31 @@ def test_compiled_lru_scan_gives_the_numpy_victims_and_queue(data):
                         cache._fifo_ord[queue].tolist()))
         assert got[0] == got[1]
         cache._fifo, cache._fifo_ord, cache._head, cache._tail = state
+
+
+def test_a_repeated_match_reuses_hashes_but_never_serves_changed_tokens():
+    """The cache keeps the tokens it last matched and reuses their block hashes for a match of
+    the same tokens; a list changed in place between two asks (same object, same length) must
+    get the answer for its new content, and a first block that misses is found without hashing
+    the rest."""
+    m = cached_manager()
+    prefill(m, "a", PREFIX + [1, 2, 3, 4, 5])
+    m.free("a")
+    asked = PREFIX + [7, 8, 9]
+    assert m.match_prefix(asked) == 12
+    cache = m.prefix_cache
+    memo = cache._recent
+    assert memo is not None and memo.tolist() == asked
+    assert m.match_prefix(asked) == 12 and cache._recent is memo  # reused, not rebuilt
+    asked[0] = 999  # the same list object, changed in place: the first block now misses
+    assert m.match_prefix(asked) == 0 and cache._recent is memo  # (no array made for a miss)
+    asked[0] = PREFIX[0]
+    asked[5] = 999  # the second block differs: a hit at the first block's checkpoint only
+    assert m.match_prefix(asked) == 4 and cache._recent is not memo
+    second = cache._recent
+    alloc = m.allocate("b", 8, token_ids=asked)  # the record's array adopts the hashes (same tokens)
+    assert alloc.num_cached_tokens == 4
+    rec = m.requests["b"]
+    assert rec.token_ids is not second and rec.token_ids._hashes is second._hashes
+    assert cache._recent is rec.token_ids
+    m.check_integrity()

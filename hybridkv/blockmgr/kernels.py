@@ -1,5 +1,6 @@
-"""Compiled loops for the paths that numpy cannot vectorize well: the pool's free extents, the LRU
-queue's scan and ``flop_aware``'s eviction ranking.
+"""Compiled loops for the paths that numpy cannot vectorize well: the pool's free extents, the prefix
+cache's key -> slot map and the registration of a few blocks into it, the LRU queue's scan,
+``flop_aware``'s eviction ranking, and scattered writes with int32 ids.
 
 Optional: with numba installed (``pip install hybridkv[jit]``; vLLM already depends on it) the
 functions below are compiled on first use and cached on disk; without it, or with the environment

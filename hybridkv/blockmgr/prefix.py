@@ -10,7 +10,9 @@
   (:class:`EvictionPolicy`) choose what to drop when the pool runs short.
 
 Data layout: nodes live in numpy arrays indexed by a **slot** (key, position, KV block, checkpoint,
-the block's token ids); one dict maps chain keys to slots. Per-block state (evictable, tick, LRU
+the block's token ids); one map takes chain keys to slots (a dict, or with the compiled kernels a
+:class:`~hybridkv.blockmgr.slotmap.SlotMap`, into which a prefill chunk's blocks register in one
+compiled call). Free slots are a stack (an array). Per-block state (evictable, tick, LRU
 order, FLOPs per byte) lives in arrays indexed by block id, per-checkpoint state in arrays indexed by
 the checkpoint's first block id. Matching, registration, release and eviction work on whole
 requests at once: no Python object per cached block.
@@ -495,6 +497,8 @@ class PrefixCache:
         always left to compute, so the forward has logits to sample). A :class:`TokenArray` (the
         admission's) keeps the block hashes computed here for the registration that follows."""
         memo = self._recent_tokens(token_ids)
+        if memo is None:
+            return _miss()  # the first block is not cached: a miss without hashing the rest
         tokens = memo.view()
         bs = self.block_size
         limit = (tokens.size - 1) // bs  # the chain over the whole input: branch point
@@ -527,11 +531,12 @@ class PrefixCache:
         ck = int(self._ck[s[best - 1]])
         return PrefixHit(best * bs, kv, keys[best - 1], n * bs, keys[:best], self._ck_ids[ck])
 
-    def _recent_tokens(self, token_ids: Sequence[int] | np.ndarray | TokenArray) -> TokenArray:
+    def _recent_tokens(self, token_ids: Sequence[int] | np.ndarray | TokenArray) -> TokenArray | None:
         """``token_ids`` as a :class:`TokenArray` whose block hashes serve the next match of the same
         tokens: a scheduler asks about a request (``match_prefix``, ``can_allocate``), then admits it
         (``allocate``, whose registration reuses them). The array last matched is kept; tokens equal
-        to it (compared) share its hashes."""
+        to it (compared) share its hashes. None: raw token ids (not a ``TokenArray``) of a KV model
+        whose first block is not cached, a miss found by hashing that block alone."""
         recent = self._recent
         if isinstance(token_ids, TokenArray):
             if recent is not None and recent is not token_ids:
@@ -541,6 +546,9 @@ class PrefixCache:
         tokens = as_token_array(token_ids)
         if recent is not None and recent.same_as(tokens):
             return recent
+        bs = self.block_size
+        if self.m._has_kv and tokens.size > bs and chain_keys_array(tokens, bs, 0, 1)[0] not in self._slot:
+            return None
         self._recent = memo = TokenArray(tokens)
         return memo
 
