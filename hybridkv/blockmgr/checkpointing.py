@@ -56,13 +56,15 @@ class CheckpointMixin:
             return _NO_COPIES
         key = rec.block_keys[pos // bs - 1]
         # the node must survive the eviction that makes room, so what it pins is not available
-        kv = cache.checkpoint_protect(key)
-        if kv is None:  # it has one
+        found = cache.checkpoint_protect(key)
+        if found is None:  # it has one
             return _NO_COPIES
+        slot, kv = found
         if self.num_state_blocks > self.num_available_blocks - cache.num_protected(kv):
             return _NO_COPIES
         self._make_room(self.num_state_blocks, protect=kv)
-        slot = cache.ensure(rec.token_ids.view(), rec.block_keys, rec.kv_blocks, pos // bs - 1)
+        if slot < 0:  # no node (its cached twin was evicted): re-created, with any missing ancestors
+            slot = cache.ensure(rec.token_ids.view(), rec.block_keys, rec.kv_blocks, pos // bs - 1)
         ids = self.pool.allocate(self.num_state_blocks)
         cache.add_checkpoint(slot, ids)
         # pinned: the live blocks it reads must not be reused (request finished, aborted, swapped

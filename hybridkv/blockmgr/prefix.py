@@ -950,27 +950,31 @@ class PrefixCache:
         slot = self._slot.get(key)
         return slot is not None and self._ck[slot] >= 0
 
-    def checkpoint_protect(self, key: int) -> np.ndarray | None:
-        """None when node ``key`` holds a checkpoint already; else what the eviction that makes room
-        for a checkpoint there must keep: the KV block the node caches (empty if none)."""
+    def checkpoint_protect(self, key: int) -> tuple[int, np.ndarray] | None:
+        """None when node ``key`` holds a checkpoint already; else its slot (-1: no node, see
+        :meth:`ensure`) and what the eviction that makes room for a checkpoint there must keep: the
+        KV block the node caches (empty if none). Kept, that block keeps the node (eviction removes
+        only the nodes of its victims), so the slot stays valid across that eviction."""
         slot = self._slot.get(key)
         if slot is None:
-            return _EMPTY
+            return -1, _EMPTY
         if self._ck[slot] >= 0:
             return None
-        return self._kv[slot : slot + 1].copy() if self._kv[slot] else _EMPTY
+        return slot, (self._kv[slot : slot + 1].copy() if self._kv[slot] else _EMPTY)
 
     def add_checkpoint(self, slot: int, blocks: np.ndarray) -> None:
         """Node ``slot`` (from :meth:`ensure`) now holds the checkpoint ``blocks`` (flat state set ids)."""
         key = int(self._key[slot])
-        assert self._ck[slot] < 0 and self._slot.get(key) == slot
+        assert self._ck[slot] < 0 and self._pos[slot] > 0  # a node, without a checkpoint
         ck = int(blocks[0])
         self._ck[slot] = ck
         self._ck_ids[ck] = blocks
         self._ck_node[ck] = slot
         self._ck_live[ck] = True
-        self._ticks[ck] = self._now()
-        self._ck_order[ck] = order = self._next_order(1)
+        self._tick += 1  # _now()
+        self._ticks[ck] = self._tick
+        self._ck_order[ck] = order = self._order  # _next_order(1)
+        self._order += 1
         self._enqueue_one(-1 - ck, order)
         if self._rank_flops:
             self._lfpb[ck] = math.log1p(prefill_flops(self._flops, int(self._pos[slot])) / self._ckpt_bytes)
