@@ -97,6 +97,24 @@ def _delete_key(k, n, key):  # type: ignore[no-untyped-def]
 
 
 @_jit
+def _replace_key(k, n, old, new):  # type: ignore[no-untyped-def]
+    """Replace ``old`` (present) by ``new`` (absent) in the ascending ``k[:n]``, moving only the keys
+    between their two places (an extent that grows or shrinks moves little in the length order)."""
+    i = _bisect(k, n, old)
+    if new < old:
+        j = _bisect(k, i, new)
+        while i > j:
+            k[i] = k[i - 1]
+            i -= 1
+    else:
+        j = _bisect(k, n, new) - 1  # (k[i] == old < new: j >= i)
+        while i < j:
+            k[i] = k[i + 1]
+            i += 1
+    k[i] = new
+
+
+@_jit
 def _delete_extent(s, e, n, j):  # type: ignore[no-untyped-def]
     for q in range(j, n - 1):
         s[q] = s[q + 1]
@@ -113,12 +131,12 @@ def take(s, e, k, n_ext, n, ref_counts, out):  # type: ignore[no-untyped-def]
     if i < n_ext:  # best fit
         key = k[i]
         length, start = key >> 32, key & _MASK
-        _delete_key(k, n_ext, key)
         j = _bisect(s, n_ext, start)
         if length > n:
             s[j] = start + n
-            _insert_key(k, n_ext - 1, ((length - n) << 32) | (start + n))
+            _replace_key(k, n_ext, key, ((length - n) << 32) | (start + n))
         else:
+            _delete_key(k, n_ext, key)
             _delete_extent(s, e, n_ext, j)
             n_ext -= 1
         for x in range(n):
@@ -165,8 +183,7 @@ def free_run(s, e, k, n_ext, start, end):  # type: ignore[no-untyped-def]
     after = j < n_ext and s[j] == end
     if before:
         prev = s[j - 1]
-        _delete_key(k, n_ext, ((start - prev) << 32) | prev)
-        nk = n_ext - 1
+        nk = n_ext
         if after:  # the run closes a gap
             last = e[j]
             _delete_key(k, nk, ((last - end) << 32) | end)
@@ -175,13 +192,12 @@ def free_run(s, e, k, n_ext, start, end):  # type: ignore[no-untyped-def]
             n_ext -= 1
             end = last
         e[j - 1] = end
-        _insert_key(k, nk, ((end - prev) << 32) | prev)
+        _replace_key(k, nk, ((start - prev) << 32) | prev, ((end - prev) << 32) | prev)
         return n_ext
     if after:
         last = e[j]
-        _delete_key(k, n_ext, ((last - end) << 32) | end)
         s[j] = start
-        _insert_key(k, n_ext - 1, ((last - start) << 32) | start)
+        _replace_key(k, n_ext, ((last - end) << 32) | end, ((last - start) << 32) | start)
         return n_ext
     q = n_ext
     while q > j:
