@@ -7,6 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hybridkv.blockmgr import kernels
 from hybridkv.blockmgr.hashing import (
     ROOT_KEY,
     TokenArray,
@@ -153,3 +154,21 @@ def test_token_arrays_adopt_hashes_only_from_the_same_tokens():
     shorter = TokenArray(a.view()[:32].copy())
     shorter.adopt_hashes(a)  # another length: not the same tokens
     assert shorter._hashes.size == 0
+
+
+@pytest.mark.skipif(kernels.numba is None, reason="numba is not installed")
+@settings(max_examples=60, deadline=None)
+@given(rows=st.integers(1, 9), bs=st.sampled_from([1, 4, 16, 64]), data=st.data())
+def test_compiled_block_hashes_equal_numpys(rows, bs, data):
+    """The compiled hash and the numpy one, bit for bit, on any int64 tokens (negative and huge
+    ones too: both hash the uint64 bits)."""
+    vals = data.draw(st.lists(st.integers(-(1 << 63), (1 << 63) - 1), min_size=rows * bs, max_size=rows * bs))
+    blocks = np.array(vals, dtype=np.int64).reshape(rows, bs)
+    got, was = {}, kernels.ENABLED
+    for enabled in (False, True):
+        kernels.ENABLED = enabled
+        try:
+            got[enabled] = block_hashes(blocks).tolist()
+        finally:
+            kernels.ENABLED = was
+    assert got[True] == got[False]

@@ -1,6 +1,6 @@
-"""Compiled loops for the paths that numpy cannot vectorize well: the pool's free extents, the prefix
-cache's key -> slot map and the registration of a few blocks into it, the LRU queue's scan,
-``flop_aware``'s eviction ranking, and scattered writes with int32 ids.
+"""Compiled loops for the paths that numpy cannot vectorize well: block hashes, the pool's free
+extents, the prefix cache's key -> slot map and the registration of a few blocks into it, the LRU
+queue's scan, ``flop_aware``'s eviction ranking, and scattered writes with int32 ids.
 
 Optional: with numba installed (``pip install hybridkv[jit]``; vLLM already depends on it) the
 functions below are compiled on first use and cached on disk; without it, or with the environment
@@ -62,6 +62,22 @@ def put(a: np.ndarray, ids: np.ndarray, value: int) -> None:
         _put(a, ids, value)
     else:
         a[ids] = value
+
+
+# ---- block hashes ---------------------------------------------------------------------------------
+@_jit
+def hash_blocks(blocks, salt, m1, out):  # type: ignore[no-untyped-def]
+    """``hashing.block_hashes`` in one pass: ``out[r] = sum_c mix((blocks[r, c] + salt[c]) * m1)``
+    with ``mix(x) = x ^ (x >> 29)``, all mod 2**64 (uint64; the int64 tokens' bits)."""
+    n, bs = blocks.shape
+    sh = np.uint64(29)
+    for r in range(n):
+        acc = np.uint64(0)
+        for c in range(bs):
+            x = (np.uint64(blocks[r, c]) + salt[c]) * m1
+            x ^= x >> sh
+            acc += x
+        out[r] = acc
 
 
 # ---- free extents ---------------------------------------------------------------------------------
