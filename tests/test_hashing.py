@@ -16,6 +16,7 @@ from hybridkv.blockmgr.hashing import (
     chain_key,
     chain_keys,
     chain_keys_array,
+    keys_from_hashes,
 )
 
 MASK = (1 << 64) - 1
@@ -172,3 +173,25 @@ def test_compiled_block_hashes_equal_numpys(rows, bs, data):
         finally:
             kernels.ENABLED = was
     assert got[True] == got[False]
+
+
+@pytest.mark.skipif(kernels.numba is None, reason="numba is not installed")
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(0, 60), parent=st.integers(-(1 << 63), (1 << 63) - 1), seed=st.integers(0, 2**32 - 1))
+def test_compiled_chain_keys_equal_the_python_and_numpy_ones(n, parent, seed):
+    """Chain keys of n block hashes after a parent: the compiled recurrence, the Python one (up to
+    24 blocks) and numpy's cumulative sum (more) give the same int64 keys."""
+    h = np.random.default_rng(seed).integers(0, 2**64 - 1, n, dtype=np.uint64, endpoint=True)
+    got, was = {}, kernels.ENABLED
+    for enabled in (False, True):
+        kernels.ENABLED = enabled
+        try:
+            got[enabled] = keys_from_hashes(h, parent).tolist()
+        finally:
+            kernels.ENABLED = was
+    assert got[True] == got[False]
+    key, want = parent & MASK, []
+    for x in h.tolist():
+        key = (0x9E3779B97F4A7C15 * key + x) & MASK
+        want.append(key - (1 << 64) if key >> 63 else key)
+    assert got[True] == want

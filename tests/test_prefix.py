@@ -518,3 +518,28 @@ def test_a_repeated_match_reuses_hashes_but_never_serves_changed_tokens():
     assert rec.token_ids is not second and rec.token_ids._hashes is second._hashes
     assert cache._recent is rec.token_ids
     m.check_integrity()
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_block_whose_key_matches_but_whose_tokens_differ_is_not_a_hit(compiled, monkeypatch):
+    """Equal chain keys are not trusted alone: a cached block whose token ids differ from the
+    request's anywhere (here its last token: a forged hash collision) ends the hit before it, with
+    the numpy comparison and the compiled one."""
+    if compiled and kernels.numba is None:
+        pytest.skip("numba is not installed")
+    monkeypatch.setattr(kernels, "ENABLED", compiled)
+    m = cached_manager()  # a checkpoint at every block
+    prefill(m, "a", PREFIX + [1, 2, 3, 4, 5])
+    m.free("a")
+    asked = PREFIX + [7, 8, 9]
+    assert m.match_prefix(asked) == 12
+    cache = m.prefix_cache
+    keys = chain_keys(PREFIX, 4)
+    for j, pos in ((1, 3), (2, 0)):  # block 1's last token, block 2's first
+        slot = cache._slot[keys[j]]
+        was = int(cache._tok[slot, pos])
+        cache._tok[slot, pos] = was + 1000
+        cache._recent = None  # (no memo of the earlier answer's hashes: they are right anyway)
+        assert m.match_prefix(asked) == 4 * j
+        cache._tok[slot, pos] = was
+    assert m.match_prefix(asked) == 12

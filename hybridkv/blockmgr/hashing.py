@@ -198,6 +198,10 @@ def chain_keys_array(tokens: np.ndarray, block_size: int, start: int = 0, end: i
 def keys_from_hashes(h: np.ndarray, parent: int = ROOT_KEY) -> np.ndarray:
     """Chain keys (int64) of consecutive blocks with block hashes ``h`` (uint64), after ``parent``."""
     n = h.size
+    if kernels.ENABLED:  # the recurrence, compiled
+        out = np.empty(n, dtype=np.int64)
+        kernels.chain_keys(h, parent, np.uint64(_C), out)
+        return out
     if n <= _SMALL:  # a few blocks (a prefill chunk, a decode block): the recurrence on Python ints
         keys, key = [], parent & _MASK
         for x in h.tolist():

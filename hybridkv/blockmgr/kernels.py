@@ -80,6 +80,30 @@ def hash_blocks(blocks, salt, m1, out):  # type: ignore[no-untyped-def]
         out[r] = acc
 
 
+@_jit
+def chain_keys(h, parent, c, out):  # type: ignore[no-untyped-def]
+    """``out[j]``: the chain key ``c * key + h[j]`` (mod 2**64, as int64) of block ``j``, after the
+    key ``parent`` (``hashing.keys_from_hashes``)."""
+    key = np.uint64(parent)
+    for j in range(h.size):
+        key = c * key + h[j]
+        out[j] = np.int64(key)
+
+
+@_jit
+def rows_equal(tok, slots, tokens, out):  # type: ignore[no-untyped-def]
+    """``out[j] &= tok[slots[j]] == tokens[j * bs : (j + 1) * bs]`` for each ``j`` where ``out[j]``
+    (``bs``: ``tok``'s row length; a row stops at its first difference)."""
+    bs = tok.shape[1]
+    for j in range(slots.size):
+        if out[j]:
+            row, base = slots[j], j * bs
+            for c in range(bs):
+                if tok[row, c] != tokens[base + c]:
+                    out[j] = False
+                    break
+
+
 # ---- free extents ---------------------------------------------------------------------------------
 @_jit
 def _bisect(a, n, x):  # type: ignore[no-untyped-def]

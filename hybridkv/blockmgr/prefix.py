@@ -487,6 +487,9 @@ class PrefixCache:
         ok = slots >= 0
         if not n or not ok.any():
             return ok
+        if kernels.ENABLED:  # row by row, no gathered copy
+            kernels.rows_equal(self._tok, slots, tokens, ok)
+            return ok
         s = np.where(ok, slots, 0)
         ok &= (self._tok[s] == tokens[: n * bs].reshape(n, bs)).all(axis=1)
         return ok
