@@ -26,6 +26,7 @@ from hybridkv.blockmgr import kernels
 ROOT_KEY = 0
 _MASK = (1 << 64) - 1
 _C = 0x9E3779B97F4A7C15  # odd: invertible mod 2**64
+_C64 = np.uint64(_C)
 _C_INV = pow(_C, -1, 1 << 64)
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _S29 = np.uint64(29)
@@ -166,7 +167,7 @@ def _salt(block_size: int) -> np.ndarray:
     salt = _SALTS.get(block_size)
     if salt is None:
         with np.errstate(over="ignore"):
-            salt = (np.arange(1, block_size + 1, dtype=np.uint64) * np.uint64(_C)).astype(np.uint64)
+            salt = (np.arange(1, block_size + 1, dtype=np.uint64) * _C64).astype(np.uint64)
         _SALTS[block_size] = salt
     return salt
 
@@ -200,7 +201,7 @@ def keys_from_hashes(h: np.ndarray, parent: int = ROOT_KEY) -> np.ndarray:
     n = h.size
     if kernels.ENABLED:  # the recurrence, compiled
         out = np.empty(n, dtype=np.int64)
-        kernels.chain_keys(h, parent, np.uint64(_C), out)
+        kernels.chain_keys(h, parent, _C64, out)
         return out
     if n <= _SMALL:  # a few blocks (a prefill chunk, a decode block): the recurrence on Python ints
         keys, key = [], parent & _MASK

@@ -506,16 +506,24 @@ def km_lookup(tab, meta, keys, out):  # type: ignore[no-untyped-def]
 
 
 @_jit
+def _km_insert(tab, meta, found, key, val):  # type: ignore[no-untyped-def]
+    """Put ``key`` (absent: ``found`` is ``_km_index``'s ``-1 - cell``) in that empty cell with ``val``."""
+    cell = -1 - found
+    tab[cell, 0] = key
+    tab[cell, 1] = val
+    meta[0] += 1
+
+
+@_jit
 def km_put(tab, meta, keys, vals):  # type: ignore[no-untyped-def]
     """Map each of ``keys`` to the value at the same position (replacing a present key's)."""
     shift = meta[1]
     for j in range(keys.size):
         i = _km_index(tab, shift, keys[j])
         if i < 0:
-            i = -1 - i
-            tab[i, 0] = keys[j]
-            meta[0] += 1
-        tab[i, 1] = vals[j]
+            _km_insert(tab, meta, i, keys[j], vals[j])
+        else:
+            tab[i, 1] = vals[j]
 
 
 @_jit
@@ -576,10 +584,7 @@ def register_few(h, parent, need_parent, c, tab, meta, node_key, node_pos, node_
         else:
             n_free -= 1
             slot = free[n_free]
-            cell = -1 - cell
-            tab[cell, 0] = signed
-            tab[cell, 1] = slot
-            meta[0] += 1
+            _km_insert(tab, meta, cell, signed, slot)
             created += 1
             j = start + i
             node_key[slot] = signed

@@ -44,6 +44,7 @@ from hybridkv.blockmgr.checkpoint_policy import (
 from hybridkv.blockmgr.flops import flop_coefficients, prefill_flops
 from hybridkv.blockmgr.hashing import (  # _C, _MASK: the chain's constants, inlined in _register_few
     _C,
+    _C64,
     _MASK,
     ROOT_KEY,
     TokenArray,
@@ -170,7 +171,6 @@ class _Counters:
 
 _TWO64 = 1 << 64
 _FEW = 16  # register() of up to this many blocks goes block by block (scalar path)
-_C64 = np.uint64(_C)
 
 
 def _norm(x: np.ndarray) -> np.ndarray:
@@ -335,13 +335,6 @@ class PrefixCache:
         if not self._ck_ids:
             return np.empty(0, dtype=np.int32)
         return np.concatenate(list(self._ck_ids.values()))
-
-    def kv_block_of(self, key: int) -> np.ndarray:
-        """The KV block cached for node ``key`` (empty if none), for ``protect`` arguments."""
-        s = self._slot.get(key)
-        if s is None or not self._kv[s]:
-            return _EMPTY
-        return self._kv[s : s + 1].copy()
 
     def _now(self) -> int:
         self._tick += 1

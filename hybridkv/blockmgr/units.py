@@ -76,13 +76,11 @@ def as_count(value: object, what: str, minimum: int = 0) -> int:
     """``value`` as a Python int count ``>= minimum``: ints and numpy integers pass; floats (even
     ``8.0``), strings and bools raise ``TypeError``, values below ``minimum`` ``ValueError``.
     Called before any change, so a bad argument leaves everything as it was."""
-    if type(value) is int:  # the usual case, first
-        if value < minimum:
-            raise ValueError(f"{what} must be >= {minimum}, got {value}")
-        return value
-    if isinstance(value, bool) or not hasattr(value, "__index__"):
-        raise TypeError(f"{what} must be an integer, got {value!r} ({type(value).__name__})")
-    count = value.__index__()  # type: ignore[attr-defined]
+    count = value
+    if type(value) is not int:  # (a plain int, the usual case, needs no conversion)
+        if isinstance(value, bool) or not hasattr(value, "__index__"):
+            raise TypeError(f"{what} must be an integer, got {value!r} ({type(value).__name__})")
+        count = value.__index__()  # type: ignore[attr-defined]
     if count < minimum:
         raise ValueError(f"{what} must be >= {minimum}, got {count}")
     return count
