@@ -24,10 +24,10 @@ class CheckpointMixin:
         own count of computed tokens) where the checkpoint policy wants the state saved (a
         scheduler ends a prefill chunk there), or None."""
         rec = self._running(request_id)
+        done = rec.num_tokens if num_tokens is None else as_count(num_tokens, "num_tokens")
         cache = self.prefix_cache
         if cache is None or rec.token_ids is None:
             return None
-        done = rec.num_tokens if num_tokens is None else as_count(num_tokens, "num_tokens")
         below = self._checkpoint_below(rec, done + self.block_size)
         return cache.next_checkpoint(done, len(rec.token_ids), rec.branch_tokens, below)
 

@@ -49,6 +49,7 @@ def check_integrity(m: HybridBlockManager) -> None:
             n_kv = plan.device_blocks.size - m.num_state_blocks
             kv.append(plan.device_blocks[:n_kv])
             state.append(plan.device_blocks[n_kv:])
+    kv.extend(m._pin_held)  # references held by copies not yet run (their owners gave them back)
     cache = getattr(m, "prefix_cache", None)
     cached_kv = cache.cached_kv_blocks() if cache is not None else np.empty(0, np.int32)
     checkpoints = cache.checkpoint_blocks() if cache is not None else np.empty(0, np.int32)

@@ -23,7 +23,7 @@ from hybridkv.blockmgr.errors import (
     RequestTooLargeError,
     UnknownRequestError,
 )
-from hybridkv.blockmgr.hashing import TokenArray
+from hybridkv.blockmgr.hashing import TokenArray, as_token_array
 from hybridkv.blockmgr.integrity import check_integrity
 from hybridkv.blockmgr.layout import NULL_BLOCK, Layout
 from hybridkv.blockmgr.pool import make_pool
@@ -90,6 +90,9 @@ class HybridBlockManager(CheckpointMixin, SpeculationMixin, SwapMixin, TransferM
         self._pin_of = np.zeros(layout.num_blocks, dtype=np.int64)  # 0 = not pinned
         self._pin_chunks: list[tuple[int, np.ndarray]] = []
         self._pending_free: list[np.ndarray] = []
+        # KV blocks whose last reference dropped while a copy not yet run reads or writes them: the
+        # copy holds one reference until release_pins (a cached one would otherwise be evictable)
+        self._pin_held: list[np.ndarray] = []
         self.prefix_cache = PrefixCache(self, prefix_cache) if prefix_cache is not None else None
 
     # ---- counting: the one formula --------------------------------------------------------------
@@ -161,6 +164,11 @@ class HybridBlockManager(CheckpointMixin, SpeculationMixin, SwapMixin, TransferM
             else:
                 keep.append((epoch, ids))
         self._pin_chunks = keep
+        if self._pin_held:
+            held = np.concatenate(self._pin_held)
+            ready = self._pin_of[held] == 0
+            self._pin_held = [held[~ready]] if not ready.all() else []
+            self._drop_kv(held[ready])  # the copies' references: cached blocks become evictable now
         if self._pending_free:
             waiting = np.concatenate(self._pending_free)
             ready = self._pin_of[waiting] == 0
@@ -173,9 +181,10 @@ class HybridBlockManager(CheckpointMixin, SpeculationMixin, SwapMixin, TransferM
         (a scheduler does this rather than preempt a request, when those checkpoints are all that
         stands in the way); their blocks are free again. Returns the dropped checkpoints' block ids:
         the caller removes the copies that write them. Nothing else changes."""
+        epoch = as_count(epoch, "epoch")  # checked with or without a prefix cache
         if self.prefix_cache is None:
             return _EMPTY
-        ids = self.prefix_cache.cancel_checkpoints(as_count(epoch, "epoch"))
+        ids = self.prefix_cache.cancel_checkpoints(epoch)
         if ids.size:
             self._pin_of[ids] = 0  # their copy will not run
             self.pool.ref_counts[ids] = 0
@@ -340,6 +349,8 @@ class HybridBlockManager(CheckpointMixin, SpeculationMixin, SwapMixin, TransferM
         rec = self.requests.get(request_id)
         if rec is None or rec.row < 0 or rec.pending is not None:
             rec = self._running(request_id)  # raises with the reason
+        if token_ids is not None and rec.token_ids is not None:
+            token_ids = as_token_array(token_ids)  # checked (TypeError) before the request grows
         total = rec.num_tokens + num_new_tokens
         # decode fast path: the tokens fit the last, private block (no Python beyond a few compares)
         if num_new_tokens and total <= rec.num_kv_blocks * self.block_size and not self._needs_cow(rec):
@@ -540,7 +551,9 @@ class HybridBlockManager(CheckpointMixin, SpeculationMixin, SwapMixin, TransferM
         ``protect``: KV block ids that stay; ``protect_ckpt``: node keys whose checkpoints stay."""
         short = num_blocks - self.pool.num_free
         if short > 0 and self.prefix_cache is not None:
-            self.pool.free(self.prefix_cache.evict(short, protect, protect_ckpt))
+            # through _give_back like every other return to the pool; nothing evictable is pinned
+            # (a pinned KV block is held by its copy, a pinned checkpoint is passed over)
+            self._give_back(self.prefix_cache.evict(short, protect, protect_ckpt))
 
     def _take(self, num_blocks: int) -> np.ndarray:
         self._make_room(num_blocks)
@@ -551,6 +564,13 @@ class HybridBlockManager(CheckpointMixin, SpeculationMixin, SwapMixin, TransferM
         ``chain``: the releasing request's chain keys (the prefix cache demotes what lies past its
         deepest checkpoint)."""
         zero = self.pool.decref(ids)
+        if self._pin_chunks and zero.size:
+            held = self._pin_of[zero] != 0
+            if held.any():  # a copy not yet run still reads or writes them: it keeps a reference
+                kept = zero[held]
+                self.pool.incref(kept)
+                self._pin_held.append(kept)
+                zero = zero[~held]
         return zero if self.prefix_cache is None else self.prefix_cache.release(zero, chain)
 
     def _drop_kv(self, ids: np.ndarray) -> None:

@@ -30,7 +30,7 @@ import numpy as np
 from hybridkv.blockmgr.errors import DuplicateRequestError, RequestStateError, UnknownRequestError
 from hybridkv.blockmgr.manager import HybridBlockManager
 from hybridkv.blockmgr.records import BlockCopies, RequestId, SwapPlan
-from hybridkv.blockmgr.units import cdiv
+from hybridkv.blockmgr.units import as_count, cdiv
 from hybridkv.scheduler_adapter.cost import H200, GpuSpec, PreemptionCost, PreemptionMode
 from hybridkv.scheduler_adapter.preemption import Preemptor, SwapExecutor
 from hybridkv.scheduler_adapter.requests import (
@@ -69,6 +69,30 @@ def _accepts_token_ids(fn: Callable) -> bool:
 
 def _key(req: SchedRequest) -> tuple[int, int]:
     return req.sort_key
+
+
+_INT64 = (-(1 << 63), (1 << 63) - 1)
+
+
+def _token_ids(tokens: object, what: str) -> tuple[int, ...]:
+    """``tokens`` as a tuple of Python ints, each an integer (numpy integers included; bools,
+    floats, strings and None refused) within int64; ``TypeError`` otherwise, before any change."""
+    if isinstance(tokens, (str, bytes, bytearray, memoryview)) or not hasattr(tokens, "__iter__"):
+        raise TypeError(f"{what} must be a sequence of integer token ids, got {type(tokens).__name__}")
+    if isinstance(tokens, np.ndarray) and tokens.dtype.kind in "iu" and tokens.ndim == 1:
+        out = tuple(tokens.tolist())  # (uint64 beyond int64 is caught below)
+    else:
+        out = []
+        for t in tokens:  # type: ignore[attr-defined]
+            if type(t) is not int:
+                if isinstance(t, bool) or not hasattr(t, "__index__"):
+                    raise TypeError(f"{what} must be integer token ids, got {t!r} ({type(t).__name__})")
+                t = t.__index__()
+            out.append(t)
+        out = tuple(out)
+    if out and not (_INT64[0] <= min(out) and max(out) <= _INT64[1]):
+        raise TypeError(f"{what} must fit int64, got {min(out)}..{max(out)}")
+    return out
 
 
 class Scheduler:
@@ -126,13 +150,25 @@ class Scheduler:
     ) -> SchedRequest:
         """Queue a request. ``prompt``: its token ids (used for prefix-cache lookups) or a token count.
 
-        Raises :class:`DuplicateRequestError`, ``ValueError`` on empty prompts or outputs, and
+        Every argument is checked before anything changes: ``TypeError`` for an unhashable id, token
+        ids that are not integers (bools and floats included), a count or a priority that is not an
+        integer; :class:`DuplicateRequestError`, ``ValueError`` on empty prompts or outputs, and
         :class:`RequestTooLargeError` when ``prompt + max_new_tokens`` can never fit in the pool.
         """
+        try:
+            hash(request_id)
+        except TypeError:
+            raise TypeError(f"request ids must be hashable, got {type(request_id).__name__}") from None
         if request_id in self.requests or request_id in self.finished:
             raise DuplicateRequestError(f"request {request_id!r} was already submitted: use a new id")
-        ids = None if isinstance(prompt, int) else tuple(int(t) for t in prompt)
-        num_prompt = prompt if ids is None else len(ids)
+        if isinstance(prompt, bool) or not (hasattr(prompt, "__index__") or hasattr(prompt, "__iter__")):
+            raise TypeError(f"request {request_id!r}: prompt must be token ids or a token count, got {prompt!r}")
+        ids = None if hasattr(prompt, "__index__") else _token_ids(prompt, f"request {request_id!r}: prompt")
+        num_prompt = as_count(prompt, "prompt") if ids is None else len(ids)
+        max_new_tokens = as_count(max_new_tokens, "max_new_tokens")
+        if isinstance(priority, bool) or not hasattr(priority, "__index__"):
+            raise TypeError(f"request {request_id!r}: priority must be an integer, got {priority!r}")
+        priority = priority.__index__()
         if num_prompt < 1 or max_new_tokens < 1:
             raise ValueError(f"request {request_id!r}: prompt and max_new_tokens must be >= 1")
         if not self.config.chunked_prefill and num_prompt + max_new_tokens > self.config.max_num_batched_tokens:
@@ -162,12 +198,18 @@ class Scheduler:
         parent = self.requests.get(parent_id)
         if parent is None or parent.state is not RequestState.RUNNING:
             raise RequestStateError(f"request {parent_id!r} is not running: only a running request can be forked")
-        if max_new_tokens < 1:
+        try:
+            hash(child_id)
+        except TypeError:
+            raise TypeError(f"request ids must be hashable, got {type(child_id).__name__}") from None
+        if as_count(max_new_tokens, "max_new_tokens") < 1:
             raise ValueError(f"fork {child_id!r}: max_new_tokens must be >= 1, got {max_new_tokens}")
         if len(self.running) >= self.config.max_num_seqs:
             raise RequestStateError(f"fork {child_id!r}: max_num_seqs={self.config.max_num_seqs} requests run already")
         outputs = list(parent.output_token_ids)
-        self.manager.check_fits(parent.num_prompt_tokens + len(outputs) + max_new_tokens)
+        # as add_request: the child drafts too, so its speculative sets must fit next to its tokens
+        self.manager.check_fits(parent.num_prompt_tokens + len(outputs) + max_new_tokens,
+                                self.config.num_speculative_tokens)
         copies = self.manager.fork(parent_id, child_id)  # raises before any change when it does not fit
         child = SchedRequest(
             request_id=child_id,
@@ -212,7 +254,11 @@ class Scheduler:
 
     @property
     def has_unfinished(self) -> bool:
-        return bool(self.requests)
+        """Requests to run, or copies still to hand out: the checkpoint copies of the last
+        ``update()`` ride in the next plan, so a loop ``while has_unfinished: step, forward,
+        update`` ends with one step that carries only them (no rows). After it the manager is idle:
+        no pins, nothing pending-free, every checkpoint written."""
+        return bool(self.requests) or bool(len(self._carried_copies))
 
     # ---- one step --------------------------------------------------------------------------------
     def step(self) -> StepPlan:
@@ -284,6 +330,9 @@ class Scheduler:
                 self.running.remove(req)
                 self._retire(req, RequestState.FINISHED)
                 done.append(rid)
+        if not self.requests and not len(self._carried_copies):
+            # idle: every copy handed out ran (the plan's copies before the forward), none is carried
+            self.manager.release_pins()
         return StepResult(tuple(done))
 
     def _check_outputs(
@@ -298,9 +347,14 @@ class Scheduler:
             if req is None or req.state is not RequestState.RUNNING:
                 continue  # aborted after the step was planned
             tokens = outputs.sampled.get(rid, ())
+            if tokens:
+                tokens = _token_ids(tokens, f"request {rid!r}: sampled tokens")
             accepted = 0
             if row.num_drafts:
                 accepted = outputs.num_accepted.get(rid, len(tokens) - 1)
+                if isinstance(accepted, bool) or not hasattr(accepted, "__index__"):
+                    raise TypeError(f"request {rid!r}: num_accepted must be an integer, got {accepted!r}")
+                accepted = accepted.__index__()
                 if not 0 <= accepted <= row.num_drafts or len(tokens) != accepted + 1:
                     raise ValueError(
                         f"request {rid!r}: {len(tokens)} sampled tokens and {accepted} accepted of "
@@ -424,7 +478,8 @@ class Scheduler:
                 return 1, 0
             return 1, max(0, min(k, req.max_new_tokens - len(req.output_token_ids) - 1, budget - 1))
         n = min(to_compute, budget)
-        if cut and self._checkpoints and req.token_ids_given:
+        if cut and self._checkpoints and req.token_ids_given and self.config.chunked_prefill:
+            # (without chunked prefill a prompt runs whole: the policy's positions inside it are lost)
             pos = self.manager.next_checkpoint_position(req.request_id)
             if pos is not None and req.num_computed_tokens < pos < req.num_computed_tokens + n:
                 n = pos - req.num_computed_tokens
