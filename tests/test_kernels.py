@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hybridkv.blockmgr import kernels
+from hybridkv.blockmgr import kernels, pool_kernels
 from hybridkv.blockmgr.errors import AllocationError
 from hybridkv.blockmgr.layout import plan
 from hybridkv.blockmgr.manager import HybridBlockManager
@@ -123,7 +123,7 @@ def test_kernels_compile_without_a_writable_cache(monkeypatch):
     import numpy as np
 
     monkeypatch.setattr(numba.core.caching.CacheImpl, "_locator_classes", [])
-    spec = importlib.util.spec_from_file_location("kernels_uncached", kernels.__file__)
+    spec = importlib.util.spec_from_file_location("pool_kernels_uncached", pool_kernels.__file__)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)  # raised RuntimeError before the fallback
     s, e, k = (np.zeros(8, dtype=np.int64) for _ in range(3))

@@ -327,7 +327,7 @@ def reference_flop_aware(cache, target, protect=(), protect_ckpt=frozenset()):
     if not fpb.size:
         return set()
     tick = np.array([cache._ticks[b] for b in kv] + [cache._ticks[s] for s in ck_slot], dtype=np.float64)
-    size = np.array([1] * len(kv) + [cache.m.num_state_blocks] * len(ck))
+    size = np.array([1] * len(kv) + [cache.host.num_state_blocks] * len(ck))
 
     def norm(x):
         span = x.max() - x.min()

@@ -1,4 +1,4 @@
-"""The prefix cache's compiled key -> slot map (:class:`hybridkv.blockmgr.slotmap.SlotMap`) against
+"""The prefix cache's compiled key -> slot map (:class:`hybridkv.blockmgr.prefix.slotmap.SlotMap`) against
 a dict: random operations, scalar and bulk, with keys crafted to share home cells (long probe runs,
 runs that wrap around the end of the table, removals from their middle) and growth."""
 
@@ -9,13 +9,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hybridkv.blockmgr import kernels
-from hybridkv.blockmgr.slotmap import SlotMap
+from hybridkv.blockmgr.prefix import slotmap
+from hybridkv.blockmgr.prefix.slotmap import SlotMap
 
 np = pytest.importorskip("numpy")
 pytestmark = pytest.mark.skipif(kernels.numba is None, reason="numba is not installed")
 
 _M64 = (1 << 64) - 1
-_GOLD_INV = pow(kernels._GOLD, -1, 1 << 64)
+_GOLD_INV = pow(slotmap._GOLD, -1, 1 << 64)
 
 
 def _key_at(home: int, r: int, shift: int) -> int:
@@ -29,7 +30,7 @@ def test_crafted_keys_have_their_home_cells():
     shift = int(m.meta[1])
     size = m.tab.shape[0]
     for home in (0, 1, size - 1, size // 2):
-        assert kernels._km_home(_key_at(home, 12345, shift), shift) == home
+        assert slotmap._km_home(_key_at(home, 12345, shift), shift) == home
 
 
 @settings(max_examples=150, deadline=None)

@@ -22,6 +22,7 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 
 from hybridkv.blockmgr import kernels
+from hybridkv.blockmgr.kernels import _jit
 
 ROOT_KEY = 0
 _MASK = (1 << 64) - 1
@@ -177,7 +178,7 @@ def block_hashes(blocks: np.ndarray) -> np.ndarray:
     one compiled pass (the same arithmetic, mod 2**64); else four numpy passes."""
     if kernels.ENABLED:
         out = np.empty(blocks.shape[0], dtype=np.uint64)
-        kernels.hash_blocks(blocks, _salt(blocks.shape[1]), _M1, out)
+        _hash_blocks_compiled(blocks, _salt(blocks.shape[1]), _M1, out)
         return out
     x = blocks.view(np.uint64) + _salt(blocks.shape[1])
     x *= _M1
@@ -201,7 +202,7 @@ def keys_from_hashes(h: np.ndarray, parent: int = ROOT_KEY) -> np.ndarray:
     n = h.size
     if kernels.ENABLED:  # the recurrence, compiled
         out = np.empty(n, dtype=np.int64)
-        kernels.chain_keys(h, parent, _C64, out)
+        _chain_keys_compiled(h, parent, _C64, out)
         return out
     if n <= _SMALL:  # a few blocks (a prefill chunk, a decode block): the recurrence on Python ints
         keys, key = [], parent & _MASK
@@ -230,3 +231,29 @@ def chain_key(block: np.ndarray, parent: int) -> int:
 def chain_keys(token_ids: Sequence[int] | np.ndarray, block_size: int) -> list[int]:
     """Hash-chain keys of all full blocks of ``token_ids`` (Python ints)."""
     return chain_keys_array(as_token_array(token_ids), block_size).tolist()
+
+
+# ---- compiled loops (hybridkv.blockmgr.kernels.ENABLED) ---------------------------------------------
+@_jit
+def _hash_blocks_compiled(blocks, salt, m1, out):  # type: ignore[no-untyped-def]
+    """``hashing.block_hashes`` in one pass: ``out[r] = sum_c mix((blocks[r, c] + salt[c]) * m1)``
+    with ``mix(x) = x ^ (x >> 29)``, all mod 2**64 (uint64; the int64 tokens' bits)."""
+    n, bs = blocks.shape
+    sh = np.uint64(29)
+    for r in range(n):
+        acc = np.uint64(0)
+        for c in range(bs):
+            x = (np.uint64(blocks[r, c]) + salt[c]) * m1
+            x ^= x >> sh
+            acc += x
+        out[r] = acc
+
+
+@_jit
+def _chain_keys_compiled(h, parent, c, out):  # type: ignore[no-untyped-def]
+    """``out[j]``: the chain key ``c * key + h[j]`` (mod 2**64, as int64) of block ``j``, after the
+    key ``parent`` (``hashing.keys_from_hashes``)."""
+    key = np.uint64(parent)
+    for j in range(h.size):
+        key = c * key + h[j]
+        out[j] = np.int64(key)

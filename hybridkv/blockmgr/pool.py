@@ -25,7 +25,7 @@ from bisect import bisect_left, insort
 
 import numpy as np
 
-from hybridkv.blockmgr import kernels
+from hybridkv.blockmgr import kernels, pool_kernels
 from hybridkv.blockmgr.layout import NULL_BLOCK
 
 _EMPTY = np.empty(0, dtype=np.int32)
@@ -384,7 +384,7 @@ class JitBlockPool(BlockPool):
 
     def _take(self, n: int) -> np.ndarray:
         out = np.empty(n, dtype=np.int32)
-        self._n_ext, self.last_allocation_was_run = kernels.take(
+        self._n_ext, self.last_allocation_was_run = pool_kernels.take(
             self._s, self._e, self._k, self._n_ext, n, self.ref_counts, out
         )
         return out
@@ -393,11 +393,11 @@ class JitBlockPool(BlockPool):
         if end <= start:
             return
         self._num_free += end - start
-        self._n_ext = kernels.free_run(self._s, self._e, self._k, self._n_ext, start, end)
+        self._n_ext = pool_kernels.free_run(self._s, self._e, self._k, self._n_ext, start, end)
 
     def _free_sorted(self, ids: np.ndarray) -> None:
         self._num_free += ids.size
-        self._n_ext = kernels.free_sorted(self._s, self._e, self._k, self._n_ext, ids)
+        self._n_ext = pool_kernels.free_sorted(self._s, self._e, self._k, self._n_ext, ids)
 
 
 def make_pool(num_blocks: int, reserve_null: bool = True, jit: bool | None = None) -> BlockPool:

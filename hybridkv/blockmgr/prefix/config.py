@@ -1,0 +1,110 @@
+"""The prefix cache's vocabulary: its policies, its configuration, what a hit is, and a node's view."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+
+from hybridkv.blockmgr.prefix.placement_rules import DEFAULT_ALIGN_TOKENS, DEFAULT_GAP_FRACTION
+
+_EMPTY = np.empty(0, dtype=np.int32)
+
+
+class CheckpointPolicy(enum.Enum):
+    NONE = "none"  # KV only: hits need a checkpoint, so hybrid models never hit
+    EVERY_N_BLOCKS = "every_n_blocks"  # at every n-th block boundary of the input
+    BRANCH_AND_LAST = "branch_and_last"  # where a request leaves the cached prefixes, and at its input's end
+    BRANCH_LAST_ALIGNED = "branch_last_aligned"  # branch, finished request's end, input end on coarse grids
+    BRANCH_SPACED = "branch_spaced"  # branch, finished request's end, grid back-offs, a minimum gap apart
+
+
+class EvictionPolicy(enum.Enum):
+    LRU = "lru"
+    FLOP_AWARE = "flop_aware"  # alpha * normalized FLOPs saved per byte + normalized recency
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixCacheConfig:
+    """``every_n``: block interval of ``every_n_blocks``. ``alpha``: weight of FLOP efficiency.
+    ``evict_batch_fraction``: each eviction frees at least this fraction of the pool (both
+    policies), so ranking the candidates is paid rarely."""
+
+    checkpoint: CheckpointPolicy = CheckpointPolicy.BRANCH_SPACED
+    eviction: EvictionPolicy = EvictionPolicy.LRU
+    every_n: int = 8
+    alpha: float = 1.0
+    evict_batch_fraction: float = 0.01
+    align_tokens: tuple[int, ...] = DEFAULT_ALIGN_TOKENS  # branch_last_aligned: back-off grids, finest first
+    # branch_spaced: back-off grids; None: 512 and the checkpoint's bytes in KV tokens (the model's
+    # state bytes / KV bytes per token) rounded up to a power of two (see checkpoint_policy.spaced_grids)
+    spaced_align_tokens: tuple[int, ...] | None = None
+    # branch_spaced: minimum tokens between checkpoints on one chain; None: ``gap_fraction`` of the
+    # checkpoint's bytes in KV tokens
+    min_gap_tokens: int | None = None
+    gap_fraction: float = DEFAULT_GAP_FRACTION
+    # hybrid models: a released request's cached KV past the deepest checkpoint on its chain can only
+    # mark a branch, never serve a hit: it goes to the front of the LRU queue (evicted first)
+    demote_tail: bool = True
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "checkpoint", CheckpointPolicy(self.checkpoint))
+        object.__setattr__(self, "eviction", EvictionPolicy(self.eviction))
+        align = (self.align_tokens,) if isinstance(self.align_tokens, int) else tuple(self.align_tokens)
+        if not align or any(not isinstance(a, int) or a <= 0 for a in align):
+            raise ValueError(f"align_tokens must be positive numbers of tokens, got {self.align_tokens!r}")
+        object.__setattr__(self, "align_tokens", align)
+        spaced = self.spaced_align_tokens
+        if spaced is not None:
+            spaced = (spaced,) if isinstance(spaced, int) else tuple(spaced)
+            if not spaced or any(not isinstance(a, int) or a <= 0 for a in spaced):
+                raise ValueError(f"spaced_align_tokens must be positive token counts, got {self.spaced_align_tokens!r}")
+            object.__setattr__(self, "spaced_align_tokens", spaced)
+        if self.min_gap_tokens is not None and self.min_gap_tokens < 0:
+            raise ValueError(f"min_gap_tokens must be >= 0 or None, got {self.min_gap_tokens}")
+        if self.gap_fraction < 0:
+            raise ValueError(f"gap_fraction must be >= 0, got {self.gap_fraction}")
+        if self.every_n <= 0:
+            raise ValueError(f"every_n must be a positive number of blocks, got {self.every_n}")
+
+
+class NodeView(NamedTuple):
+    """A copy of one chain node's books (for tests and inspection; the cache keeps arrays)."""
+
+    key: int
+    tokens: tuple[int, ...]
+    position: int  # the node's block ends at this token position
+    kv_block: int  # 0: no KV block cached for it
+    checkpoint: np.ndarray | None  # flat block ids of the state sets at ``position``
+
+
+class PrefixHit(NamedTuple):
+    num_tokens: int  # tokens served from the cache (0 = miss)
+    kv_blocks: np.ndarray  # int32 KV block ids of the hit, chain order (empty for state-only models)
+    checkpoint_key: int | None  # chain key of the node holding the checkpoint at num_tokens
+    num_matched_tokens: int  # tokens whose KV blocks are cached (>= num_tokens): the branch point
+    keys: list[int]  # chain keys of the blocks below num_tokens
+    checkpoint_ids: np.ndarray | None = None  # the checkpoint's flat block ids (read by the hit's copy)
+
+    @property
+    def num_blocks(self) -> int:
+        """KV blocks the hit shares."""
+        return int(self.kv_blocks.size)
+
+
+def _miss(matched_tokens: int = 0) -> PrefixHit:
+    return PrefixHit(0, _EMPTY, None, matched_tokens, [], None)
+
+
+@dataclass(slots=True)
+class _Counters:
+    hit_tokens: int = 0
+    checkpoints_made: int = 0
+    checkpoints_evicted: int = 0
+    kv_evicted: int = 0
+
+
+_TWO64 = 1 << 64
+_FEW = 16  # register() of up to this many blocks goes block by block (scalar path)
