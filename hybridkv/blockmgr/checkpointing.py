@@ -2,23 +2,19 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+from hybridkv.blockmgr.lifecycle import ManagerCore
 from hybridkv.blockmgr.records import BlockCopies, RequestId, RequestRecord
 from hybridkv.blockmgr.units import as_count
-
-if TYPE_CHECKING:
-    from hybridkv.blockmgr.manager import HybridBlockManager
 
 _NO_COPIES = BlockCopies.empty()
 
 
-class CheckpointMixin:
-    """Methods of :class:`~hybridkv.blockmgr.manager.HybridBlockManager` (a mixin: it has no state)."""
+class CheckpointMixin(ManagerCore):
+    """Methods of :class:`~hybridkv.blockmgr.manager.HybridBlockManager`: a part that adds no state."""
 
     # ---- prefix-cache checkpoints --------------------------------------------------------------
     def next_checkpoint_position(
-        self: HybridBlockManager, request_id: RequestId, num_tokens: int | None = None
+        self, request_id: RequestId, num_tokens: int | None = None
     ) -> int | None:
         """The next input position past the request's tokens (or past ``num_tokens``: an engine's
         own count of computed tokens) where the checkpoint policy wants the state saved (a
@@ -31,7 +27,7 @@ class CheckpointMixin:
         below = self._checkpoint_below(rec, done + self.block_size)
         return cache.next_checkpoint(done, len(rec.token_ids), rec.branch_tokens, below)
 
-    def checkpoint(self: HybridBlockManager, request_id: RequestId, final: bool = False) -> BlockCopies:
+    def checkpoint(self, request_id: RequestId, final: bool = False) -> BlockCopies:
         """Save the live state at the request's current position if the policy wants it there.
 
         Call right after the forward that brought the request to ``num_tokens`` (its live sets
@@ -71,7 +67,7 @@ class CheckpointMixin:
         # out) nor the checkpoint evicted before the executor ran the copy
         return self._pin(BlockCopies(self._set_ids(rec.state).copy(), ids.copy()))
 
-    def _checkpoint_below(self: HybridBlockManager, rec: RequestRecord, position: int) -> int:
+    def _checkpoint_below(self, rec: RequestRecord, position: int) -> int:
         """The position of the deepest checkpoint on the request's chain strictly below ``position``
         (0: none); only policies that space their checkpoints ask (the others get 0)."""
         cache = self.prefix_cache

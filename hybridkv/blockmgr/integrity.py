@@ -11,7 +11,7 @@ from hybridkv.blockmgr.layout import NULL_BLOCK
 from hybridkv.blockmgr.records import BlockUse, RequestStatus, SwapDirection, SwapPlan
 
 if TYPE_CHECKING:
-    from hybridkv.blockmgr.manager import HybridBlockManager
+    from hybridkv.blockmgr.lifecycle import ManagerCore
 
 
 def _count(n: int, *id_arrays: np.ndarray) -> np.ndarray:
@@ -21,7 +21,7 @@ def _count(n: int, *id_arrays: np.ndarray) -> np.ndarray:
     return counts
 
 
-def check_integrity(m: HybridBlockManager) -> None:
+def check_integrity(m: ManagerCore) -> None:
     """Raise :class:`IntegrityError` unless, on device and host alike:
 
     free + referenced + evictable == total; every reference count equals the references the

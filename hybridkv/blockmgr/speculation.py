@@ -2,26 +2,22 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 
 from hybridkv.blockmgr.errors import NoFreeBlocksError
 from hybridkv.blockmgr.layout import NULL_BLOCK
+from hybridkv.blockmgr.lifecycle import ManagerCore
 from hybridkv.blockmgr.records import BlockCopies, BlockUse, RequestId
 from hybridkv.blockmgr.units import as_count, cdiv
-
-if TYPE_CHECKING:
-    from hybridkv.blockmgr.manager import HybridBlockManager
 
 _NO_COPIES = BlockCopies.empty()
 
 
-class SpeculationMixin:
-    """Methods of :class:`~hybridkv.blockmgr.manager.HybridBlockManager` (a mixin: it has no state)."""
+class SpeculationMixin(ManagerCore):
+    """Methods of :class:`~hybridkv.blockmgr.manager.HybridBlockManager`: a part that adds no state."""
 
     # ---- speculative decoding -------------------------------------------------------------------
-    def begin_speculation(self: HybridBlockManager, request_id: RequestId, num_speculative: int) -> None:
+    def begin_speculation(self, request_id: RequestId, num_speculative: int) -> None:
         """Guarantee ``num_speculative`` speculative state sets (allocating the missing ones).
 
         Convention of a verify step over ``1 + k`` tokens (the last sampled token and ``k`` drafts):
@@ -44,7 +40,7 @@ class SpeculationMixin:
         rec.num_drafted = num_speculative
 
     def commit_speculation(
-        self: HybridBlockManager, request_id: RequestId, num_accepted: int, num_drafted: int | None = None
+        self, request_id: RequestId, num_accepted: int, num_drafted: int | None = None
     ) -> None:
         """Keep the state after the last accepted token and drop the rejected tokens' KV.
 
@@ -79,7 +75,7 @@ class SpeculationMixin:
             # the new tail may be partly filled again: a shared one is copied before it is written
             # (_needs_cow checks the reference count)
 
-    def end_speculation(self: HybridBlockManager, request_id: RequestId) -> None:
+    def end_speculation(self, request_id: RequestId) -> None:
         """Give the speculative sets back (speculation turned off for this request)."""
         rec = self._running(request_id)
         rec.run = None

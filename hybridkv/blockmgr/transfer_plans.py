@@ -19,15 +19,13 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from hybridkv.blockmgr.errors import RequestStateError
+from hybridkv.blockmgr.lifecycle import ManagerCore
 from hybridkv.blockmgr.records import RequestId, RequestRecord
-
-if TYPE_CHECKING:
-    from hybridkv.blockmgr.manager import HybridBlockManager
 
 _EMPTY = np.empty(0, dtype=np.int32)
 
@@ -112,18 +110,18 @@ class TransferPlan:
         self._abort(self)
 
 
-class TransferMixin:
-    """Methods of :class:`~hybridkv.blockmgr.manager.HybridBlockManager` (a mixin: it has no state)."""
+class TransferMixin(ManagerCore):
+    """Methods of :class:`~hybridkv.blockmgr.manager.HybridBlockManager`: a part that adds no state."""
 
-    def request_blocks(self: HybridBlockManager, request_id: RequestId) -> RequestBlocks:
+    def request_blocks(self, request_id: RequestId) -> RequestBlocks:
         """Copies of a running request's KV table and live state sets (see :class:`RequestBlocks`)."""
         return self._request_blocks(self._running(request_id))
 
-    def _request_blocks(self: HybridBlockManager, rec: RequestRecord) -> RequestBlocks:
+    def _request_blocks(self, rec: RequestRecord) -> RequestBlocks:
         sets = tuple(rec.state[g, :n].copy() for g, n in enumerate(self.layout.blocks_per_state))
         return RequestBlocks(rec.num_tokens, rec.kv_blocks.copy(), sets)
 
-    def export_request(self: HybridBlockManager, request_id: RequestId) -> TransferPlan:
+    def export_request(self, request_id: RequestId) -> TransferPlan:
         """Pin a running request for a peer to read (or for this side to write out) and describe its blocks.
 
         Raises :class:`UnknownRequestError`, or :class:`RequestStateError` when it is swapped out or
@@ -136,11 +134,11 @@ class TransferMixin:
         rec.pending = plan  # type: ignore[assignment]
         return plan
 
-    def can_import(self: HybridBlockManager, num_tokens: int) -> bool:
+    def can_import(self, num_tokens: int) -> bool:
         """Whether :meth:`import_request` of ``num_tokens`` tokens fits now (same count as ``allocate``)."""
         return self.can_allocate(num_tokens)
 
-    def import_request(self: HybridBlockManager, request_id: RequestId, num_tokens: int) -> TransferPlan:
+    def import_request(self, request_id: RequestId, num_tokens: int) -> TransferPlan:
         """Allocate KV blocks for ``num_tokens`` tokens and one live state set per group for a request
         whose bytes come from a peer; the request runs only after ``commit``.
 
@@ -157,23 +155,23 @@ class TransferMixin:
         return plan
 
     # ---- settling ------------------------------------------------------------------------------
-    def _settle_transfer(self: HybridBlockManager, plan: TransferPlan, direction: TransferDirection) -> RequestRecord:
+    def _settle_transfer(self, plan: TransferPlan, direction: TransferDirection) -> RequestRecord:
         rec = self.requests.get(plan.request_id)
         if plan.settled or rec is None or rec.pending is not plan or plan.direction is not direction:
             raise RequestStateError(f"transfer plan of {plan.request_id!r} is already settled or stale")
         plan.settled, rec.pending = True, None
         return rec
 
-    def _commit_export(self: HybridBlockManager, plan: TransferPlan) -> None:
+    def _commit_export(self, plan: TransferPlan) -> None:
         self._settle_transfer(plan, TransferDirection.EXPORT)
         self.free(plan.request_id)
 
-    def _abort_export(self: HybridBlockManager, plan: TransferPlan) -> None:
+    def _abort_export(self, plan: TransferPlan) -> None:
         self._settle_transfer(plan, TransferDirection.EXPORT)
 
-    def _commit_import(self: HybridBlockManager, plan: TransferPlan) -> None:
+    def _commit_import(self, plan: TransferPlan) -> None:
         self._settle_transfer(plan, TransferDirection.IMPORT)
 
-    def _abort_import(self: HybridBlockManager, plan: TransferPlan) -> None:
+    def _abort_import(self, plan: TransferPlan) -> None:
         self._settle_transfer(plan, TransferDirection.IMPORT)
         self.free(plan.request_id)

@@ -1,0 +1,594 @@
+"""The manager's core: the one count, pins, and a request's lifecycle (admit, grow, free, fork),
+with the batch views and the books every other part of the manager works on.
+
+:class:`ManagerCore` is the base of :class:`~hybridkv.blockmgr.manager.HybridBlockManager`; the
+parts that stand on it (checkpoints, speculation, swap, transfer plans) subclass it in their own
+modules, and ``manager.py`` puts them together.
+
+Contract (DESIGN.md "Manager contract"): check-then-act pairs; every mutation is atomic (all
+checks happen before the first change, so on any error nothing changed); every count is in blocks
+and admission uses exactly the count allocation takes (:meth:`HybridBlockManager.blocks_to_admit`).
+
+Ownership: the manager owns every block id it hands out. Callers get numpy views (block tables,
+state tables, copy lists, swap plans) that stay valid until the next mutating call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from hybridkv.blockmgr import kernels
+from hybridkv.blockmgr.errors import (
+    DuplicateRequestError,
+    NoFreeBlocksError,
+    RequestStateError,
+    RequestTooLargeError,
+    UnknownRequestError,
+)
+from hybridkv.blockmgr.hashing import TokenArray, as_token_array
+from hybridkv.blockmgr.layout import NULL_BLOCK, Layout
+from hybridkv.blockmgr.pool import make_pool
+from hybridkv.blockmgr.prefix import PrefixCache, PrefixCacheConfig, PrefixHit
+from hybridkv.blockmgr.records import (
+    AdmissionPlan,
+    Allocation,
+    BlockCopies,
+    BlockUse,
+    RequestId,
+    RequestRecord,
+    RequestStatus,
+    SwapPlan,
+    Usage,
+)
+from hybridkv.blockmgr.tables import RowTables
+from hybridkv.blockmgr.units import as_count, cdiv
+
+_EMPTY = np.empty(0, dtype=np.int32)
+_NO_COPIES = BlockCopies.empty()
+
+
+class ManagerCore:
+    """Per-request lifecycle over one :class:`BlockPool` laid out by a :class:`Layout`.
+
+    ``num_host_blocks``: size of the host (CPU) swap pool, 0 = no swap. ``watermark``: fraction of
+    usable blocks admission keeps free for running requests to grow into.
+    """
+
+    def __init__(
+        self,
+        layout: Layout,
+        num_host_blocks: int = 0,
+        watermark: float = 0.0,
+        prefix_cache: PrefixCacheConfig | None = None,
+    ) -> None:
+        if not 0.0 <= watermark < 1.0:
+            raise ValueError(f"watermark must be a fraction in [0, 1), got {watermark}")
+        self.layout = layout
+        self.block_size = layout.block_size
+        self.num_state_groups = layout.num_state_groups
+        self.blocks_per_state = max(layout.blocks_per_state, default=0)
+        self._has_kv = layout.kv_group is not None
+        # state set shape [G, bps]; groups with fewer blocks pad their row with the null block
+        bps = np.array(layout.blocks_per_state, dtype=np.int64)
+        self._state_mask = np.arange(self.blocks_per_state)[None, :] < bps[:, None]
+        self.num_state_blocks = int(bps.sum())
+        self._uniform_sets = bool(self._state_mask.all())
+        self.pool = make_pool(layout.num_blocks)
+        self.host_pool = make_pool(num_host_blocks, reserve_null=False) if num_host_blocks > 0 else None  # ids 0..N-1
+        self.watermark_blocks = int(watermark * self.pool.num_usable)
+        self.use = np.zeros(layout.num_blocks, dtype=np.int8)
+        self.use[NULL_BLOCK] = BlockUse.NULL
+        self.requests: dict[RequestId, RequestRecord] = {}
+        self.tables = RowTables(self.num_state_groups, self.blocks_per_state)
+        self._no_spec_sets = np.zeros((0, self.num_state_groups, self.blocks_per_state), dtype=np.int32)
+        # pins: blocks that copies handed out (and not yet run) read or write, by epoch; a pinned
+        # block given back waits in _pending_free until release_pins (tracking starts with the
+        # first begin_pin_epoch; see docs/contract.md)
+        self._pin_epoch = 0
+        self._pin_of = np.zeros(layout.num_blocks, dtype=np.int64)  # 0 = not pinned
+        self._pin_chunks: list[tuple[int, np.ndarray]] = []
+        self._pending_free: list[np.ndarray] = []
+        # KV blocks whose last reference dropped while a copy not yet run reads or writes them: the
+        # copy holds one reference until release_pins (a cached one would otherwise be evictable)
+        self._pin_held: list[np.ndarray] = []
+        self.prefix_cache = PrefixCache(self, prefix_cache) if prefix_cache is not None else None
+
+    # ---- counting: the one formula --------------------------------------------------------------
+    def blocks_to_admit(self, num_tokens: int, num_speculative: int = 0, token_ids: Sequence[int] | None = None) -> int:
+        """Blocks ``allocate`` takes out of :attr:`num_available_blocks` for a request holding
+        ``num_tokens`` tokens: KV blocks + live state sets + speculative sets, less the KV blocks a
+        prefix hit shares, plus the evictable blocks the hit pins (the cached KV blocks it revives
+        and its checkpoint, read by the copy into the live sets)."""
+        return self._admission(num_tokens, num_speculative, token_ids)[0]
+
+    def _admission(
+        self, num_tokens: int, num_speculative: int, token_ids: Sequence[int] | None
+    ) -> tuple[int, int, PrefixHit | None]:
+        """(blocks taken from the available count, new blocks to allocate, the prefix hit)."""
+        num_tokens = as_count(num_tokens, "num_tokens")
+        num_speculative = as_count(num_speculative, "num_speculative")
+        kv = cdiv(num_tokens, self.block_size) if self._has_kv else 0
+        new = kv + (1 + num_speculative) * self.num_state_blocks
+        if self.prefix_cache is None or token_ids is None:
+            return new, new, None
+        hit = self.prefix_cache.match(token_ids, num_tokens)
+        shared = hit.num_blocks if self._has_kv else 0
+        taken = new - shared + self.prefix_cache.num_pinned(hit)
+        if taken > new and taken + self.watermark_blocks > self.num_available_blocks:
+            # the hit pins more than it saves and only the miss fits: admit as a miss
+            miss = hit._replace(num_tokens=0, kv_blocks=_EMPTY, checkpoint_key=None, keys=[], checkpoint_ids=None)
+            return new, new, miss
+        return taken, new - shared, hit
+
+    def plan_admission(
+        self, num_tokens: int, num_speculative: int = 0, token_ids: Sequence[int] | None = None
+    ) -> AdmissionPlan:
+        """What ``allocate`` with these arguments would do now: the blocks it takes out of
+        :attr:`num_available_blocks` and the tokens it serves from the prefix cache (0 when a hit
+        that pins more than it saves is admitted as a miss). Changes nothing."""
+        taken, _, hit = self._admission(num_tokens, num_speculative, token_ids)
+        return AdmissionPlan(taken, hit.num_tokens if hit is not None else 0)
+
+    # ---- pins: blocks of copies handed out but not run yet ------------------------------------
+    def begin_pin_epoch(self) -> int:
+        """Start a new pin epoch and return it; the first call turns block pins on.
+
+        Every copy the manager hands out (``Allocation.copies``, copy-on-write, fork, checkpoint)
+        pins its source and destination blocks in the current epoch: a pinned block that is given
+        back (its request finished, was aborted, preempted or swapped out) is not reused, it waits
+        as ``pending_free`` until :meth:`release_pins` says the copy ran. A pinned checkpoint is
+        not evicted. A scheduler opens an epoch per step and per update (docs/contract.md).
+        """
+        self._pin_epoch += 1
+        return self._pin_epoch
+
+    @property
+    def pin_epoch(self) -> int:
+        return self._pin_epoch
+
+    def release_pins(self, before: int | None = None) -> None:
+        """The executor ran every copy handed out in epochs ``< before`` (all copies when None):
+        their checkpoints may be evicted again and their pending-free blocks go back to the pool."""
+        if before is not None:
+            before = as_count(before, "before")
+        if self.prefix_cache is not None:
+            self.prefix_cache.release_pins(before)
+        if not self._pin_chunks:
+            return
+        keep = []
+        for epoch, ids in self._pin_chunks:
+            if before is None or epoch < before:
+                self._pin_of[ids[self._pin_of[ids] == epoch]] = 0  # unless pinned again later
+            else:
+                keep.append((epoch, ids))
+        self._pin_chunks = keep
+        if self._pin_held:
+            held = np.concatenate(self._pin_held)
+            ready = self._pin_of[held] == 0
+            self._pin_held = [held[~ready]] if not ready.all() else []
+            self._drop_kv(held[ready])  # the copies' references: cached blocks become evictable now
+        if self._pending_free:
+            waiting = np.concatenate(self._pending_free)
+            ready = self._pin_of[waiting] == 0
+            self._pending_free = [waiting[~ready]] if not ready.all() else []
+            self.use[waiting[ready]] = BlockUse.FREE
+            self.pool.free(waiting[ready])
+
+    def cancel_checkpoints(self, epoch: int) -> np.ndarray:
+        """Drop the checkpoints taken in pin ``epoch`` whose copies were not handed to an executor yet
+        (a scheduler does this rather than preempt a request, when those checkpoints are all that
+        stands in the way); their blocks are free again. Returns the dropped checkpoints' block ids:
+        the caller removes the copies that write them. Nothing else changes."""
+        epoch = as_count(epoch, "epoch")  # checked with or without a prefix cache
+        if self.prefix_cache is None:
+            return _EMPTY
+        ids = self.prefix_cache.cancel_checkpoints(epoch)
+        if ids.size:
+            self._pin_of[ids] = 0  # their copy will not run
+            self.pool.ref_counts[ids] = 0
+            self._give_back(ids)
+        return ids
+
+    def _pin(self, copies: BlockCopies) -> BlockCopies:
+        """Pin the blocks of copies handed out (when pins are on) and return the copies."""
+        if self._pin_epoch and len(copies):
+            ids = np.concatenate((copies.src, copies.dst))
+            self._pin_of[ids] = self._pin_epoch
+            self._pin_chunks.append((self._pin_epoch, ids))
+        return copies
+
+    def _give_back(self, ids: np.ndarray) -> None:
+        """The one way unreferenced blocks return to the pool: pinned ones wait in pending-free."""
+        if self._pin_chunks and ids.size:
+            held = self._pin_of[ids] != 0
+            if held.any():
+                self.use[ids[held]] = BlockUse.PENDING_FREE
+                self._pending_free.append(ids[held])
+                ids = ids[~held]
+        self.use[ids] = BlockUse.FREE
+        self.pool.free(ids)
+
+    def pending_free_blocks(self) -> np.ndarray:
+        """Blocks given back while a pinned copy still touches them (free after ``release_pins``)."""
+        return np.concatenate(self._pending_free) if self._pending_free else _EMPTY
+
+    def mark_computed(self, request_id: RequestId, num_computed_tokens: int) -> None:
+        """The forward wrote KV (and state) for the request's first ``num_computed_tokens`` tokens:
+        their full blocks may now enter the prefix cache. Blocks enter it only through this call
+        (and the hit at admission), never when they are allocated, so a block whose forward never
+        ran (an aborted row) can never be served as a prefix hit. A no-op without a prefix cache."""
+        n = as_count(num_computed_tokens, "num_computed_tokens")
+        rec = self._running(request_id)
+        if n > rec.num_tokens:
+            raise ValueError(f"request {request_id!r} holds {rec.num_tokens} tokens, cannot have {n} computed")
+        if rec.token_ids is not None and self.prefix_cache is not None and n // self.block_size > len(rec.block_keys):
+            self.prefix_cache.register(rec.token_ids, rec.block_keys, rec.kv_blocks, n)
+
+    def match_prefix(self, token_ids: Sequence[int], max_tokens: int | None = None) -> int:
+        """Tokens of ``token_ids`` a request admitted now would get from the prefix cache."""
+        if self.prefix_cache is None:
+            return 0
+        return self.prefix_cache.match(token_ids, len(token_ids) if max_tokens is None else max_tokens).num_tokens
+
+    @property
+    def num_available_blocks(self) -> int:
+        """Blocks an allocation can take now: free plus evictable (cached KV, checkpoints)."""
+        if self.prefix_cache is None:
+            return self.pool.num_free
+        return self.pool.num_free + self.prefix_cache.num_evictable
+
+    def check_fits(self, max_tokens: int, num_speculative: int = 0) -> None:
+        """Raise :class:`RequestTooLargeError` if a request of ``max_tokens`` can never fit
+        (``TypeError`` / ``ValueError`` for counts that are not integers >= 0)."""
+        needed = self.blocks_to_admit(max_tokens, num_speculative)
+        if needed > self.pool.num_usable - self.watermark_blocks:
+            raise RequestTooLargeError(needed, self.pool.num_usable - self.watermark_blocks)
+
+    def can_allocate(self, num_tokens: int, num_speculative: int = 0, token_ids: Sequence[int] | None = None) -> bool:
+        need = self.blocks_to_admit(num_tokens, num_speculative, token_ids)
+        return need + self.watermark_blocks <= self.num_available_blocks
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+    def allocate(
+        self,
+        request_id: RequestId,
+        num_tokens: int,
+        num_speculative: int = 0,
+        token_ids: Sequence[int] | None = None,
+    ) -> Allocation:
+        """Admit a request: KV blocks for ``num_tokens`` plus its state sets, in one pool operation.
+
+        With a prefix cache and ``token_ids`` (the whole input, possibly longer than
+        ``num_tokens``), the longest hit within ``num_tokens`` shares its KV blocks and the live sets
+        are filled from its checkpoint: ``Allocation.copies`` (checkpoint -> live) must run before
+        the request's first forward, which starts at ``num_cached_tokens``. Raises
+        :class:`DuplicateRequestError`, :class:`RequestTooLargeError` (never fits) or
+        :class:`NoFreeBlocksError` (not now); nothing changes on error.
+        """
+        if request_id in self.requests:
+            raise DuplicateRequestError(f"request {request_id!r} is already allocated: free it first")
+        num_tokens, num_speculative = as_count(num_tokens, "num_tokens"), as_count(num_speculative, "num_speculative")
+        self.check_fits(num_tokens, num_speculative)
+        if token_ids is not None and self.prefix_cache is not None:
+            token_ids = TokenArray(token_ids)  # once: the match and the record share it (and its hashes)
+        taken, need, hit = self._admission(num_tokens, num_speculative, token_ids)
+        if taken + self.watermark_blocks > self.num_available_blocks:
+            raise NoFreeBlocksError(
+                f"request {request_id!r} ({num_tokens} tokens)",
+                taken + self.watermark_blocks,
+                self.num_available_blocks,
+                "wait for running requests to finish or preempt one",
+            )
+        shared = _EMPTY
+        if hit is not None:
+            # evict first, sparing the hit (its KV blocks and the one checkpoint it reads); then
+            # take the hit's blocks out of the evictable set
+            ckpt = {hit.checkpoint_key} if hit.checkpoint_key is not None else set()
+            self._make_room(need, protect=hit.kv_blocks, protect_ckpt=ckpt)
+            shared = self.prefix_cache.take_hit(hit)  # type: ignore[union-attr]
+        # state sets first: they are the contiguous part that ops gather and swap
+        ids = self._take(need)
+        n_live, n_state = self.num_state_blocks, (1 + num_speculative) * self.num_state_blocks
+        rec = RequestRecord(request_id, num_tokens, _EMPTY, shared.size + need - n_state, _EMPTY, self._no_spec())
+        self.tables.take(rec, rec.num_kv_blocks)
+        rec.kv[: shared.size] = shared
+        rec.kv[shared.size : rec.num_kv_blocks] = ids[n_state:]
+        rec.state[self._state_mask] = ids[:n_live]  # (a flat view only when groups are equal)
+        if num_speculative:
+            rec.spec = self._split_state_sets(ids[n_live:n_state], num_speculative)
+        if self.pool.last_allocation_was_run:
+            first = int(ids[0])  # one run (the common case): slices instead of fancy indexing
+            if not shared.size and self.prefix_cache is None:
+                rec.run = (first, first + need)
+            self.use[first : first + n_live] = BlockUse.STATE
+            self.use[first + n_live : first + n_state] = BlockUse.SPECULATIVE
+            self.use[first + n_state : first + need] = BlockUse.KV
+        else:
+            self.use[ids[:n_live]] = BlockUse.STATE
+            self.use[ids[n_live:n_state]] = BlockUse.SPECULATIVE
+            self.use[ids[n_state:]] = BlockUse.KV
+        self.requests[request_id] = rec
+        if hit is None:
+            return Allocation(0, _NO_COPIES)
+        assert token_ids is not None and self.prefix_cache is not None
+        rec.token_ids = token_ids
+        rec.block_keys = list(hit.keys)  # the hit's blocks are cached; the rest enter via mark_computed
+        rec.branch_tokens = hit.num_matched_tokens
+        rec.tail_shared = hit.num_blocks > 0
+        copies = _NO_COPIES
+        if hit.checkpoint_ids is not None:
+            ckpt_ids = hit.checkpoint_ids.copy()
+            copies = self._pin(BlockCopies(ckpt_ids, ids[:n_live].copy()))
+        return Allocation(hit.num_tokens, copies)
+
+    def num_new_kv_blocks(self, request_id: RequestId, num_new_tokens: int) -> int:
+        """Blocks ``append`` takes for ``num_new_tokens`` more tokens (copy-on-write included)."""
+        return self._new_blocks(self._running(request_id), as_count(num_new_tokens, "num_new_tokens"))
+
+    def _new_blocks(self, rec: RequestRecord, num_new_tokens: int) -> int:
+        """:meth:`num_new_kv_blocks` of a running request's record (the count checked)."""
+        if not self._has_kv:
+            return 0
+        grow = cdiv(rec.num_tokens + num_new_tokens, self.block_size) - rec.num_kv_blocks
+        return max(grow, 0) + int(self._needs_cow(rec) and num_new_tokens > 0)
+
+    def can_append(self, request_id: RequestId, num_new_tokens: int) -> bool:
+        return self.num_new_kv_blocks(request_id, num_new_tokens) <= self.num_available_blocks
+
+    def append(self, request_id: RequestId, num_new_tokens: int, token_ids: Sequence[int] | None = None) -> BlockCopies:
+        """Grow a request's KV by ``num_new_tokens``; state sets never grow.
+
+        Returns the copy-on-write copies to run first (a shared, partly filled last block gets a
+        private copy before it is written). ``token_ids``: tokens beyond the input given at
+        admission (sampled ones), so their full blocks can be cached too. Raises
+        :class:`NoFreeBlocksError`; nothing changes then.
+        """
+        num_new_tokens = as_count(num_new_tokens, "num_new_tokens")
+        rec = self.requests.get(request_id)
+        if rec is None or rec.row < 0 or rec.pending is not None:
+            rec = self._running(request_id)  # raises with the reason
+        if token_ids is not None and rec.token_ids is not None:
+            token_ids = as_token_array(token_ids)  # checked (TypeError) before the request grows
+        total = rec.num_tokens + num_new_tokens
+        # decode fast path: the tokens fit the last, private block (no Python beyond a few compares)
+        if num_new_tokens and total <= rec.num_kv_blocks * self.block_size and not self._needs_cow(rec):
+            rec.num_tokens = total
+            if rec.token_ids is not None:
+                self._cache_tokens(rec, token_ids)
+            return _NO_COPIES
+        need = self._new_blocks(rec, num_new_tokens)
+        if need > self.num_available_blocks:
+            raise NoFreeBlocksError(
+                f"append of {num_new_tokens} tokens to {request_id!r}", need, self.num_available_blocks
+            )
+        copies = _NO_COPIES
+        if need:
+            rec.run = None
+            ids = self._take(need)
+            self._mark(ids, BlockUse.KV)
+            if self._needs_cow(rec) and num_new_tokens > 0:
+                old, new = rec.kv[rec.num_kv_blocks - 1 : rec.num_kv_blocks].copy(), ids[:1]
+                copies = self._pin(BlockCopies(old, new.copy()))  # pinned before the reference drops
+                self._drop_kv(old)
+                rec.kv[rec.num_kv_blocks - 1] = new[0]
+                ids = ids[1:]
+            self.tables.ensure_width(rec.num_kv_blocks + ids.size)
+            rec.kv[rec.num_kv_blocks : rec.num_kv_blocks + ids.size] = ids
+            rec.num_kv_blocks += ids.size
+        rec.num_tokens += num_new_tokens
+        if rec.token_ids is not None:
+            self._cache_tokens(rec, token_ids)
+        return copies
+
+    @staticmethod
+    def _cache_tokens(rec: RequestRecord, token_ids: Sequence[int] | None) -> None:
+        """Remember sampled token ids; their blocks enter the prefix cache in :meth:`mark_computed`."""
+        assert rec.token_ids is not None
+        if token_ids is not None:
+            rec.token_ids.extend(token_ids)
+
+    def free(self, request_id: RequestId) -> None:
+        """Release everything the request holds; shared KV blocks drop one reference."""
+        rec = self._get(request_id)
+        if rec.pending is not None:
+            raise RequestStateError(f"request {request_id!r} has a pending swap plan: commit or abort it first")
+        if rec.status is RequestStatus.SWAPPED:
+            assert self.host_pool is not None
+            self.host_pool.release(rec.host_blocks)
+        else:
+            self._release_all(rec)
+        del self.requests[request_id]
+
+    def fork(self, parent_id: RequestId, child_id: RequestId) -> BlockCopies:
+        """A child sharing the parent's KV (reference counts) with a private copy of its state.
+
+        Returns the state copies ``parent set -> child set`` to run before the child's forward.
+        """
+        parent = self._running(parent_id)
+        if child_id in self.requests:
+            raise DuplicateRequestError(f"request {child_id!r} is already allocated: fork into a new id")
+        if self.num_state_blocks > self.num_available_blocks:
+            raise NoFreeBlocksError(f"fork of {parent_id!r}", self.num_state_blocks, self.num_available_blocks)
+        ids = self._take(self.num_state_blocks)
+        kv = parent.kv_blocks
+        self.pool.incref(kv)
+        parent.run = None  # its KV is shared now
+        child = RequestRecord(child_id, parent.num_tokens, _EMPTY, kv.size, _EMPTY, self._no_spec())
+        # any shared block may become a partly filled tail (now, or after a rejected draft is cut)
+        parent.tail_shared = child.tail_shared = bool(kv.size)
+        if parent.token_ids is not None:
+            child.token_ids, child.block_keys = parent.token_ids.copy(), list(parent.block_keys)
+        self.tables.take(child, kv.size)
+        child.kv[: kv.size] = kv
+        child.state[self._state_mask] = ids
+        self.use[ids] = BlockUse.STATE
+        self.requests[child_id] = child
+        return self._pin(BlockCopies(parent.state[self._state_mask], ids.copy()))
+
+    # ---- batch views ---------------------------------------------------------------------------
+    def block_table(
+        self, request_ids: Sequence[RequestId], num_rows: int | None = None, width: int | None = None
+    ) -> np.ndarray:
+        """KV block table ``[num_rows, width]`` int32 (default ``[B, max blocks]``), padding = null block.
+
+        Request ids must be running with no pending swap plan (else :class:`RequestStateError`).
+        """
+        recs = self._batch(request_ids)
+        width = max((r.num_kv_blocks for r in recs), default=0) if width is None else as_count(width, "width")
+        return self.tables.gather_kv([r.row for r in recs], self._num_rows(num_rows, len(recs)), width)
+
+    def state_table(self, request_ids: Sequence[RequestId], num_rows: int | None = None) -> np.ndarray:
+        """Live state sets ``[num_state_groups, num_rows, blocks_per_state]`` int32; padding rows are null."""
+        recs = self._batch(request_ids)
+        return self.tables.gather_state([r.row for r in recs], self._num_rows(num_rows, len(recs)))
+
+    @staticmethod
+    def _num_rows(num_rows: int | None, batch: int) -> int:
+        if num_rows is None:
+            return batch
+        num_rows = as_count(num_rows, "num_rows")
+        if num_rows < batch:
+            raise ValueError(
+                f"num_rows={num_rows} is smaller than the batch of {batch} requests: pass num_rows >= {batch}"
+            )
+        return num_rows
+
+    def _batch(self, request_ids: Sequence[RequestId]) -> list[RequestRecord]:
+        requests = self.requests
+        try:
+            recs = [requests[r] for r in request_ids]
+        except KeyError as e:
+            raise UnknownRequestError(f"unknown request {e.args[0]!r}: allocate it first") from None
+        for rec in recs:
+            if rec.row < 0 or rec.pending is not None:
+                self._running(rec.request_id)  # raises with the reason
+        return recs
+
+    def speculative_table(self, request_id: RequestId) -> np.ndarray:
+        """Speculative sets of one request, ``[K, num_state_groups, blocks_per_state]`` int32."""
+        return self._running(request_id).spec
+
+    # ---- accounting ----------------------------------------------------------------------------
+    def usage(self) -> Usage:
+        counts = np.bincount(self.use, minlength=len(BlockUse))
+        host_total = self.host_pool.num_usable if self.host_pool else 0
+        host_used = host_total - self.host_pool.num_free if self.host_pool else 0
+        return Usage(
+            self.layout.num_blocks,
+            int(counts[BlockUse.FREE]),
+            int(counts[BlockUse.KV]),
+            int(counts[BlockUse.STATE]),
+            int(counts[BlockUse.SPECULATIVE]),
+            int(counts[BlockUse.CACHED_KV]),
+            int(counts[BlockUse.CHECKPOINT]),
+            int(counts[BlockUse.NULL]),
+            host_total,
+            host_used,
+            self.layout.bytes_per_block,
+            int(counts[BlockUse.PENDING_FREE]),
+        )
+
+    # ---- internals -----------------------------------------------------------------------------
+    def _get(self, request_id: RequestId) -> RequestRecord:
+        rec = self.requests.get(request_id)
+        if rec is None:
+            raise UnknownRequestError(f"unknown request {request_id!r}: allocate it first")
+        return rec
+
+    def _running(self, request_id: RequestId) -> RequestRecord:
+        rec = self._get(request_id)
+        if rec.status is not RequestStatus.RUNNING or rec.pending is not None:
+            kind = "swap" if isinstance(rec.pending, SwapPlan) else "transfer"
+            what = f"has a pending {kind} plan" if rec.pending is not None else "is swapped out"
+            raise RequestStateError(f"request {request_id!r} {what}: swap it in (or settle the plan) first")
+        return rec
+
+    def _swapped(self, request_id: RequestId) -> RequestRecord:
+        rec = self._get(request_id)
+        if rec.status is not RequestStatus.SWAPPED or rec.pending is not None:
+            raise RequestStateError(f"request {request_id!r} is not swapped out (or has a pending plan)")
+        return rec
+
+    def _needs_cow(self, rec: RequestRecord) -> bool:
+        # only fork shares a partly filled block (prefix hits share full ones)
+        if not rec.tail_shared or not rec.num_kv_blocks or rec.num_tokens % self.block_size == 0:
+            return False
+        return bool(self.pool.ref_counts[rec.kv[rec.num_kv_blocks - 1]] > 1)
+
+    def _split_state_sets(self, ids: np.ndarray, num_sets: int) -> np.ndarray:
+        sets = np.zeros((num_sets, self.num_state_groups, self.blocks_per_state), dtype=np.int32)
+        sets[:, self._state_mask] = ids.reshape(num_sets, self.num_state_blocks)
+        return sets
+
+    def _no_spec(self) -> np.ndarray:
+        return self._no_spec_sets  # shared and never written: spec arrays are replaced, not resized
+
+    def _set_ids(self, sets: np.ndarray) -> np.ndarray:
+        """The block ids of state sets ``[..., G, bps]`` as a flat array (a view when groups are equal)."""
+        if self._uniform_sets:
+            return sets.reshape(-1)
+        return sets[..., self._state_mask].ravel()
+
+    def _mark(self, ids: np.ndarray, use: BlockUse) -> None:
+        kernels.put(self.use, ids, use.value)
+
+    def _mark_sets(self, sets: np.ndarray, use: BlockUse) -> None:
+        self.use[sets[..., self._state_mask]] = use
+
+    def _make_room(
+        self,
+        num_blocks: int,
+        protect: np.ndarray = _EMPTY,
+        protect_ckpt: set[int] = frozenset(),  # type: ignore[assignment]
+    ) -> None:
+        """Evict cached blocks until ``num_blocks`` are free (the caller checked availability).
+        ``protect``: KV block ids that stay; ``protect_ckpt``: node keys whose checkpoints stay."""
+        short = num_blocks - self.pool.num_free
+        if short > 0 and self.prefix_cache is not None:
+            # through _give_back like every other return to the pool; nothing evictable is pinned
+            # (a pinned KV block is held by its copy, a pinned checkpoint is passed over)
+            self._give_back(self.prefix_cache.evict(short, protect, protect_ckpt))
+
+    def _take(self, num_blocks: int) -> np.ndarray:
+        self._make_room(num_blocks)
+        return self.pool.allocate(num_blocks)
+
+    def _release_kv(self, ids: np.ndarray, chain: list[int] | None = None) -> np.ndarray:
+        """Drop one reference; cached blocks that reach zero become evictable; returns the rest.
+        ``chain``: the releasing request's chain keys (the prefix cache demotes what lies past its
+        deepest checkpoint)."""
+        zero = self.pool.decref(ids)
+        if self._pin_chunks and zero.size:
+            held = self._pin_of[zero] != 0
+            if held.any():  # a copy not yet run still reads or writes them: it keeps a reference
+                kept = zero[held]
+                self.pool.incref(kept)
+                self._pin_held.append(kept)
+                zero = zero[~held]
+        return zero if self.prefix_cache is None else self.prefix_cache.release(zero, chain)
+
+    def _drop_kv(self, ids: np.ndarray) -> None:
+        self._give_back(self._release_kv(ids))
+
+    def _drop_state(self, sets: np.ndarray) -> None:
+        ids = sets[..., self._state_mask].ravel()
+        self.pool.ref_counts[ids] = 0
+        self._give_back(ids)
+
+    def _release_all(self, rec: RequestRecord) -> None:
+        """Give back a running request's blocks in one pool operation and its table row."""
+        if rec.run is not None and not (self._pin_chunks and self._pin_of[rec.run[0] : rec.run[1]].any()):
+            start, end = rec.run  # one private id run: slices, no sort, no fancy indexing
+            self.pool.ref_counts[start:end] = 0
+            self.use[start:end] = BlockUse.FREE
+            self.pool.free_run(start, end)
+            self.tables.give_back(rec)
+            rec.run = None
+            return
+        owned = np.concatenate((self._set_ids(rec.state), self._set_ids(rec.spec)))
+        self.pool.ref_counts[owned] = 0
+        self._give_back(np.concatenate((owned, self._release_kv(rec.kv_blocks, rec.block_keys))))
+        self.tables.give_back(rec)
+        rec.run = None
