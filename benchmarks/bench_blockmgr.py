@@ -27,9 +27,9 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._common import save, time_us  # noqa: E402
-from hybridkv.blockmgr.layout import plan  # noqa: E402
 from hybridkv.blockmgr.manager import HybridBlockManager  # noqa: E402
-from hybridkv.blockmgr.presets import preset  # noqa: E402
+from hybridkv.models.presets import preset  # noqa: E402
+from hybridkv.planner.layout import plan  # noqa: E402
 
 GiB = 1024**3
 # used only when vllm does not import: measured on this machine class (2-core Xeon, CPU only) with

@@ -60,9 +60,9 @@ def copy_rate(quick: bool) -> dict[str, float]:
 
 
 def _layout():
-    from hybridkv.blockmgr.layout import plan
-    from hybridkv.blockmgr.presets import preset
+    from hybridkv.models.presets import preset
     from hybridkv.ops.testing import small_layout
+    from hybridkv.planner.layout import plan
 
     if _RUN["smoke"]:  # 2 heads of [16, 16] fp32 over 4 blocks
         return small_layout(components=(("kv", (2, 16, 16), "float32"),), pattern="RRAR", kv_heads=1, head_dim=16,

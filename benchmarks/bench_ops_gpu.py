@@ -139,8 +139,8 @@ def pinned_rates(nbytes: int, quick: bool) -> dict[str, float]:
 
 
 def _models():
-    from hybridkv.blockmgr.presets import preset
-    from hybridkv.blockmgr.spec import ModelSpec, RecurrentLayerSpec, StateComponent
+    from hybridkv.models.presets import preset
+    from hybridkv.models.spec import ModelSpec, RecurrentLayerSpec, StateComponent
 
     def only(name: str, shape: tuple[int, ...], dtype: str) -> ModelSpec:
         layer = RecurrentLayerSpec("mamba2", (StateComponent(name, shape, dtype),))
@@ -157,7 +157,7 @@ def state_case(model, batch: int, copy_gbps: float, quick: bool, check: bool) ->
     """gather/scatter of every state layer of ``model`` for ``batch`` requests: hybridkv vs per-layer torch."""
     import torch
 
-    from hybridkv.blockmgr.spec import RecurrentLayerSpec
+    from hybridkv.models.spec import RecurrentLayerSpec
 
     state_layers = [spec for spec in model.layers if isinstance(spec, RecurrentLayerSpec)]
     nbytes = 2 * batch * sum(spec.state_bytes for spec in state_layers)
@@ -186,8 +186,8 @@ def _hybridkv_states(model, batch, name, nbytes, copy_gbps, quick, check) -> lis
     import numpy as np
     import torch
 
-    from hybridkv.blockmgr.layout import plan
     from hybridkv.ops import allocate_pools, allocate_state_buffers, gather_states, scatter_states
+    from hybridkv.planner.layout import plan
 
     probe = plan(model, 1 << 50, block_size=64)
     needed = sum(probe.blocks_per_state) * batch + 1
@@ -258,10 +258,10 @@ def blocks_and_swap_case(copy_gbps: float, pinned: dict[str, float], quick: bool
     import numpy as np
     import torch
 
-    from hybridkv.blockmgr.layout import plan
-    from hybridkv.blockmgr.presets import preset
+    from hybridkv.models.presets import preset
     from hybridkv.ops import allocate_host_pools, allocate_pools, copy_blocks, swap_blocks
     from hybridkv.ops.swap.runs import host_runs
+    from hybridkv.planner.layout import plan
 
     model = preset("minimax-m1", "float32", 8 if _RUN["smoke"] else 1)
     probe = plan(model, 1 << 50, block_size=64)

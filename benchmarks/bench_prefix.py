@@ -50,11 +50,11 @@ import numpy as np  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from benchmarks._common import save  # noqa: E402
-from hybridkv.blockmgr.errors import AllocationError  # noqa: E402
-from hybridkv.blockmgr.layout import plan  # noqa: E402
 from hybridkv.blockmgr.manager import HybridBlockManager  # noqa: E402
 from hybridkv.blockmgr.prefix import CheckpointPolicy, EvictionPolicy, PrefixCacheConfig  # noqa: E402
-from hybridkv.blockmgr.presets import preset  # noqa: E402
+from hybridkv.errors import AllocationError  # noqa: E402
+from hybridkv.models.presets import preset  # noqa: E402
+from hybridkv.planner.layout import plan  # noqa: E402
 from hybridkv.sim.trace import (  # noqa: E402
     DEFAULT_TRACE,
     MOONCAKE_BLOCK_TOKENS,

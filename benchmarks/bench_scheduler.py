@@ -24,9 +24,9 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._common import save  # noqa: E402
-from hybridkv.blockmgr.layout import plan
 from hybridkv.blockmgr.manager import HybridBlockManager
-from hybridkv.blockmgr.presets import preset
+from hybridkv.models.presets import preset
+from hybridkv.planner.layout import plan
 from hybridkv.scheduler_adapter import Scheduler, SchedulerConfig, build_step_metadata
 from hybridkv.scheduler_adapter.synthetic import SyntheticEngine
 

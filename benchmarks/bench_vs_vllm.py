@@ -59,11 +59,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._common import save  # noqa: E402
 from benchmarks.bench_scheduler import NUM_REQUESTS, PROMPT_TOKENS, warm_decode  # noqa: E402
-from hybridkv.blockmgr.layout import plan  # noqa: E402
 from hybridkv.blockmgr.manager import HybridBlockManager  # noqa: E402
 from hybridkv.blockmgr.pool import make_pool  # noqa: E402
 from hybridkv.blockmgr.prefix import EvictionPolicy, PrefixCacheConfig  # noqa: E402
-from hybridkv.blockmgr.presets import preset  # noqa: E402
+from hybridkv.models.presets import preset  # noqa: E402
+from hybridkv.planner.layout import plan  # noqa: E402
 from hybridkv.scheduler_adapter import StepOutputs, build_step_metadata  # noqa: E402
 
 GiB = 1024**3

@@ -5,10 +5,10 @@ Runs on any machine (numpy only):  python examples/manager_walkthrough.py
 
 from __future__ import annotations
 
-from hybridkv.blockmgr.layout import plan
 from hybridkv.blockmgr.manager import HybridBlockManager
 from hybridkv.blockmgr.prefix import PrefixCacheConfig
-from hybridkv.blockmgr.presets import preset
+from hybridkv.models.presets import preset
+from hybridkv.planner.layout import plan
 
 GiB = 1024**3
 

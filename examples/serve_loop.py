@@ -18,10 +18,9 @@ import sys
 
 from tqdm import tqdm
 
-from hybridkv.blockmgr.layout import plan
 from hybridkv.blockmgr.manager import HybridBlockManager
 from hybridkv.blockmgr.prefix import PrefixCacheConfig
-from hybridkv.blockmgr.presets import preset
+from hybridkv.models.presets import preset
 from hybridkv.ops import (
     allocate_host_pools,
     allocate_pools,
@@ -31,6 +30,7 @@ from hybridkv.ops import (
     scatter_states,
     swap_blocks,
 )
+from hybridkv.planner.layout import plan
 from hybridkv.scheduler_adapter import PreemptionMode, Scheduler, SchedulerConfig, build_step_metadata
 from hybridkv.scheduler_adapter.synthetic import SyntheticEngine
 

@@ -35,12 +35,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from hybridkv.blockmgr.layout import NULL_BLOCK, Layout, plan
 from hybridkv.blockmgr.manager import HybridBlockManager
-from hybridkv.blockmgr.spec import AttentionLayerSpec, ModelSpec, RecurrentLayerSpec, StateComponent
+from hybridkv.models.spec import AttentionLayerSpec, ModelSpec, RecurrentLayerSpec, StateComponent
 from hybridkv.ops import allocate_host_pools, allocate_pools, copy_blocks, kv_cache_views, swap_blocks
 from hybridkv.ops._framework import resolve_backend
 from hybridkv.ops.lightning import lightning_decode, lightning_prefill, lightning_recurrent_naive, lightning_slopes
+from hybridkv.planner.layout import NULL_BLOCK, Layout, plan
 from hybridkv.scheduler_adapter import RequestState, SchedRequest, Scheduler, StepMetadata, StepOutputs, StepPlan
 from hybridkv.scheduler_adapter import build_step_metadata as _build_step_metadata
 

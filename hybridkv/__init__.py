@@ -43,18 +43,19 @@ __version__ = "0.1.0"
 
 # public name -> module that defines it (imported lazily by __getattr__)
 _LAZY: dict[str, str] = {
-    **dict.fromkeys(("preset", "PRESET_NAMES"), "hybridkv.blockmgr.presets"),
-    **dict.fromkeys(("load_spec", "spec_from_hf_config", "resolve_model"), "hybridkv.blockmgr.spec_io"),
+    **dict.fromkeys(("preset", "PRESET_NAMES"), "hybridkv.models.presets"),
+    **dict.fromkeys(("load_spec", "resolve_model"), "hybridkv.models.spec_file"),
+    "spec_from_hf_config": "hybridkv.models.hf",
     **dict.fromkeys(
         ("ModelSpec", "DType", "AttentionLayerSpec", "RecurrentLayerSpec", "NoCacheLayerSpec", "StateComponent"),
-        "hybridkv.blockmgr.spec",
+        "hybridkv.models.spec",
     ),
-    **dict.fromkeys(("plan", "Layout", "LayoutKind"), "hybridkv.blockmgr.layout"),
+    **dict.fromkeys(("plan", "Layout", "LayoutKind"), "hybridkv.planner.layout"),
     "HybridBlockManager": "hybridkv.blockmgr.manager",
     **dict.fromkeys(("PrefixCacheConfig", "CheckpointPolicy", "EvictionPolicy"), "hybridkv.blockmgr.prefix"),
     **dict.fromkeys(
         ("HybridKVError", "SpecError", "LayoutError", "AllocationError", "NoFreeBlocksError"),
-        "hybridkv.blockmgr.errors",
+        "hybridkv.errors",
     ),
     **dict.fromkeys(
         ("Scheduler", "SchedulerConfig", "StepOutputs", "StepPlan", "PreemptionMode", "build_step_metadata"),
@@ -78,14 +79,15 @@ _HAS_TORCH = _has_torch()
 __all__ = ["__version__", *_LAZY, *(_OPS if _HAS_TORCH else ())]
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
-    from hybridkv.blockmgr.errors import AllocationError, HybridKVError, LayoutError, NoFreeBlocksError, SpecError  # noqa: F401
-    from hybridkv.blockmgr.layout import Layout, LayoutKind, plan  # noqa: F401
     from hybridkv.blockmgr.manager import HybridBlockManager  # noqa: F401
     from hybridkv.blockmgr.prefix import CheckpointPolicy, EvictionPolicy, PrefixCacheConfig  # noqa: F401
-    from hybridkv.blockmgr.presets import PRESET_NAMES, preset  # noqa: F401
-    from hybridkv.blockmgr.spec import DType, ModelSpec  # noqa: F401
-    from hybridkv.blockmgr.spec_io import load_spec, resolve_model, spec_from_hf_config  # noqa: F401
+    from hybridkv.errors import AllocationError, HybridKVError, LayoutError, NoFreeBlocksError, SpecError  # noqa: F401
+    from hybridkv.models.hf import spec_from_hf_config  # noqa: F401
+    from hybridkv.models.presets import PRESET_NAMES, preset  # noqa: F401
+    from hybridkv.models.spec import DType, ModelSpec  # noqa: F401
+    from hybridkv.models.spec_file import load_spec, resolve_model  # noqa: F401
     from hybridkv.ops import allocate_pools, copy_blocks, gather_states, scatter_states, swap_blocks  # noqa: F401
+    from hybridkv.planner.layout import Layout, LayoutKind, plan  # noqa: F401
     from hybridkv.scheduler_adapter import (  # noqa: F401
         PreemptionMode,
         Scheduler,

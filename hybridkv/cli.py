@@ -18,18 +18,18 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from hybridkv.blockmgr import presets as P
-from hybridkv.blockmgr.errors import HybridKVError
-from hybridkv.blockmgr.layout import Layout, LayoutKind, plan
-from hybridkv.blockmgr.spec import (
+from hybridkv.errors import HybridKVError
+from hybridkv.models import presets as P
+from hybridkv.models.spec import (
     KV_CACHE_DTYPES,
     AttentionLayerSpec,
     ModelSpec,
     RecurrentLayerSpec,
     with_kv_dtype,
 )
-from hybridkv.blockmgr.spec_io import is_spec_path, resolve_model
-from hybridkv.blockmgr.units import format_bytes, parse_bytes, parse_tokens
+from hybridkv.models.spec_file import is_spec_path, resolve_model
+from hybridkv.planner.layout import Layout, LayoutKind, plan
+from hybridkv.units import format_bytes, parse_bytes, parse_tokens
 
 DEFAULT_BUDGET = "80GiB"
 DEFAULT_CONTEXT = "32k"

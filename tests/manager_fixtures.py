@@ -1,8 +1,8 @@
 """Small layouts for block manager tests, chosen so block ids are easy to reason about."""
 
-from hybridkv.blockmgr.layout import plan
 from hybridkv.blockmgr.manager import HybridBlockManager
-from hybridkv.blockmgr.spec import AttentionLayerSpec, DType, ModelSpec, RecurrentLayerSpec, StateComponent
+from hybridkv.models.spec import AttentionLayerSpec, DType, ModelSpec, RecurrentLayerSpec, StateComponent
+from hybridkv.planner.layout import plan
 
 
 def tiny_model(num_attention: int = 2, num_recurrent: int = 4, state_shape=(3, 8, 4)) -> ModelSpec:

@@ -39,7 +39,10 @@ def test_version_matches_pyproject():
 def test_every_public_name_resolves():
     for name in hybridkv.__all__:
         assert getattr(hybridkv, name) is not None, name
-    assert hybridkv.plan.__module__ == "hybridkv.blockmgr.layout"
+    assert hybridkv.plan.__module__ == "hybridkv.planner.layout"
+    from hybridkv.planner.layout import plan  # the old home keeps working
+
+    assert plan is hybridkv.plan
     assert hybridkv.Scheduler.__name__ == "Scheduler"
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         hybridkv.nope  # noqa: B018

@@ -2,10 +2,10 @@
 
 import pytest
 
-from hybridkv.blockmgr.layout import plan
 from hybridkv.blockmgr.manager import HybridBlockManager
 from hybridkv.blockmgr.prefix import CheckpointPolicy, EvictionPolicy, PrefixCacheConfig
 from hybridkv.blockmgr.prefix.placement_rules import spaced_grids, spaced_positions
+from hybridkv.planner.layout import plan
 
 from .manager_fixtures import tiny_model
 

@@ -10,10 +10,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hybridkv.blockmgr import kernels, pool_kernels
-from hybridkv.blockmgr.errors import AllocationError
-from hybridkv.blockmgr.layout import plan
 from hybridkv.blockmgr.manager import HybridBlockManager
 from hybridkv.blockmgr.prefix import CheckpointPolicy, EvictionPolicy, PrefixCacheConfig
+from hybridkv.errors import AllocationError
+from hybridkv.planner.layout import plan
 
 from .manager_fixtures import tiny_model
 

@@ -4,10 +4,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hybridkv.blockmgr.errors import LayoutError
-from hybridkv.blockmgr.layout import GroupKind, LayoutKind, plan
-from hybridkv.blockmgr.presets import PRESET_NAMES, preset
-from hybridkv.blockmgr.spec import (
+from hybridkv.errors import LayoutError
+from hybridkv.models.presets import PRESET_NAMES, preset
+from hybridkv.models.spec import (
     AttentionLayerSpec,
     DType,
     ModelSpec,
@@ -15,6 +14,7 @@ from hybridkv.blockmgr.spec import (
     RecurrentLayerSpec,
     StateComponent,
 )
+from hybridkv.planner.layout import GroupKind, LayoutKind, plan
 
 KiB, GiB = 1024, 1024**3
 

@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from hybridkv.blockmgr.errors import AllocationError, HybridKVError
 from hybridkv.blockmgr.records import RequestStatus
+from hybridkv.errors import AllocationError, HybridKVError
 
 from .manager_fixtures import tiny_manager
 

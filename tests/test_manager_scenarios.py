@@ -3,14 +3,14 @@
 import numpy as np
 import pytest
 
-from hybridkv.blockmgr.errors import (
+from hybridkv.blockmgr.records import RequestStatus
+from hybridkv.errors import (
     DuplicateRequestError,
     NoFreeBlocksError,
     RequestStateError,
     RequestTooLargeError,
     UnknownRequestError,
 )
-from hybridkv.blockmgr.records import RequestStatus
 
 from .manager_fixtures import tiny_manager
 

@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 import torch
 
-from hybridkv.blockmgr.layout import NULL_BLOCK
 from hybridkv.ops import allocate_pools
 from hybridkv.ops.addressing import state_byte_addresses
 from hybridkv.ops.lightning import (
@@ -25,6 +24,7 @@ from hybridkv.ops.lightning import (
     write_layer_states,
 )
 from hybridkv.ops.testing import interpreter_enabled, random_state_table, small_layout
+from hybridkv.planner.layout import NULL_BLOCK
 
 BACKENDS = [
     "naive",

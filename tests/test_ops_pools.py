@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 import torch
 
-from hybridkv.blockmgr.layout import NULL_BLOCK
 from hybridkv.ops import (
     allocate_host_pools,
     allocate_pools,
@@ -20,6 +19,7 @@ from hybridkv.ops import (
 from hybridkv.ops._framework import widest_word
 from hybridkv.ops.addressing import state_runs
 from hybridkv.ops.testing import expected_state_bytes, fill_random_, random_state_table, small_layout
+from hybridkv.planner.layout import NULL_BLOCK
 
 
 def test_one_backing_tensor_with_slot_views():

@@ -11,7 +11,6 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hybridkv.blockmgr.layout import NULL_BLOCK
 from hybridkv.ops import allocate_pools, allocate_state_buffers, gather_states, scatter_states
 from hybridkv.ops.testing import (
     expected_state_bytes,
@@ -20,6 +19,7 @@ from hybridkv.ops.testing import (
     random_state_table,
     small_layout,
 )
+from hybridkv.planner.layout import NULL_BLOCK
 
 needs_interpreter = pytest.mark.skipif(
     not interpreter_enabled(), reason="Triton kernels run on CPU only in Triton's interpreter: set TRITON_INTERPRET=1"

@@ -22,9 +22,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hybridkv.blockmgr.errors import SpecError
-from hybridkv.blockmgr.spec_io import load_spec
 from hybridkv.cli import main
+from hybridkv.errors import SpecError
+from hybridkv.models.spec_file import load_spec
 from tests.test_spec_io import HF_CONFIGS
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -8,10 +8,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hybridkv.blockmgr import kernels
-from hybridkv.blockmgr.flops import prefill_flops
-from hybridkv.blockmgr.layout import plan
 from hybridkv.blockmgr.manager import HybridBlockManager
 from hybridkv.blockmgr.prefix import CheckpointPolicy, EvictionPolicy, PrefixCacheConfig, chain_keys
+from hybridkv.models.flops import prefill_flops
+from hybridkv.planner.layout import plan
 
 from .manager_fixtures import tiny_model
 
@@ -233,7 +233,7 @@ def test_a_hit_that_pins_more_than_it_saves_is_admitted_as_a_miss():
 def test_a_request_keeps_its_chain_when_the_cached_twin_of_its_block_is_evicted():
     """Regression: request 5 computed a block that was cached already (private twin); evicting the
     cached twin removed the node, and later blocks and checkpoints of request 5 hung on nothing."""
-    from hybridkv.blockmgr.spec import AttentionLayerSpec, DType, ModelSpec, RecurrentLayerSpec, StateComponent
+    from hybridkv.models.spec import AttentionLayerSpec, DType, ModelSpec, RecurrentLayerSpec, StateComponent
 
     attn = AttentionLayerSpec(1, 8, DType.BFLOAT16)
     rec = RecurrentLayerSpec("gla", (StateComponent("kv", (2, 8, 4), DType.FLOAT32),))

@@ -3,10 +3,10 @@ of ``benchmarks/bench_prefix.py`` (session reconstruction from hash ids, synthet
 
 import pytest
 
-from hybridkv.blockmgr.layout import plan
 from hybridkv.blockmgr.manager import HybridBlockManager
 from hybridkv.blockmgr.prefix import CheckpointPolicy, EvictionPolicy, PrefixCacheConfig
 from hybridkv.blockmgr.prefix.placement_rules import aligned_end, branch_last_aligned
+from hybridkv.planner.layout import plan
 from hybridkv.sim.trace import MOONCAKE_BLOCK_TOKENS, TraceRequest
 
 from .manager_fixtures import tiny_model

@@ -7,11 +7,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hybridkv.blockmgr.errors import RequestStateError
-from hybridkv.blockmgr.layout import plan
 from hybridkv.blockmgr.manager import HybridBlockManager
 from hybridkv.blockmgr.prefix import PrefixCacheConfig
-from hybridkv.blockmgr.spec import AttentionLayerSpec, DType, ModelSpec, RecurrentLayerSpec, StateComponent
+from hybridkv.errors import RequestStateError
+from hybridkv.models.spec import AttentionLayerSpec, DType, ModelSpec, RecurrentLayerSpec, StateComponent
+from hybridkv.planner.layout import plan
 from hybridkv.scheduler_adapter import PreemptionMode, Scheduler, SchedulerConfig, StepOutputs
 from tests.shadow import Shadow, prefix_hashes
 from tests.test_scheduler_data import run_data_workload

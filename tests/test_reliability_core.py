@@ -223,7 +223,7 @@ def test_next_checkpoint_position_checks_its_count(prefix, bad, error):
 def test_a_fork_whose_child_cannot_fit_with_its_speculative_sets_is_refused_not_left_to_livelock():
     """``fork`` checked the child's tokens without its speculative sets (``add_request`` counts them):
     a child that fits only without them preempted itself by recompute forever."""
-    from hybridkv.blockmgr.errors import RequestTooLargeError
+    from hybridkv.errors import RequestTooLargeError
     from tests.test_scheduler_data import _manager
 
     m = _manager("uniform", 16, 0, 0.0, None)

@@ -3,13 +3,13 @@
 import numpy as np
 import pytest
 
-from hybridkv.blockmgr.errors import RequestStateError, RequestTooLargeError, UnknownRequestError
-from hybridkv.blockmgr.layout import plan
 from hybridkv.blockmgr.manager import HybridBlockManager
 from hybridkv.blockmgr.prefix import PrefixCacheConfig
-from hybridkv.blockmgr.presets import preset
 from hybridkv.blockmgr.records import SwapDirection
-from hybridkv.blockmgr.spec import AttentionLayerSpec, DType, ModelSpec, RecurrentLayerSpec, StateComponent
+from hybridkv.errors import RequestStateError, RequestTooLargeError, UnknownRequestError
+from hybridkv.models.presets import preset
+from hybridkv.models.spec import AttentionLayerSpec, DType, ModelSpec, RecurrentLayerSpec, StateComponent
+from hybridkv.planner.layout import plan
 from hybridkv.scheduler_adapter import (
     H200,
     Preemption,

@@ -6,8 +6,8 @@ import os
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from hybridkv.blockmgr.errors import AllocationError, RequestStateError, RequestTooLargeError
 from hybridkv.blockmgr.prefix import CheckpointPolicy, EvictionPolicy, PrefixCacheConfig
+from hybridkv.errors import AllocationError, RequestStateError, RequestTooLargeError
 from hybridkv.scheduler_adapter import PreemptionMode, RequestState, Scheduler, SchedulerConfig, build_step_metadata
 from hybridkv.scheduler_adapter.synthetic import SyntheticEngine
 from tests.test_scheduler import tiny_manager

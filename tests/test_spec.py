@@ -2,9 +2,9 @@
 
 import pytest
 
-from hybridkv.blockmgr.errors import SpecError, TensorParallelError
-from hybridkv.blockmgr.presets import PRESET_NAMES, default_state_dtype, preset
-from hybridkv.blockmgr.spec import DType, StateComponent
+from hybridkv.errors import SpecError, TensorParallelError
+from hybridkv.models.presets import PRESET_NAMES, default_state_dtype, preset
+from hybridkv.models.spec import DType, StateComponent
 
 KiB, MiB = 1024, 1024**2
 

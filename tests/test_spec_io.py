@@ -5,9 +5,9 @@ from pathlib import Path
 
 import pytest
 
-from hybridkv.blockmgr.errors import SpecError
-from hybridkv.blockmgr.presets import preset
-from hybridkv.blockmgr.spec_io import load_spec, resolve_model, spec_from_dict, spec_from_hf_config
+from hybridkv.errors import SpecError
+from hybridkv.models.presets import preset
+from hybridkv.models.spec_file import load_spec, resolve_model, spec_from_dict, spec_from_hf_config
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "specs" / "my-hybrid.toml"
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from hybridkv.blockmgr.lifecycle import ManagerCore
 from hybridkv.blockmgr.records import BlockCopies, RequestId, RequestRecord
-from hybridkv.blockmgr.units import as_count
+from hybridkv.units import as_count
 
 _NO_COPIES = BlockCopies.empty()
 

@@ -6,9 +6,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from hybridkv.blockmgr.errors import IntegrityError
-from hybridkv.blockmgr.layout import NULL_BLOCK
 from hybridkv.blockmgr.records import BlockUse, RequestStatus, SwapDirection, SwapPlan
+from hybridkv.errors import IntegrityError
+from hybridkv.planner.layout import NULL_BLOCK
 
 if TYPE_CHECKING:
     from hybridkv.blockmgr.lifecycle import ManagerCore

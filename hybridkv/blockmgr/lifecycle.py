@@ -20,15 +20,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from hybridkv.blockmgr import kernels
-from hybridkv.blockmgr.errors import (
-    DuplicateRequestError,
-    NoFreeBlocksError,
-    RequestStateError,
-    RequestTooLargeError,
-    UnknownRequestError,
-)
 from hybridkv.blockmgr.hashing import TokenArray, as_token_array
-from hybridkv.blockmgr.layout import NULL_BLOCK, Layout
 from hybridkv.blockmgr.pool import make_pool
 from hybridkv.blockmgr.prefix import PrefixCache, PrefixCacheConfig, PrefixHit
 from hybridkv.blockmgr.records import (
@@ -43,7 +35,15 @@ from hybridkv.blockmgr.records import (
     Usage,
 )
 from hybridkv.blockmgr.tables import RowTables
-from hybridkv.blockmgr.units import as_count, cdiv
+from hybridkv.errors import (
+    DuplicateRequestError,
+    NoFreeBlocksError,
+    RequestStateError,
+    RequestTooLargeError,
+    UnknownRequestError,
+)
+from hybridkv.planner.layout import NULL_BLOCK, Layout
+from hybridkv.units import as_count, cdiv
 
 _EMPTY = np.empty(0, dtype=np.int32)
 _NO_COPIES = BlockCopies.empty()

@@ -35,7 +35,7 @@ __all__ = ["HybridBlockManager", "ManagerCore", "PrefixCacheConfig"]
 
 class HybridBlockManager(CheckpointMixin, SpeculationMixin, SwapMixin, TransferMixin, ManagerCore):
     """Per-request lifecycle over one :class:`~hybridkv.blockmgr.pool.BlockPool` laid out by a
-    :class:`~hybridkv.blockmgr.layout.Layout`, with prefix caching, checkpoints, speculation, swap
+    :class:`~hybridkv.planner.layout.Layout`, with prefix caching, checkpoints, speculation, swap
     and transfer plans (see the module docstring for where each lives).
 
     ``num_host_blocks``: size of the host (CPU) swap pool, 0 = no swap. ``watermark``: fraction of
@@ -44,6 +44,6 @@ class HybridBlockManager(CheckpointMixin, SpeculationMixin, SwapMixin, TransferM
     """
 
     def check_integrity(self) -> None:
-        """Raise :class:`~hybridkv.blockmgr.errors.IntegrityError` listing every way the books do
+        """Raise :class:`~hybridkv.errors.IntegrityError` listing every way the books do
         not balance."""
         check_integrity(self)

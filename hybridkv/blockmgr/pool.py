@@ -26,7 +26,7 @@ from bisect import bisect_left, insort
 import numpy as np
 
 from hybridkv.blockmgr import kernels, pool_kernels
-from hybridkv.blockmgr.layout import NULL_BLOCK
+from hybridkv.planner.layout import NULL_BLOCK
 
 _EMPTY = np.empty(0, dtype=np.int32)
 _MIN, _MAX = np.minimum.reduce, np.maximum.reduce  # reductions without the method wrappers

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from hybridkv.blockmgr.errors import NoFreeBlocksError
-from hybridkv.blockmgr.layout import NULL_BLOCK
 from hybridkv.blockmgr.lifecycle import ManagerCore
 from hybridkv.blockmgr.records import BlockCopies, BlockUse, RequestId
-from hybridkv.blockmgr.units import as_count, cdiv
+from hybridkv.errors import NoFreeBlocksError
+from hybridkv.planner.layout import NULL_BLOCK
+from hybridkv.units import as_count, cdiv
 
 _NO_COPIES = BlockCopies.empty()
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from hybridkv.blockmgr.errors import HostPoolExhaustedError, NoFreeBlocksError, RequestStateError
 from hybridkv.blockmgr.lifecycle import ManagerCore
 from hybridkv.blockmgr.records import (
     BlockUse,
@@ -14,6 +13,7 @@ from hybridkv.blockmgr.records import (
     SwapDirection,
     SwapPlan,
 )
+from hybridkv.errors import HostPoolExhaustedError, NoFreeBlocksError, RequestStateError
 
 _EMPTY = np.empty(0, dtype=np.int32)
 

@@ -23,9 +23,9 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from hybridkv.blockmgr.errors import RequestStateError
 from hybridkv.blockmgr.lifecycle import ManagerCore
 from hybridkv.blockmgr.records import RequestId, RequestRecord
+from hybridkv.errors import RequestStateError
 
 _EMPTY = np.empty(0, dtype=np.int32)
 

@@ -1,86 +1,10 @@
-"""Small unit helpers shared by the whole package: one ``cdiv``, size and token-count parsing."""
+"""Unit helpers, now :mod:`hybridkv.units` (this name keeps working)."""
 
-from __future__ import annotations
-
-import re
-
-_BYTE_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 1000,
-    "kb": 1000,
-    "m": 1000**2,
-    "mb": 1000**2,
-    "g": 1000**3,
-    "gb": 1000**3,
-    "t": 1000**4,
-    "tb": 1000**4,
-    "kib": 1024,
-    "mib": 1024**2,
-    "gib": 1024**3,
-    "tib": 1024**4,
-}
-_COUNT_UNITS = {"": 1, "k": 1024, "m": 1024**2}
-_NUMBER = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
-
-
-def cdiv(a: int, b: int) -> int:
-    """Ceiling division of non-negative ``a`` by positive ``b``."""
-    return -(-a // b)
-
-
-def round_up(a: int, b: int) -> int:
-    """Smallest multiple of ``b`` that is ``>= a``."""
-    return cdiv(a, b) * b
-
-
-def _parse(text: str | int, units: dict[str, int], what: str, examples: str) -> int:
-    if isinstance(text, int):
-        value, unit = float(text), ""
-    else:
-        m = _NUMBER.match(text)
-        if not m or m.group(2).lower() not in units:
-            raise ValueError(f"cannot read {text!r} as a {what}: write e.g. {examples}")
-        value, unit = float(m.group(1)), m.group(2).lower()
-    result = int(value * units[unit])
-    if result <= 0:
-        raise ValueError(f"{what} {text!r} must be positive")
-    return result
-
-
-def parse_bytes(text: str | int) -> int:
-    """Parse ``"80GiB"``, ``"141GB"``, ``"512MiB"`` or a plain integer into bytes.
-
-    Decimal units (KB, MB, GB) are powers of 1000, binary units (KiB, MiB, GiB) powers of 1024.
-    Raises ``ValueError`` with the accepted forms on anything else.
-    """
-    return _parse(text, _BYTE_UNITS, "size", "80GiB, 141GB, 512MiB or a byte count")
-
-
-def parse_tokens(text: str | int) -> int:
-    """Parse a token count: ``"32k"`` = 32768, ``"1m"`` = 1048576, ``"4096"`` = 4096."""
-    return _parse(text, _COUNT_UNITS, "token count", "32k, 4096 or 1m")
-
-
-def format_bytes(num_bytes: float) -> str:
-    """Human-readable binary size, e.g. ``280.0 MiB``."""
-    value = float(num_bytes)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(value) < 1024 or unit == "TiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    raise AssertionError("unreachable")
-
-
-def as_count(value: object, what: str, minimum: int = 0) -> int:
-    """``value`` as a Python int count ``>= minimum``: ints and numpy integers pass; floats (even
-    ``8.0``), strings and bools raise ``TypeError``, values below ``minimum`` ``ValueError``.
-    Called before any change, so a bad argument leaves everything as it was."""
-    count = value
-    if type(value) is not int:  # (a plain int, the usual case, needs no conversion)
-        if isinstance(value, bool) or not hasattr(value, "__index__"):
-            raise TypeError(f"{what} must be an integer, got {value!r} ({type(value).__name__})")
-        count = value.__index__()  # type: ignore[attr-defined]
-    if count < minimum:
-        raise ValueError(f"{what} must be >= {minimum}, got {count}")
-    return count
+from hybridkv.units import (  # noqa: F401
+    as_count,
+    cdiv,
+    format_bytes,
+    parse_bytes,
+    parse_tokens,
+    round_up,
+)

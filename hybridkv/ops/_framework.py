@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from hybridkv.blockmgr.spec import DType
+from hybridkv.models.spec import DType
 
 _TORCH_DTYPES = {DType.FLOAT32: torch.float32, DType.BFLOAT16: torch.bfloat16, DType.FLOAT16: torch.float16}
 

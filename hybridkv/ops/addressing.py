@@ -13,7 +13,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from hybridkv.blockmgr.layout import NULL_BLOCK, Layout
+from hybridkv.planner.layout import NULL_BLOCK, Layout
 
 
 def state_byte_addresses(

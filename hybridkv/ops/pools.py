@@ -1,4 +1,4 @@
-"""Device and host block pools of a :class:`~hybridkv.blockmgr.layout.Layout`, and batched state buffers.
+"""Device and host block pools of a :class:`~hybridkv.planner.layout.Layout`, and batched state buffers.
 
 One backing uint8 tensor ``[group_size, num_segments, num_blocks, segment_bytes]`` holds every layer
 slot, so each op is one launch over one base pointer; ``pools.slot(i)`` is layer slot ``i``'s
@@ -18,10 +18,10 @@ from typing import Any
 
 import torch
 
-from hybridkv.blockmgr.layout import NULL_BLOCK, Layout
-from hybridkv.blockmgr.spec import AttentionLayerSpec
+from hybridkv.models.spec import AttentionLayerSpec
 from hybridkv.ops._framework import Framework, from_torch, paddle_zeros, resolve_device, to_torch, torch_dtype
 from hybridkv.ops.addressing import BufferRegion, state_byte_addresses
+from hybridkv.planner.layout import NULL_BLOCK, Layout
 
 NAN_FILL = 0xFF  # all-ones bytes read as NaN in float32, bfloat16 and float16
 BUFFER_ALIGN_BYTES = 256

@@ -127,10 +127,10 @@ def preset_alignments() -> dict[str, dict[str, list[str]]]:
     pools are at least 256-byte aligned); ``copy_blocks``: the segment size. Covers every preset at
     TP 1, 2, 4 and 8 (where the model shards), paged and padded layouts, and each state dtype.
     """
-    from hybridkv.blockmgr.errors import TensorParallelError
-    from hybridkv.blockmgr.layout import LayoutKind, plan
-    from hybridkv.blockmgr.presets import PRESET_NAMES, preset
-    from hybridkv.blockmgr.spec import RecurrentLayerSpec
+    from hybridkv.errors import TensorParallelError
+    from hybridkv.models.presets import PRESET_NAMES, preset
+    from hybridkv.models.spec import RecurrentLayerSpec
+    from hybridkv.planner.layout import LayoutKind, plan
 
     found: dict[str, dict[str, set[str]]] = {"states": {}, "copy_blocks": {}}
     for name in PRESET_NAMES:

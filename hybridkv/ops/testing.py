@@ -13,9 +13,9 @@ import os
 import numpy as np
 import torch
 
-from hybridkv.blockmgr.layout import NULL_BLOCK, Layout, plan
-from hybridkv.blockmgr.spec import AttentionLayerSpec, ModelSpec, NoCacheLayerSpec, RecurrentLayerSpec, StateComponent
+from hybridkv.models.spec import AttentionLayerSpec, ModelSpec, NoCacheLayerSpec, RecurrentLayerSpec, StateComponent
 from hybridkv.ops.pools import BlockPools
+from hybridkv.planner.layout import NULL_BLOCK, Layout, plan
 
 
 def interpreter_enabled() -> bool:

@@ -26,9 +26,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from hybridkv.blockmgr.flops import flop_coefficients, prefill_flops
-from hybridkv.blockmgr.layout import Layout
-from hybridkv.blockmgr.spec import ModelSpec
+from hybridkv.models.flops import flop_coefficients, prefill_flops
+from hybridkv.models.spec import ModelSpec
+from hybridkv.planner.layout import Layout
 
 
 class PreemptionMode(enum.Enum):
@@ -219,7 +219,7 @@ class StepCostModel:
     """Roofline step time of a model's layout on a GPU (one rank).
 
     Per row running tokens ``[start, start + n + drafts)``: FLOPs by
-    :func:`~hybridkv.blockmgr.flops.prefill_flops` (weights, causal attention, recurrent updates);
+    :func:`~hybridkv.models.flops.prefill_flops` (weights, causal attention, recurrent updates);
     HBM bytes: the weights once per step (``params_active / tp * weight_bytes_per_param``; an MoE
     forward with many rows reads more experts than that, so decode steps of large batches are
     optimistic), the row's context K/V read and its new K/V written, its live state read and

@@ -11,9 +11,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hybridkv.blockmgr.layout import Layout
 from hybridkv.blockmgr.manager import HybridBlockManager
 from hybridkv.blockmgr.records import BlockCopies, RequestId
+from hybridkv.planner.layout import Layout
 from hybridkv.scheduler_adapter.requests import StepPlan
 
 

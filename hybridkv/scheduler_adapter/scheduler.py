@@ -27,10 +27,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from hybridkv.blockmgr.errors import DuplicateRequestError, RequestStateError, UnknownRequestError
 from hybridkv.blockmgr.manager import HybridBlockManager
 from hybridkv.blockmgr.records import BlockCopies, RequestId, SwapPlan
-from hybridkv.blockmgr.units import as_count, cdiv
+from hybridkv.errors import DuplicateRequestError, RequestStateError, UnknownRequestError
 from hybridkv.scheduler_adapter.cost import H200, GpuSpec, PreemptionCost, PreemptionMode
 from hybridkv.scheduler_adapter.preemption import Preemptor, SwapExecutor
 from hybridkv.scheduler_adapter.requests import (
@@ -42,6 +41,7 @@ from hybridkv.scheduler_adapter.requests import (
     StepPlan,
     StepResult,
 )
+from hybridkv.units import as_count, cdiv
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,7 +189,7 @@ class Scheduler:
         live state (the copy runs with the next plan's ``checkpoint_copies``) and its tokens so far,
         and generates ``max_new_tokens`` more. Raises :class:`RequestStateError` inside a step, when
         the parent is not running or has a pending plan, :class:`DuplicateRequestError`, and
-        :class:`~hybridkv.blockmgr.errors.NoFreeBlocksError` (nothing changed) when the pool cannot
+        :class:`~hybridkv.errors.NoFreeBlocksError` (nothing changed) when the pool cannot
         hold the child's state sets now."""
         if self._pending is not None:
             raise RequestStateError(f"step {self._pending.step} has no outputs yet: fork after update()")

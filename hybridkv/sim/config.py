@@ -2,7 +2,7 @@
 
 :class:`SimConfig` holds only plain values (strings, numbers) so that it pickles into worker
 processes and prints into reports; :func:`build` turns it into the real objects: a
-:class:`~hybridkv.blockmgr.layout.Layout`, a :class:`~hybridkv.blockmgr.manager.HybridBlockManager`
+:class:`~hybridkv.planner.layout.Layout`, a :class:`~hybridkv.blockmgr.manager.HybridBlockManager`
 (with a host pool and a prefix cache as asked) and a :class:`~hybridkv.scheduler_adapter.Scheduler`.
 """
 
@@ -11,13 +11,13 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 from typing import Any, NamedTuple
 
-from hybridkv.blockmgr.layout import Layout, LayoutKind, plan
 from hybridkv.blockmgr.manager import HybridBlockManager
 from hybridkv.blockmgr.prefix import CheckpointPolicy, EvictionPolicy, PrefixCacheConfig
-from hybridkv.blockmgr.spec_io import resolve_model
-from hybridkv.blockmgr.units import parse_bytes
+from hybridkv.models.spec_file import resolve_model
+from hybridkv.planner.layout import Layout, LayoutKind, plan
 from hybridkv.scheduler_adapter.cost import GpuSpec, PreemptionMode, StepCostModel, load_gpu
 from hybridkv.scheduler_adapter.scheduler import Scheduler, SchedulerConfig
+from hybridkv.units import parse_bytes
 
 PREFIX_POLICIES = ("none", "lru", "flop_aware")
 

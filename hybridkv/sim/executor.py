@@ -13,10 +13,10 @@ from typing import NamedTuple
 
 import numpy as np
 
-from hybridkv.blockmgr.errors import HybridKVError
-from hybridkv.blockmgr.layout import NULL_BLOCK
 from hybridkv.blockmgr.manager import HybridBlockManager
 from hybridkv.blockmgr.records import BlockCopies, SwapDirection, SwapPlan
+from hybridkv.errors import HybridKVError
+from hybridkv.planner.layout import NULL_BLOCK
 from hybridkv.scheduler_adapter.cost import StepCostModel, StepTime, StepWork
 from hybridkv.scheduler_adapter.requests import StepPlan
 

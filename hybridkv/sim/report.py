@@ -15,10 +15,10 @@ from typing import Any
 
 import numpy as np
 
-from hybridkv.blockmgr.layout import LayoutKind, plan
-from hybridkv.blockmgr.spec_io import resolve_model
-from hybridkv.blockmgr.units import format_bytes, parse_bytes
+from hybridkv.models.spec_file import resolve_model
+from hybridkv.planner.layout import LayoutKind, plan
 from hybridkv.sim.plots import BLOCK_CATEGORIES, render_html
+from hybridkv.units import format_bytes, parse_bytes
 
 MAX_POINTS = 600  # time-series points per configuration in the report
 CAPACITY_CONTEXTS = (1500, 3000, 6000, 12000, 24000, 48000, 96000)  # not multiples of padded blocks

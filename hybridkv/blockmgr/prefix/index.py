@@ -22,9 +22,8 @@ from hybridkv.blockmgr.hashing import (  # _C, _MASK: the chain's constants, inl
 from hybridkv.blockmgr.prefix import kernels as prefix_kernels
 
 if TYPE_CHECKING:
-    from hybridkv.blockmgr.layout import Layout
     from hybridkv.blockmgr.pool import BlockPool
-from hybridkv.blockmgr.flops import flop_coefficients
+    from hybridkv.planner.layout import Layout
 from hybridkv.blockmgr.prefix.config import (
     _EMPTY,
     _FEW,
@@ -35,6 +34,7 @@ from hybridkv.blockmgr.prefix.config import (
     _Counters,
 )
 from hybridkv.blockmgr.prefix.slotmap import SlotMap
+from hybridkv.models.flops import flop_coefficients
 
 
 class CacheHost(Protocol):

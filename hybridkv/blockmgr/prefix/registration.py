@@ -9,7 +9,6 @@ from collections.abc import Sequence
 import numpy as np
 
 from hybridkv.blockmgr import kernels
-from hybridkv.blockmgr.flops import prefill_flops
 from hybridkv.blockmgr.hashing import (  # _C, _MASK: the chain's constants, inlined in _register_few
     _C,
     _C64,
@@ -27,6 +26,7 @@ from hybridkv.blockmgr.prefix import kernels as prefix_kernels
 from hybridkv.blockmgr.prefix.config import _EMPTY, _FEW, _TWO64
 from hybridkv.blockmgr.prefix.eviction import Eviction
 from hybridkv.blockmgr.records import BlockUse
+from hybridkv.models.flops import prefill_flops
 
 
 class Registration(Eviction):

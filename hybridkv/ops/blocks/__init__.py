@@ -7,7 +7,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from hybridkv.blockmgr.layout import NULL_BLOCK
 from hybridkv.ops import _ids
 from hybridkv.ops._framework import (
     Backend,
@@ -21,6 +20,7 @@ from hybridkv.ops._framework import (
 )
 from hybridkv.ops.blocks.naive import copy_blocks_naive
 from hybridkv.ops.pools import BlockPools
+from hybridkv.planner.layout import NULL_BLOCK
 
 
 def block_ids(ids: Any, what: str) -> np.ndarray:

@@ -26,7 +26,6 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from hybridkv.blockmgr.layout import NULL_BLOCK
 from hybridkv.ops._framework import (
     Backend,
     Framework,
@@ -46,6 +45,7 @@ from hybridkv.ops.lightning.naive import (
     lightning_slopes,
 )
 from hybridkv.ops.pools import BlockPools
+from hybridkv.planner.layout import NULL_BLOCK
 
 
 class LightningLayer(NamedTuple):

@@ -8,7 +8,6 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from hybridkv.blockmgr.layout import NULL_BLOCK, Layout
 from hybridkv.ops import _ids
 from hybridkv.ops._framework import (
     Backend,
@@ -29,6 +28,7 @@ from hybridkv.ops.addressing import (
 )
 from hybridkv.ops.pools import BlockPools, StateBuffers
 from hybridkv.ops.states.naive import gather_states_naive, scatter_states_naive
+from hybridkv.planner.layout import NULL_BLOCK, Layout
 
 
 def gather_states(

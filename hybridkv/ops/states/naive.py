@@ -13,9 +13,9 @@ from collections import defaultdict
 
 import torch
 
-from hybridkv.blockmgr.layout import NULL_BLOCK
 from hybridkv.ops.addressing import BufferRegion
 from hybridkv.ops.pools import BlockPools, StateBuffers
+from hybridkv.planner.layout import NULL_BLOCK
 
 
 def _layers(regions: list[BufferRegion]) -> dict[tuple[int, int], list[BufferRegion]]:

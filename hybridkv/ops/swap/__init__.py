@@ -7,12 +7,12 @@ from typing import Any
 
 import torch
 
-from hybridkv.blockmgr.layout import NULL_BLOCK
 from hybridkv.ops._framework import Backend
 from hybridkv.ops.blocks import block_ids, check_pairs
 from hybridkv.ops.pools import BlockPools
 from hybridkv.ops.swap.naive import swap_blocks_naive
 from hybridkv.ops.swap.runs import MAX_STAGING_BYTES, side_stream, swap_runs
+from hybridkv.planner.layout import NULL_BLOCK
 
 
 class SwapDirection(enum.Enum):

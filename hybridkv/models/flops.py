@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 
-from hybridkv.blockmgr.spec import AttentionLayerSpec, ModelSpec, RecurrentLayerSpec
+from hybridkv.models.spec import AttentionLayerSpec, ModelSpec, RecurrentLayerSpec
 
 
 def flop_coefficients(model: ModelSpec) -> tuple[float, float]:

@@ -1,0 +1,390 @@
+"""The layout planner: one block pool for attention KV and recurrent state (DESIGN.md "Layouts").
+
+Layers are arranged in **groups** of ``group_size`` layers; attention layers form the KV group,
+recurrent layers form state groups, and layer ``i`` of every group lives in **layer slot** ``i``.
+Each layer slot is one tensor ``[num_segments, num_blocks, segment_bytes]``; a block id names
+``block_bytes = num_segments * segment_bytes`` bytes in every slot, owned by one group at a time.
+
+Two layouts:
+
+- ``paged`` (default): the block size is what attention wants (16-64 tokens); a state spans
+  ``ceil(state_bytes / block_bytes)`` blocks. Waste is only each state's unused tail.
+- ``padded``: vLLM v1's rule (docs/models.md): one state per block, the attention block size raised
+  (in steps of 16 tokens) until one attention page holds one layer's state.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from hybridkv.errors import LayoutError
+from hybridkv.models.spec import AttentionLayerSpec, ModelSpec, RecurrentLayerSpec
+from hybridkv.units import cdiv, format_bytes, round_up
+
+NULL_BLOCK = 0
+"""Block id 0: zero-filled, never allocated; padding rows of a batch point at it."""
+
+DEFAULT_BLOCK_SIZE = 64
+STATE_ONLY_BLOCK_BYTES_CHOICES = tuple(2**k * 1024 for k in range(8, 1, -1))  # 256 KiB .. 4 KiB
+MAX_STATE_TAIL_FRACTION = 0.01
+PADDED_BLOCK_ALIGN = 16  # vLLM rounds the inflated attention block size up to 16 tokens
+
+
+class LayoutKind(enum.Enum):
+    PAGED = "paged"
+    PADDED = "padded"
+
+
+class GroupKind(enum.Enum):
+    KV = "kv"
+    STATE = "state"
+
+
+@dataclass(frozen=True, slots=True)
+class Group:
+    """Layers that move together. ``layer_ids[s]`` is the model layer in slot ``s`` (None = padding)."""
+
+    index: int
+    kind: GroupKind
+    layer_ids: tuple[int | None, ...]
+    blocks_per_state: int = 0  # state groups: blocks in one state set; 0 for the KV group
+
+    @property
+    def num_padding_layers(self) -> int:
+        return sum(1 for l in self.layer_ids if l is None)
+
+
+class Waste(NamedTuple):
+    """Bytes allocated but holding no cache data, by cause."""
+
+    state_tail_bytes: int  # paged: unused tail of each state's last block
+    padded_slack_bytes: int  # padded: page minus state bytes (one state per page)
+    padding_layer_bytes: int  # slots of a group with no layer (counts that do not divide)
+    kv_tail_bytes: int  # unused token slots of the last, partial KV block
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self)
+
+
+class RequestFootprint(NamedTuple):
+    """What one request of ``num_tokens`` tokens takes from the pool."""
+
+    num_tokens: int
+    num_kv_blocks: int
+    num_state_blocks: int
+    num_blocks: int
+    kv_bytes: int  # useful K/V bytes
+    state_bytes: int  # useful state bytes
+    allocated_bytes: int  # num_blocks * block_bytes * group_size
+    waste: Waste
+
+
+class Capacity(NamedTuple):
+    """How many requests of one context length fit in the pool, and where every byte goes."""
+
+    context_tokens: int
+    max_requests: int
+    footprint: RequestFootprint
+    free_blocks: int  # usable blocks left over at max_requests
+    null_block_bytes: int
+    remainder_bytes: int  # budget not large enough for one more block
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """A concrete layout of one model (one TP rank) in one block pool. Immutable; made by :func:`plan`."""
+
+    model: ModelSpec
+    kind: LayoutKind
+    block_size: int  # tokens per KV block (also the checkpoint granularity)
+    group_size: int
+    groups: tuple[Group, ...]
+    num_segments: int
+    segment_bytes: int
+    num_blocks: int  # including the null block
+    budget_bytes: int
+    notes: tuple[str, ...] = ()
+    # block_wise_fp8 KV: bytes of one block's K scales (and as many of V scales) per layer slot, kept
+    # in their own tensors beside the segments; state blocks leave them unused
+    scale_segment_bytes: int = 0
+
+    # ---- shape facts -------------------------------------------------------------------------
+    @property
+    def block_bytes(self) -> int:
+        """Bytes one block id names in one layer slot."""
+        return self.num_segments * self.segment_bytes
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes one block id names across all layer slots (KV scales included)."""
+        return (self.block_bytes + 2 * self.scale_segment_bytes) * self.group_size
+
+    @property
+    def num_layer_slots(self) -> int:
+        return self.group_size
+
+    @property
+    def pool_bytes(self) -> int:
+        return self.num_blocks * self.bytes_per_block
+
+    @property
+    def num_usable_blocks(self) -> int:
+        return self.num_blocks - 1
+
+    @property
+    def kv_group(self) -> Group | None:
+        return next((g for g in self.groups if g.kind is GroupKind.KV), None)
+
+    @property
+    def state_groups(self) -> tuple[Group, ...]:
+        return tuple(g for g in self.groups if g.kind is GroupKind.STATE)
+
+    @property
+    def num_state_groups(self) -> int:
+        return len(self.state_groups)
+
+    @property
+    def blocks_per_state(self) -> tuple[int, ...]:
+        """Blocks of one state set, per state group (in state-group order)."""
+        return tuple(g.blocks_per_state for g in self.state_groups)
+
+    @property
+    def num_state_blocks_per_request(self) -> int:
+        return sum(self.blocks_per_state)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self.model.kv_bytes_per_token
+
+    def state_layer(self, state_group: int, slot: int) -> tuple[int, RecurrentLayerSpec] | None:
+        """(model layer id, spec) held by state group ``state_group`` (0-based) in ``slot``, or None."""
+        layer_id = self.state_groups[state_group].layer_ids[slot]
+        if layer_id is None:
+            return None
+        layer = self.model.layers[layer_id]
+        assert isinstance(layer, RecurrentLayerSpec)
+        return layer_id, layer
+
+    # ---- per-request accounting ----------------------------------------------------------------
+    def num_kv_blocks(self, num_tokens: int) -> int:
+        """KV blocks holding ``num_tokens`` tokens (0 for models without attention)."""
+        return cdiv(num_tokens, self.block_size) if self.kv_group is not None else 0
+
+    def footprint(self, num_tokens: int) -> RequestFootprint:
+        """Blocks and bytes one request of ``num_tokens`` tokens holds, with the waste by cause."""
+        if num_tokens < 0:
+            raise LayoutError(f"num_tokens must be >= 0, got {num_tokens}")
+        kv_blocks = self.num_kv_blocks(num_tokens)
+        state_blocks = self.num_state_blocks_per_request
+        kv_bytes = num_tokens * self.kv_bytes_per_token
+        state_bytes = self.model.state_bytes
+        kv_tail = (kv_blocks * self.block_size - num_tokens) * self.kv_bytes_per_token
+        state_waste = 0
+        padding = 0
+        for g in self.groups:
+            used = kv_blocks if g.kind is GroupKind.KV else g.blocks_per_state
+            padding += g.num_padding_layers * used * (self.block_bytes + 2 * self.scale_segment_bytes)
+            if g.kind is GroupKind.STATE:
+                for layer_id in g.layer_ids:
+                    if layer_id is not None:
+                        layer = self.model.layers[layer_id]
+                        assert isinstance(layer, RecurrentLayerSpec)
+                        state_waste += g.blocks_per_state * self.block_bytes - layer.state_bytes
+                        state_waste += g.blocks_per_state * 2 * self.scale_segment_bytes  # scales unused
+        paged = self.kind is LayoutKind.PAGED
+        waste = Waste(state_waste if paged else 0, 0 if paged else state_waste, padding, kv_tail)
+        num_blocks = kv_blocks + state_blocks
+        return RequestFootprint(
+            num_tokens,
+            kv_blocks,
+            state_blocks,
+            num_blocks,
+            kv_bytes,
+            state_bytes,
+            num_blocks * self.bytes_per_block,
+            waste,
+        )
+
+    def capacity(self, context_tokens: int) -> Capacity:
+        """Maximum concurrent requests of ``context_tokens`` tokens each."""
+        fp = self.footprint(context_tokens)
+        max_requests = self.num_usable_blocks // fp.num_blocks if fp.num_blocks else 0
+        return Capacity(
+            context_tokens,
+            max_requests,
+            fp,
+            self.num_usable_blocks - max_requests * fp.num_blocks,
+            self.bytes_per_block,
+            self.budget_bytes - self.pool_bytes,
+        )
+
+    def describe(self) -> str:
+        state = ", ".join(str(b) for b in self.blocks_per_state) or "-"
+        return (
+            f"{self.model.name} TP{self.model.tp_size} {self.kind.value}: {self.num_layer_slots} layer slots, "
+            f"{len(self.groups)} groups ({self.num_state_groups} state), block {self.block_size} tokens = "
+            f"{format_bytes(self.block_bytes)} per slot, blocks per state {state}, {self.num_blocks} blocks"
+        )
+
+
+# ---- the planner -------------------------------------------------------------------------------
+def _attention_shape(model: ModelSpec) -> AttentionLayerSpec | None:
+    specs = {model.layers[i] for i in model.attention_layer_ids}
+    if len(specs) > 1:
+        raise LayoutError(
+            f"model {model.name!r} has attention layers of different KV shapes {sorted(map(str, specs))}: "
+            "one KV group needs equal shapes; describe the model with one attention shape"
+        )
+    return next(iter(specs), None)
+
+
+def _build_groups(
+    model: ModelSpec, group_size: int | None
+) -> tuple[int, list[list[int | None]], list[list[int | None]]]:
+    attn, rec = list(model.attention_layer_ids), list(model.recurrent_layer_ids)
+    if group_size is None:
+        # One KV group holding every attention layer keeps one block table per request (what
+        # FastDeploy and vLLM attention kernels take); recurrent layers fill groups of that size.
+        group_size = len(attn) if attn else len(rec)
+    if group_size <= 0:
+        raise LayoutError(f"group_size must be positive, got {group_size}")
+    if attn and group_size < len(attn):
+        raise LayoutError(
+            f"group_size={group_size} is below the model's {len(attn)} attention layers: "
+            f"use group_size >= {len(attn)} so that all attention layers share one KV group"
+        )
+
+    def chunk(ids: list[int]) -> list[list[int | None]]:
+        out: list[list[int | None]] = []
+        for start in range(0, len(ids), group_size):
+            part: list[int | None] = list(ids[start : start + group_size])
+            out.append(part + [None] * (group_size - len(part)))
+        return out
+
+    return group_size, chunk(attn), chunk(rec)
+
+
+def _head_tile_notes(model: ModelSpec, block_bytes: int, segment_bytes: int) -> list[str]:
+    notes = []
+    for i in model.recurrent_layer_ids:
+        layer = model.layers[i]
+        assert isinstance(layer, RecurrentLayerSpec)
+        c = max(layer.components, key=lambda comp: comp.nbytes)
+        tile = c.nbytes // c.shape[0]
+        fits = all(tile % b == 0 or b % tile == 0 for b in (block_bytes, segment_bytes))
+        verdict = (
+            "divide one another: head tiles never straddle a block"
+            if fits
+            else (
+                "do not divide one another: in-place kernels will see head tiles straddle segments; "
+                "prefer a block size whose bytes are a power-of-two multiple or fraction of the tile"
+            )
+        )
+        notes.append(
+            f"per-head '{c.name}' tile {format_bytes(tile)}, block {format_bytes(block_bytes)} per slot "
+            f"(segment {format_bytes(segment_bytes)}): {verdict}"
+        )
+        break  # all recurrent layers of a preset share one shape; the first speaks for them
+    return notes
+
+
+def _state_only_block_bytes(state_bytes: int) -> int:
+    """Largest power-of-two block (256 KiB .. 4 KiB) whose tail waste stays under 1% of a state."""
+
+    def tail(b: int) -> float:
+        return (cdiv(state_bytes, b) * b - state_bytes) / state_bytes
+
+    fits = [b for b in STATE_ONLY_BLOCK_BYTES_CHOICES if tail(b) <= MAX_STATE_TAIL_FRACTION]
+    return fits[0] if fits else min(STATE_ONLY_BLOCK_BYTES_CHOICES, key=tail)
+
+
+def _state_bytes_max(model: ModelSpec) -> int:
+    return max((l.state_bytes for l in model.layers if isinstance(l, RecurrentLayerSpec)), default=0)
+
+
+def plan(
+    model: ModelSpec,
+    budget_bytes: int,
+    block_size: int | None = None,
+    layout: LayoutKind | str = LayoutKind.PAGED,
+    group_size: int | None = None,
+    state_block_bytes: int | None = None,
+) -> Layout:
+    """Plan a block pool of at most ``budget_bytes`` for ``model`` (already sharded for one TP rank).
+
+    ``block_size``: tokens per KV block (default 64 for paged; for padded the minimum before
+    inflation). ``state_block_bytes``: block bytes per slot for models without attention (default:
+    the largest power of two from 256 KiB down whose state tail stays under 1%; padded: one state
+    per block). Raises :class:`LayoutError` when the budget cannot
+    hold two blocks (the null block and one more) or the sizes are invalid.
+    """
+    kind = LayoutKind(layout) if isinstance(layout, str) else layout
+    if block_size is not None and (not isinstance(block_size, int) or block_size <= 0):
+        raise LayoutError(f"block_size must be a positive number of tokens, got {block_size!r}")
+    if budget_bytes <= 0:
+        raise LayoutError(f"budget must be positive, got {budget_bytes} bytes")
+    attn = _attention_shape(model)
+    group_size, kv_chunks, state_chunks = _build_groups(model, group_size)
+    notes: list[str] = []
+    state_max = _state_bytes_max(model)
+
+    scale_segment_bytes = 0
+    if attn is not None:
+        per_token_segment = attn.num_kv_heads * attn.head_dim * attn.dtype.itemsize
+        num_segments = 2
+        if kind is LayoutKind.PADDED:
+            size = block_size or PADDED_BLOCK_ALIGN
+            needed = cdiv(state_max, 2 * per_token_segment)
+            if needed > size:
+                size = round_up(needed, PADDED_BLOCK_ALIGN)
+                notes.append(
+                    f"padded: attention block raised to {size} tokens so one page holds one layer's "
+                    f"state ({format_bytes(state_max)})"
+                )
+            block_size = size
+        elif block_size is None:
+            block_size = DEFAULT_BLOCK_SIZE
+        segment_bytes = block_size * per_token_segment
+        scale_segment_bytes = block_size * attn.scale_bytes_per_token // 2
+    else:
+        num_segments = 1
+        block_size = block_size or DEFAULT_BLOCK_SIZE
+        if kind is LayoutKind.PADDED:
+            segment_bytes = state_max
+        else:
+            segment_bytes = state_block_bytes or _state_only_block_bytes(state_max)
+    if segment_bytes <= 0:
+        raise LayoutError(f"block bytes must be positive, got {segment_bytes}")
+    block_bytes = num_segments * segment_bytes
+
+    groups: list[Group] = [Group(0, GroupKind.KV, tuple(c)) for c in kv_chunks]
+    for chunk in state_chunks:
+        largest = max(model.layers[i].state_bytes for i in chunk if i is not None)  # type: ignore[union-attr]
+        bps = 1 if kind is LayoutKind.PADDED else cdiv(largest, block_bytes)
+        groups.append(Group(len(groups), GroupKind.STATE, tuple(chunk), bps))
+    if state_chunks:
+        notes.extend(_head_tile_notes(model, block_bytes, segment_bytes))
+
+    bytes_per_block = (block_bytes + 2 * scale_segment_bytes) * group_size
+    num_blocks = budget_bytes // bytes_per_block
+    if num_blocks < 2:
+        raise LayoutError(
+            f"budget {format_bytes(budget_bytes)} holds {num_blocks} block(s) of {format_bytes(bytes_per_block)} "
+            f"(the null block needs one): raise the memory budget or lower the block size"
+        )
+    return Layout(
+        model,
+        kind,
+        block_size,
+        group_size,
+        tuple(groups),
+        num_segments,
+        segment_bytes,
+        num_blocks,
+        budget_bytes,
+        tuple(notes),
+        scale_segment_bytes,
+    )
