@@ -93,10 +93,10 @@ def run_workload(
     play(s, actions, lambda abort_mid: _step(s, engine, abort_mid, aborted), aborted, give_ids=prefix is not None)
 
 
-def play(s: Scheduler, actions, step, aborted: set, give_ids: bool = True, max_steps: int = 3000) -> None:
+def play(s: Scheduler, actions, step, aborted: set, give_ids: bool = True, max_steps: int = 3000, manager=None) -> None:
     """Submit, abort and step as ``actions`` say (``step(abort_mid)`` runs one step; aborts go into
     ``aborted``), then step until every request is done. Checks that each request finished with all
-    its tokens or was aborted, and that every block came back."""
+    its tokens or was aborted, and that every block came back (in ``manager``, default ``s.manager``)."""
     wanted = {}
     for i, action in enumerate(actions):
         if action[0] == "add":
@@ -135,7 +135,7 @@ def play(s: Scheduler, actions, step, aborted: set, give_ids: bool = True, max_s
             assert req.state is RequestState.ABORTED
         else:
             assert req.state is RequestState.FINISHED and len(req.output_token_ids) == n
-    m = s.manager
+    m = s.manager if manager is None else manager
     m.release_pins()  # the executor ran every copy handed out: pending-free blocks go back
     m.check_integrity()
     u = m.usage()

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from hybridkv.blockmgr.manager import HybridBlockManager
 from hybridkv.blockmgr.records import SwapPlan
 from hybridkv.scheduler_adapter.cost import GpuSpec, PreemptionCost, PreemptionMode, preemption_cost
+from hybridkv.scheduler_adapter.interface import ManagerInterface
 from hybridkv.scheduler_adapter.requests import SchedRequest
 
 SwapExecutor = Callable[[SwapPlan], None]
@@ -23,7 +23,7 @@ class Preemptor:
 
     def __init__(
         self,
-        manager: HybridBlockManager,
+        manager: ManagerInterface,
         mode: PreemptionMode,
         gpu: GpuSpec,
         swap_executor: SwapExecutor | None = None,

@@ -21,16 +21,16 @@ next step.
 from __future__ import annotations
 
 import bisect
-import inspect
-from collections.abc import Callable, Sequence
+import numbers
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from hybridkv.blockmgr.manager import HybridBlockManager
 from hybridkv.blockmgr.records import BlockCopies, RequestId, SwapPlan
 from hybridkv.errors import DuplicateRequestError, RequestStateError, UnknownRequestError
 from hybridkv.scheduler_adapter.cost import H200, GpuSpec, PreemptionCost, PreemptionMode
+from hybridkv.scheduler_adapter.interface import ManagerInterface
 from hybridkv.scheduler_adapter.preemption import Preemptor, SwapExecutor
 from hybridkv.scheduler_adapter.requests import (
     Preemption,
@@ -63,10 +63,6 @@ class SchedulerConfig:
             raise ValueError("max_num_batched_tokens must exceed num_speculative_tokens: a decode runs 1 + k tokens")
 
 
-def _accepts_token_ids(fn: Callable) -> bool:
-    return "token_ids" in inspect.signature(fn).parameters
-
-
 def _key(req: SchedRequest) -> tuple[int, int]:
     return req.sort_key
 
@@ -74,10 +70,15 @@ def _key(req: SchedRequest) -> tuple[int, int]:
 _INT64 = (-(1 << 63), (1 << 63) - 1)
 
 
+def _is_integer(value: object) -> bool:
+    """An integer (numpy integers included), not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
 def _token_ids(tokens: object, what: str) -> tuple[int, ...]:
     """``tokens`` as a tuple of Python ints, each an integer (numpy integers included; bools,
     floats, strings and None refused) within int64; ``TypeError`` otherwise, before any change."""
-    if isinstance(tokens, (str, bytes, bytearray, memoryview)) or not hasattr(tokens, "__iter__"):
+    if isinstance(tokens, (str, bytes, bytearray, memoryview)) or not isinstance(tokens, Iterable):
         raise TypeError(f"{what} must be a sequence of integer token ids, got {type(tokens).__name__}")
     if isinstance(tokens, np.ndarray) and tokens.dtype.kind in "iu" and tokens.ndim == 1:
         out = tuple(tokens.tolist())  # (uint64 beyond int64 is caught below)
@@ -85,9 +86,9 @@ def _token_ids(tokens: object, what: str) -> tuple[int, ...]:
         out = []
         for t in tokens:  # type: ignore[attr-defined]
             if type(t) is not int:
-                if isinstance(t, bool) or not hasattr(t, "__index__"):
+                if not _is_integer(t):
                     raise TypeError(f"{what} must be integer token ids, got {t!r} ({type(t).__name__})")
-                t = t.__index__()
+                t = int(t)
             out.append(t)
         out = tuple(out)
     if out and not (_INT64[0] <= min(out) and max(out) <= _INT64[1]):
@@ -106,7 +107,7 @@ class Scheduler:
 
     def __init__(
         self,
-        manager: HybridBlockManager,
+        manager: ManagerInterface,
         config: SchedulerConfig | None = None,
         swap_executor: SwapExecutor | None = None,
     ) -> None:
@@ -128,16 +129,11 @@ class Scheduler:
         self._arrivals = 0
         self._pending: StepPlan | None = None
         self._has_kv = manager.layout.kv_group is not None
-        self._prefix_args = hasattr(manager, "match_prefix") and all(
-            _accepts_token_ids(f) for f in (manager.can_allocate, manager.allocate, manager.append)
-        )
-        # prefix-cache checkpoints: taken after forwards, chunks end where the policy wants one
-        self._checkpoints = (
-            self._prefix_args
-            and getattr(manager, "prefix_cache", None) is not None
-            and hasattr(manager, "checkpoint")
-            and hasattr(manager, "next_checkpoint_position")
-        )
+        # requests submitted with token ids are admitted with them (a prefix hit when the manager
+        # caches prefixes, else a miss); with a prefix cache, checkpoints are taken after forwards
+        # and chunks end where the policy wants one (ManagerInterface: no feature probing)
+        self._prefix_args = True
+        self._checkpoints = manager.prefix_cache is not None
         self._carried_copies = BlockCopies.empty()  # checkpoint copies for the next plan
         # pin epochs (HybridBlockManager.begin_pin_epoch): copies handed out in update() run at the
         # start of the next plan, so their blocks stay pinned one step longer than the step's own
@@ -161,14 +157,14 @@ class Scheduler:
             raise TypeError(f"request ids must be hashable, got {type(request_id).__name__}") from None
         if request_id in self.requests or request_id in self.finished:
             raise DuplicateRequestError(f"request {request_id!r} was already submitted: use a new id")
-        if isinstance(prompt, bool) or not (hasattr(prompt, "__index__") or hasattr(prompt, "__iter__")):
+        if not (_is_integer(prompt) or isinstance(prompt, Iterable)) or isinstance(prompt, bool):
             raise TypeError(f"request {request_id!r}: prompt must be token ids or a token count, got {prompt!r}")
-        ids = None if hasattr(prompt, "__index__") else _token_ids(prompt, f"request {request_id!r}: prompt")
+        ids = None if _is_integer(prompt) else _token_ids(prompt, f"request {request_id!r}: prompt")
         num_prompt = as_count(prompt, "prompt") if ids is None else len(ids)
         max_new_tokens = as_count(max_new_tokens, "max_new_tokens")
-        if isinstance(priority, bool) or not hasattr(priority, "__index__"):
+        if not _is_integer(priority):
             raise TypeError(f"request {request_id!r}: priority must be an integer, got {priority!r}")
-        priority = priority.__index__()
+        priority = int(priority)
         if num_prompt < 1 or max_new_tokens < 1:
             raise ValueError(f"request {request_id!r}: prompt and max_new_tokens must be >= 1")
         if not self.config.chunked_prefill and num_prompt + max_new_tokens > self.config.max_num_batched_tokens:
@@ -352,9 +348,9 @@ class Scheduler:
             accepted = 0
             if row.num_drafts:
                 accepted = outputs.num_accepted.get(rid, len(tokens) - 1)
-                if isinstance(accepted, bool) or not hasattr(accepted, "__index__"):
+                if not _is_integer(accepted):
                     raise TypeError(f"request {rid!r}: num_accepted must be an integer, got {accepted!r}")
-                accepted = accepted.__index__()
+                accepted = int(accepted)
                 if not 0 <= accepted <= row.num_drafts or len(tokens) != accepted + 1:
                     raise ValueError(
                         f"request {rid!r}: {len(tokens)} sampled tokens and {accepted} accepted of "
