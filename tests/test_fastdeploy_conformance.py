@@ -41,6 +41,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from hybridkv.blockmgr.errors import RequestStateError
 from hybridkv.blockmgr.layout import plan
 from hybridkv.blockmgr.manager import HybridBlockManager
 from hybridkv.blockmgr.prefix import PrefixCacheConfig
@@ -572,3 +573,120 @@ def test_counting_is_exact():
     fd.allocate_gpu_blocks(5, "d")
     with pytest.raises(Exception, match="while requests hold blocks"):
         fd.update_cache_config(SimpleNamespace(total_block_num=50))
+
+
+# ---- pending matches: each pinned block counted once, a defined lifetime ------------------------------
+PREFIX = list(range(40))  # 10 blocks; its checkpoint at 40 holds 4 state blocks: a hit pins 14 blocks
+
+
+def _facade_with_cached_prefix(num_blocks: int = 64) -> FastDeployBlockManager:
+    """A facade whose prefix cache holds ``PREFIX`` (10 KV blocks and the checkpoint at its end), all
+    evictable: the request that made them was released."""
+    cfg = PrefixCacheConfig(checkpoint="every_n_blocks", every_n=1)
+    fd = FastDeployBlockManager(HybridBlockManager(tiny_layout(num_blocks), prefix_cache=cfg))
+    seed = Request("seed", list(PREFIX), max_tokens=1)
+    fd.request_match_blocks(seed, BLOCK_SIZE)
+    fd.allocate_gpu_blocks(10 + STATE_BLOCKS, "seed")
+    fd.update_cache_blocks(seed, BLOCK_SIZE, len(PREFIX))  # the checkpoint at 40
+    fd.begin_step()
+    fd.release_block_ids(seed)
+    fd.begin_step()
+    assert fd.num_free_device_blocks == fd.num_gpu_blocks  # everything cached is evictable
+    return fd
+
+
+def _follower(i: int) -> Request:
+    return Request(f"b{i}", [*PREFIX, 900 + i], max_tokens=1)
+
+
+def test_matches_of_one_cached_prefix_count_its_pinned_blocks_once():
+    fd = _facade_with_cached_prefix()
+    free = fd.num_free_device_blocks
+    ids, hit, _ = fd.request_match_blocks(_follower(0), BLOCK_SIZE)
+    assert hit == 40 and len(ids) == 10
+    assert fd.num_free_device_blocks == free - 14  # the 10 KV blocks and the checkpoint's 4
+    followers = [_follower(i) for i in range(5)]
+    for r in followers:
+        assert fd.request_match_blocks(r, BLOCK_SIZE)[1] == 40
+    # 5 matches of the same hit pin the same 14 blocks: a union, not 70 (the sum went below 0)
+    assert fd.num_free_device_blocks == free - 14 and len(fd.gpu_free_block_list) == free - 14
+    assert fd.can_allocate_gpu_blocks(free - 14) and not fd.can_allocate_gpu_blocks(free - 13)
+    for r in followers:  # each admission takes exactly what it asks (1 KV block + the state sets)
+        before = fd.num_free_device_blocks
+        assert fd.allocate_gpu_blocks(1 + STATE_BLOCKS, r.request_id)
+        assert before - fd.num_free_device_blocks == 1 + STATE_BLOCKS, r.request_id
+        assert fd.manager.requests[r.request_id].kv_blocks[:10].tolist() == ids
+    fd.manager.check_integrity()
+
+
+def test_an_abandoned_match_lapses_at_the_next_step_and_a_new_match_replaces_the_old():
+    fd = _facade_with_cached_prefix()
+    free = fd.num_free_device_blocks
+    r = _follower(0)
+    for _ in range(3):  # matched again and again in one step: the newest match replaces the older
+        fd.request_match_blocks(r, BLOCK_SIZE)
+    assert fd.num_free_device_blocks == free - 14
+    other = Request("b0", [7] * 41, max_tokens=1)  # the same request, a miss now: it pins nothing
+    fd.request_match_blocks(other, BLOCK_SIZE)
+    assert fd.num_free_device_blocks == free
+    fd.match_prefix(r)  # v1 match of the hit again, never allocated nor released
+    assert fd.num_free_device_blocks == free - 14
+    fd.begin_step()  # the next schedule(): the abandoned match lapses
+    assert fd.num_free_device_blocks == free == len(fd.gpu_free_block_list)
+    with pytest.raises(RequestStateError, match="lapsed at begin_step"):
+        fd.allocate_gpu_blocks(1 + STATE_BLOCKS, "b0")  # its block_tables name the hit: refuse, not mix
+    assert fd.allocate_gpu_blocks(r, 1 + STATE_BLOCKS) == []  # v1: [] on failure
+    assert not fd.manager.requests and fd.num_free_device_blocks == free
+    fd.match_prefix(r)  # matched again and allocated in the same step: exactly what it asks
+    before = fd.num_free_device_blocks
+    assert before == free - 14 and fd.allocate_gpu_blocks(r, 1 + STATE_BLOCKS)
+    assert before - fd.num_free_device_blocks == 1 + STATE_BLOCKS
+    fd.request_finish(r)
+    fd.begin_step()
+    assert fd.num_free_device_blocks == free
+    fd.manager.check_integrity()
+
+
+# ---- allocate_gpu_blocks: the form is chosen on exact types -----------------------------------------
+@pytest.mark.parametrize("first", [2.5, 2.0, True, "3", None, [3], b"3"])
+def test_allocate_gpu_blocks_refuses_a_first_argument_of_neither_form(first):
+    fd = FastDeployBlockManager(HybridBlockManager(tiny_layout(17)))
+    both_forms = r"allocate_gpu_blocks\(num_blocks: int, req_id\).*allocate_gpu_blocks\(request, num_blocks: int\)"
+    with pytest.raises(TypeError, match=both_forms):
+        fd.allocate_gpu_blocks(first, "B")
+    assert not fd.manager.requests and fd.num_free_device_blocks == 16
+
+
+@pytest.mark.parametrize("count", [2.5, 6.0, True, "6", None])
+def test_allocate_gpu_blocks_refuses_a_count_that_is_not_an_integer_in_both_forms(count):
+    fd = FastDeployBlockManager(HybridBlockManager(tiny_layout(17)))
+    with pytest.raises(TypeError, match="num_blocks must be an integer"):
+        fd.allocate_gpu_blocks(SimpleNamespace(request_id="c"), count)  # v1: a TypeError, not []
+    with pytest.raises(TypeError):
+        fd.can_allocate_gpu_blocks(count)
+    assert not fd.manager.requests and fd.num_free_device_blocks == 16
+
+
+def test_allocate_gpu_blocks_takes_both_forms_positionally_and_by_keyword():
+    import numpy as np
+
+    fd = FastDeployBlockManager(HybridBlockManager(tiny_layout(17)))
+    assert len(fd.allocate_gpu_blocks(np.int64(5), "a")) == 1
+    assert len(fd.allocate_gpu_blocks(num_blocks=5, req_id="b")) == 1
+    assert len(fd.allocate_gpu_blocks(SimpleNamespace(request_id="c"), num_blocks=5)) == 1
+    assert len(fd.allocate_gpu_blocks(request=SimpleNamespace(request_id="a"), num_blocks=1)) == 1
+    assert fd.num_free_device_blocks == 0
+    for args, kwargs in (
+        ((5, "d"), {"request": SimpleNamespace(request_id="d")}),
+        ((SimpleNamespace(request_id="d"), 1), {"req_id": "d"}),
+        ((1, "d", 3), {}),
+        ((1,), {"req_id": "d", "blocks": 1}),
+        ((SimpleNamespace(request_id="d"), 1), {"num_blocks": 1}),
+        ((SimpleNamespace(request_id="d"),), {}),
+    ):
+        with pytest.raises(TypeError, match="allocate_gpu_blocks"):
+            fd.allocate_gpu_blocks(*args, **kwargs)
+    with pytest.raises(ValueError, match=">= 0"):
+        fd.allocate_gpu_blocks(SimpleNamespace(request_id="a"), -1)
+    assert sorted(fd.manager.requests) == ["a", "b", "c"]
+    fd.manager.check_integrity()

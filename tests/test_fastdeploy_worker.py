@@ -25,7 +25,11 @@ from tests.test_fastdeploy_conformance import (
     tiny_layout,
 )
 
-paddle = pytest.importorskip("paddle")
+try:
+    import paddle
+except ImportError:  # the paddle tests skip; the argument checks below run on torch
+    paddle = None
+needs_paddle = pytest.mark.skipif(paddle is None, reason="paddle is not installed")
 
 MAX_NUM_SEQS = 6
 
@@ -45,6 +49,7 @@ def expected_row(fd: FastDeployBlockManager, request_id) -> np.ndarray:
     return row
 
 
+@needs_paddle
 def test_state_tables_stay_in_place_across_100_steps_of_arrivals_preemptions_and_swaps():
     layout = tiny_layout(25)  # 24 usable blocks: 4 state blocks a request, so preemptions happen
     fd = FastDeployBlockManager(HybridBlockManager(layout, num_host_blocks=48))
@@ -116,6 +121,7 @@ def test_state_tables_stay_in_place_across_100_steps_of_arrivals_preemptions_and
     assert buf.data_ptr() == ptr
 
 
+@needs_paddle
 def test_rows_of_groups_with_fewer_blocks_are_padded_like_block_tables():
     layout = tiny_layout(17)
     tables = StateTables(layout, 3, framework="paddle")
@@ -134,6 +140,7 @@ def _state_of(tokens, layer_id: int, nbytes: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
 
 
+@needs_paddle
 @pytest.mark.parametrize(
     ("num_blocks", "checkpoint"), [(64, "every_n_blocks"), (64, "branch_and_last"), (21, "every_n_blocks")]
 )
@@ -209,3 +216,165 @@ def test_states_survive_prefix_hits_chunks_and_preemption_through_the_task_copie
         assert checked["hit"] > 0 and not rm.preemptions, checked
     else:  # the tight pool preempts (recompute from 0) and evicts checkpoints instead
         assert sum(rm.preemptions.values()) > 0
+
+
+# ---- argument checks (torch: they need no paddle) ---------------------------------------------------
+# The checks raise BatchSlotError (an IndexError) and BlockIdError (a ValueError); the tests below
+# match the base classes and the messages, test_worker_errors_are_typed the classes themselves.
+def _torch_tables(max_num_seqs: int = 3):
+    pytest.importorskip("torch")
+    layout = tiny_layout(17)  # block ids 1..16 are real; 2 state groups of 2 blocks
+    return layout, StateTables(layout, max_num_seqs, framework="torch")
+
+
+@pytest.mark.parametrize("slot", [-1, -3, 3, 10**6])
+def test_set_row_refuses_a_slot_outside_the_batch_and_writes_nothing(slot):
+    _, tables = _torch_tables()
+    tables.set_row(2, [[5, 6], [7, 8]], "last")
+    before = tables.numpy().copy()
+    with pytest.raises(IndexError, match=r"batch slot -?\d+ is outside \[0, 3\)"):
+        tables.set_row(slot, [[1, 2], [3, 4]], "x")
+    np.testing.assert_array_equal(tables.numpy(), before)  # slot -1 used to rewrite slot 2's row
+    assert tables.request_ids == [None, None, "last"]
+
+
+@pytest.mark.parametrize("slot", [True, 1.0, "1", None, np.float64(1)])
+def test_set_row_refuses_a_slot_that_is_not_an_integer(slot):
+    _, tables = _torch_tables()
+    with pytest.raises(TypeError, match="batch slot must be an integer"):
+        tables.set_row(slot, [[1, 2], [3, 4]])
+    assert (tables.numpy() == PAD_BLOCK).all()
+
+
+@pytest.mark.parametrize("bad", [0, -9, -1, 17, 10**6, 10**30])
+def test_set_row_refuses_block_ids_that_are_no_real_block_of_the_layout(bad):
+    _, tables = _torch_tables()
+    with pytest.raises(ValueError, match="not a block id|not block ids|too large"):
+        tables.set_row(0, [[5, bad], [7, 8]])
+    assert (tables.numpy() == PAD_BLOCK).all() and tables.request_ids == [None] * 3
+
+
+@pytest.mark.parametrize("bad", [True, 2.0, 2.5, "5", None, [5]])
+def test_set_row_refuses_block_ids_that_are_not_integers(bad):
+    _, tables = _torch_tables()
+    with pytest.raises(TypeError, match="not an integer|integer block ids|sequence of block ids|rectangular"):
+        tables.set_row(0, [[5, bad], [7, 8]])
+    with pytest.raises(TypeError, match="integer block ids"):
+        tables.set_row(0, [np.array([5.0, 6.0]), [7, 8]])
+    assert (tables.numpy() == PAD_BLOCK).all()
+
+
+def test_set_row_refuses_a_block_id_twice_and_takes_numpy_ids():
+    _, tables = _torch_tables()
+    with pytest.raises(ValueError, match=r"\[6\] appear more than once"):
+        tables.set_row(0, [[5, 6], [6, 8]])
+    tables.set_row(np.int64(1), [np.array([5, 6], dtype=np.int32), [np.int64(7), 8]], "a")
+    assert tables.numpy()[:, 1].tolist() == [[5, 6], [7, 8]]
+
+
+def test_release_and_apply_check_every_slot_and_task_before_writing():
+    _, tables = _torch_tables()
+    tables.set_row(2, [[5, 6], [7, 8]], "c")
+    before = tables.numpy().copy()
+    for bad in (-1, 3):
+        with pytest.raises(IndexError):
+            tables.release(bad)
+    with pytest.raises(TypeError):
+        tables.release(2.0)
+    prefill = SimpleNamespace(idx=0, request_id="a", task_type="PREFILL", state_block_tables=[[1, 2], [3, 4]])
+    preempt = SimpleNamespace(idx=2, request_id="c", task_type="PREEMPTED")
+    bad_ids = SimpleNamespace(idx=1, request_id="b", task_type="DECODE", state_block_tables=[[9, 0], [3, 4]])
+    bad_slot = SimpleNamespace(idx=-1, request_id="d", task_type="DECODE", state_block_tables=[[9, 10], [11, 12]])
+    with pytest.raises(ValueError, match="DECODE task of 'b'"):
+        tables.apply([prefill, preempt, bad_ids])
+    with pytest.raises(IndexError, match="DECODE task of 'd'"):
+        tables.apply([prefill, preempt, bad_slot])
+    np.testing.assert_array_equal(tables.numpy(), before)  # the good tasks before the bad one wrote nothing
+    tables.apply([prefill, preempt])
+    assert tables.numpy()[:, 0].tolist() == [[1, 2], [3, 4]] and (tables.numpy()[:, 2] == PAD_BLOCK).all()
+
+
+def test_worker_constructors_refuse_bad_arguments():
+    pytest.importorskip("torch")
+    layout = tiny_layout(17)
+    for bad in (0, -1, 2.0, True):
+        with pytest.raises((TypeError, ValueError)):
+            StateTables(layout, bad, framework="torch")
+    with pytest.raises(ValueError, match="framework"):
+        StateTables(layout, 2, framework="jax")
+    with pytest.raises(ValueError, match="framework"):
+        allocate_caches(layout, framework="jax")
+    with pytest.raises(ValueError, match="below the model's 3 layers"):
+        allocate_caches(layout, num_layers=2, framework="torch")
+    with pytest.raises(TypeError):
+        allocate_caches(layout, num_layers=3.0, framework="torch")
+    caches = allocate_caches(layout, framework="torch")
+    other = StateTables(tiny_layout(25), 2, framework="torch")
+    with pytest.raises(ValueError, match="different layouts"):
+        attach_worker(SimpleNamespace(), caches, other)
+    with pytest.raises(TypeError):
+        attach_worker(SimpleNamespace(), caches, "tables")
+
+
+def test_copy_blocks_and_state_bytes_refuse_ids_that_are_no_real_block():
+    pytest.importorskip("torch")
+    from hybridkv.scheduler_adapter.fastdeploy_worker import (
+        copy_blocks,
+        gather_state_bytes,
+        read_state_bytes,
+        write_state_bytes,
+    )
+
+    layout = tiny_layout(17)
+    caches = allocate_caches(layout, framework="torch")
+    for t in caches.segments[0]:
+        t[16] = 9  # the last block: what a -1 index would reach
+    tensors = [t for segs in caches.segments for t in segs]
+    snapshot = [t.clone() for t in tensors]
+
+    def unchanged():
+        return all(bool((a == b).all()) for a, b in zip(snapshot, tensors, strict=True))
+
+    for copies in ([[16], [0]], [[-1], [3]], [[3], [17]], [[3, 4], [5, 5]]):
+        with pytest.raises(ValueError):
+            copy_blocks(caches, copies)
+        assert unchanged(), copies
+    with pytest.raises(ValueError, match=r"equal length, got shapes \[1\] and \[2\]"):
+        copy_blocks(caches, [[3], [4, 5]])
+    with pytest.raises(TypeError):
+        copy_blocks(caches, [[3.0], [4]])
+    with pytest.raises(TypeError):
+        copy_blocks(caches, [[3], [4], [5]])
+    assert unchanged()
+    copy_blocks(caches, [[16], [3]])
+    assert bool((caches.segments[0][0][3] == 9).all())
+    snapshot = [t.clone() for t in tensors]
+
+    slot = caches.layer_slots[1]
+    nbytes = layout.model.layers[1].state_bytes
+    with pytest.raises(ValueError):
+        read_state_bytes(slot, layout, [5, -1], nbytes)  # a padded set would read the last block
+    with pytest.raises(ValueError):
+        gather_state_bytes(slot, layout, np.array([[5, 6], [-1, -1]]), nbytes)
+    with pytest.raises(ValueError, match="more than once"):
+        write_state_bytes(slot, layout, [5, 5], np.zeros(nbytes, dtype=np.uint8))
+    with pytest.raises(ValueError, match="needs 2 block ids"):
+        write_state_bytes(slot, layout, [5], np.zeros(nbytes, dtype=np.uint8))
+    with pytest.raises(TypeError, match="uint8"):
+        write_state_bytes(slot, layout, [5, 6], np.zeros(nbytes, dtype=np.float32))
+    with pytest.raises(ValueError, match="exceed the state set"):
+        read_state_bytes(slot, layout, [5, 6], 10**6)
+    assert unchanged()
+
+
+def test_worker_errors_are_typed():
+    from hybridkv.blockmgr.errors import HybridKVError
+    from hybridkv.scheduler_adapter.fastdeploy_worker import BatchSlotError, BlockIdError
+
+    assert issubclass(BatchSlotError, IndexError) and issubclass(BlockIdError, ValueError)
+    assert issubclass(BatchSlotError, HybridKVError) and issubclass(BlockIdError, HybridKVError)
+    _, tables = _torch_tables()
+    with pytest.raises(BatchSlotError):
+        tables.set_row(-1, [[1, 2], [3, 4]])
+    with pytest.raises(BlockIdError):
+        tables.set_row(0, [[0, 2], [3, 4]])

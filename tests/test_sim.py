@@ -288,3 +288,49 @@ def test_speculation_and_prefix_caching_show_in_the_report():
     plain = run_all([TIGHT.with_changes(prefix="none")], small, workers=1)[0]
     assert none["totals"]["output_tokens"] == plain["totals"]["output_tokens"]
     assert none["totals"]["steps"] < plain["totals"]["steps"]
+
+
+def _simulate_cli(tmp_path, capsys, *flags) -> tuple[int, str]:
+    out = tmp_path / "report"
+    code = main(["simulate", *flags, "--gpu-memory", "2GiB", "--out", str(out), "--no-progress"])
+    assert not out.exists(), "refused before any work: no report"
+    return code, capsys.readouterr().err.strip()
+
+
+def test_simulate_refuses_an_empty_trace_or_window_in_one_line(tmp_path, capsys):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    code, err = _simulate_cli(tmp_path, capsys, "--trace", str(empty))
+    assert code == 2 and err.count("\n") == 0 and "empty.jsonl: the trace holds no request" in err
+    trace = tmp_path / "t.jsonl"
+    lines = [{"timestamp": 1000 * i, "input_length": 100, "output_length": 4, "hash_ids": [i]} for i in range(3)]
+    trace.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    code, err = _simulate_cli(tmp_path, capsys, "--trace", str(trace), "--trace-start", "5", "--trace-end", "1")
+    assert code == 2 and err == (
+        "hybridkv: error: --trace-end 1 must be after --trace-start 5: the window [start, end) of trace time "
+        "would hold no request"
+    )
+    code, err = _simulate_cli(tmp_path, capsys, "--trace", str(trace), "--trace-start", "5")
+    assert code == 2 and err.count("\n") == 0 and "no request of the trace arrives in the window" in err
+    with pytest.raises(SystemExit) as e:
+        main(["simulate", "--trace", str(trace), "--trace-start", "nan", "--out", str(tmp_path / "r")])
+    assert e.value.code == 2 and "--trace-start" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value", [10.7, True, 10.0])
+def test_simulate_refuses_trace_lengths_that_are_not_integers(tmp_path, capsys, value):
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(json.dumps({"timestamp": 0, "input_length": value, "output_length": 4, "hash_ids": [1]}) + "\n")
+    code, err = _simulate_cli(tmp_path, capsys, "--trace", str(trace))
+    assert code == 2 and err.count("\n") == 0
+    assert f"t.jsonl:1: input_length must be an integer, got {json.dumps(value)}" in err
+
+
+def test_simulator_refuses_an_empty_workload_before_any_work():
+    empty = Workload([], {"kind": "trace", "path": "none.jsonl"})
+    with pytest.raises(ValueError, match=r"workload \(none\.jsonl\) holds no request"):
+        simulate(SimConfig(gpu_memory="2GiB"), empty)
+    with pytest.raises(ValueError, match="holds no request"):
+        run_all([SimConfig(gpu_memory="2GiB")], empty, workers=1)
+    with pytest.raises(TypeError, match="needs a Workload"):
+        simulate(SimConfig(gpu_memory="2GiB"), [])

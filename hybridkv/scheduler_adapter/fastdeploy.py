@@ -12,17 +12,23 @@ their signatures and return shapes, both name sets ``ResourceManagerV1`` uses:
   ``request.match_result``), ``allocate_gpu_blocks(request, n)`` (``[]`` on failure),
   ``request_finish(request)``, ``can_allocate_device_blocks``, ``num_free_device_blocks``.
 
-Counting is exact: a query for ``n`` blocks is ``n`` blocks (plus the blocks a pending prefix hit
-pins). A request's state sets are charged once, where FastDeploy charges a new request: the
-``get_new_block_nums`` call of ``schedule()``'s WAITING branch adds
-:attr:`FastDeployBlockManager.num_state_blocks_per_request` (the patch in docs/fastdeploy.md), so the
-first ``allocate_gpu_blocks`` of a request takes ``n`` blocks of which the state sets are the first
-``num_state_blocks_per_request`` and returns the ``n - num_state_blocks_per_request`` KV ids.
+Counting is exact: a query for ``n`` blocks is ``n`` blocks (plus the blocks pending prefix hits
+pin, each block counted once however many matches share it). A request's state sets are charged
+once, where FastDeploy charges a new request: the ``get_new_block_nums`` call of ``schedule()``'s
+WAITING branch adds :attr:`FastDeployBlockManager.num_state_blocks_per_request` (the patch in
+docs/fastdeploy.md), so the first ``allocate_gpu_blocks`` of a request takes ``n`` blocks of which
+the state sets are the first ``num_state_blocks_per_request`` and returns the
+``n - num_state_blocks_per_request`` KV ids.
 
 Prefix caching goes through hybridkv's prefix cache (KV hash chain + state checkpoints): a hit
-shares cached KV blocks and fills the live state sets from a checkpoint. The state copies and
-tables a worker needs travel in the task (:meth:`FastDeployBlockManager.task_fields`); the worker
-side is :mod:`hybridkv.scheduler_adapter.fastdeploy_worker`.
+shares cached KV blocks and fills the live state sets from a checkpoint. A match
+(``request_match_blocks`` / ``match_prefix``) is pending until the request's first
+``allocate_gpu_blocks`` takes it, a release drops it, or a new match of the same request replaces
+it; it lapses at the next :meth:`~FastDeployBlockManager.begin_step` (FastDeploy matches and
+allocates within one ``schedule()``), and an allocation of that request then refuses until it is
+matched again. The state copies and tables a worker needs travel in the task
+(:meth:`FastDeployBlockManager.task_fields`); the worker side is
+:mod:`hybridkv.scheduler_adapter.fastdeploy_worker`.
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ import numpy as np
 from hybridkv.blockmgr.errors import NoFreeBlocksError, RequestStateError
 from hybridkv.blockmgr.manager import HybridBlockManager
 from hybridkv.blockmgr.records import BlockCopies, RequestId, RequestStatus, SwapPlan
-from hybridkv.blockmgr.units import cdiv
+from hybridkv.blockmgr.units import as_count, cdiv
 from hybridkv.scheduler_adapter.fastdeploy_worker import (
     FastDeployCaches,
     StateLayerSlot,
@@ -48,6 +54,17 @@ from hybridkv.scheduler_adapter.metadata import StepMetadata
 
 HYBRID_TASK_FIELDS = ("state_block_tables", "state_copies", "checkpoint_copies")
 """Fields :meth:`FastDeployBlockManager.task_fields` adds to a prefill ``Request`` / ``ScheduledDecodeTask``."""
+
+ALLOCATE_FORMS = (
+    "allocate_gpu_blocks(num_blocks: int, req_id) (legacy PrefixCacheManager) or "
+    "allocate_gpu_blocks(request, num_blocks: int) (v1 CacheManager; request has .request_id)"
+)
+"""The two call forms :meth:`FastDeployBlockManager.allocate_gpu_blocks` accepts (named in its TypeError)."""
+
+
+def _is_int(value: object) -> bool:
+    """An exact integer: ``int`` or a numpy integer; bools, floats (even ``2.0``) and strings are not."""
+    return type(value) is int or isinstance(value, np.integer)
 
 
 class _FreeBlocks:
@@ -99,12 +116,15 @@ class MatchResult:
 
 @dataclass
 class _Pending:
-    """A prefix match handed to FastDeploy, not yet admitted: its input and the hit it was told."""
+    """A prefix match handed to FastDeploy, not yet admitted: its input and the hit it was told.
+
+    What it pins is not stored: ``block_ids`` and the checkpoint at ``checkpoint_key`` are counted
+    when asked (:meth:`FastDeployBlockManager._pinned_by_matches`), as a union over all matches."""
 
     token_ids: list[int]
     num_cached_tokens: int
     block_ids: list[int]
-    num_pinned: int
+    checkpoint_key: int | None = None  # the checkpoint the hit's copy reads (None: no hit)
     branch_tokens: int = 0  # where the input leaves the cached prefixes (checkpoint policy input)
 
 
@@ -133,7 +153,8 @@ class FastDeployBlockManager:
         self.block_size = manager.block_size
         self.cache_config = cache_config
         self.enable_prefix_caching = manager.prefix_cache is not None
-        self._pending: dict[RequestId, _Pending] = {}
+        self._pending: dict[RequestId, _Pending] = {}  # matches of this step, not yet allocated
+        self._lapsed: set[RequestId] = set()  # requests whose match lapsed at begin_step, not matched since
         self._recycled: dict[RequestId, set[int]] = {}
         self._copies: dict[RequestId, BlockCopies] = {}  # run before the request's next forward
         self._fresh: set[int] = set()  # chain keys of checkpoints reserved in this step (not yet written)
@@ -155,8 +176,30 @@ class FastDeployBlockManager:
 
     @property
     def num_free_device_blocks(self) -> int:
-        """Blocks an allocation can take now (free plus evictable), less what a pending hit pins."""
-        return self.manager.num_available_blocks - sum(p.num_pinned for p in self._pending.values())
+        """Blocks an allocation can take now (free plus evictable), less the evictable blocks that
+        pending matches pin. Each pinned block counts once, however many matches share it (a union,
+        not a sum), and only while it is still evictable; a match pins until it lapses (see
+        :meth:`begin_step`)."""
+        return self.manager.num_available_blocks - self._pinned_by_matches()
+
+    def _pinned_by_matches(self, exclude: RequestId | None = None) -> int:
+        """Evictable blocks the pending matches (but ``exclude``'s) hold on to, each counted once:
+        the union of their cached KV blocks and the state blocks of the distinct checkpoints they
+        read. Counted now, so blocks taken or evicted since a match no longer count."""
+        cache = self.manager.prefix_cache
+        if cache is None or not self._pending:
+            return 0
+        kv: set[int] = set()
+        checkpoints: set[int] = set()
+        for rid, p in self._pending.items():
+            if rid == exclude:
+                continue
+            kv.update(p.block_ids)
+            if p.checkpoint_key is not None:
+                checkpoints.add(p.checkpoint_key)
+        if not kv and not checkpoints:
+            return 0
+        return cache.num_protected(np.fromiter(sorted(kv), dtype=np.int64, count=len(kv)), checkpoints)
 
     @property
     def gpu_free_block_list(self) -> _FreeBlocks:
@@ -167,8 +210,9 @@ class FastDeployBlockManager:
         return self.num_free_device_blocks / self.num_gpu_blocks
 
     def can_allocate_gpu_blocks(self, num_blocks: int, try_free_gpu_blocks: bool = True) -> bool:
-        """True if ``num_blocks`` blocks can be taken now (evicting cached blocks as needed)."""
-        return num_blocks <= self.num_free_device_blocks
+        """True if ``num_blocks`` blocks can be taken now (evicting cached blocks as needed).
+        ``TypeError`` for a count that is not an integer, ``ValueError`` below 0."""
+        return as_count(num_blocks, "can_allocate_gpu_blocks num_blocks") <= self.num_free_device_blocks
 
     can_allocate_device_blocks = can_allocate_gpu_blocks
 
@@ -180,32 +224,84 @@ class FastDeployBlockManager:
     def allocate_gpu_blocks(self, *args: Any, **kwargs: Any) -> list[int]:
         """Legacy ``allocate_gpu_blocks(num_blocks, req_id)`` or v1 ``allocate_gpu_blocks(request, num_blocks)``.
 
+        The form is chosen on exact types: an integer first argument (``int`` or a numpy integer,
+        not a bool or float) is the legacy form, an object with ``request_id`` the v1 form (keyword
+        ``num_blocks`` / ``req_id`` / ``request`` too). Anything else raises ``TypeError`` naming
+        both forms (:data:`ALLOCATE_FORMS`), a negative count ``ValueError``, before any change.
+
         Returns the new KV block ids for ``request.block_tables``. The first call of a request admits
         it: ``num_blocks`` includes its state sets (:attr:`num_state_blocks_per_request`). Legacy
         raises :class:`NoFreeBlocksError` (nothing changes); v1 returns ``[]`` on failure, as
         FastDeploy's ``CacheManager`` does.
         """
-        if args and not isinstance(args[0], int | np.integer):
-            request = args[0]
-            num_blocks = args[1] if len(args) > 1 else kwargs["num_blocks"]
+        v1, rid, num_blocks = self._allocation_args(args, kwargs)
+        if v1:
             try:
-                return self._allocate(request.request_id, int(num_blocks))
+                return self._allocate(rid, num_blocks)
             except (NoFreeBlocksError, RequestStateError):
                 return []
-        num_blocks = args[0] if args else kwargs["num_blocks"]
-        req_id = args[1] if len(args) > 1 else kwargs.get("req_id")
-        if req_id is None:
+        return self._allocate(rid, num_blocks)
+
+    allocate_device_blocks = allocate_gpu_blocks
+
+    @staticmethod
+    def _allocation_args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[bool, RequestId, int]:
+        """``(is_v1, request_id, num_blocks)`` of an ``allocate_gpu_blocks`` call; raises before any change."""
+        unknown = sorted(set(kwargs) - {"num_blocks", "req_id", "request"})
+        if unknown or len(args) > 2:
+            what = f"unexpected keyword {', '.join(unknown)}" if unknown else f"{len(args)} positional arguments"
+            raise TypeError(f"allocate_gpu_blocks: {what}; use {ALLOCATE_FORMS}")
+        first = args[0] if args else kwargs.get("request", kwargs.get("num_blocks"))
+        v1 = "request" in kwargs or (not _is_int(first) and hasattr(first, "request_id"))
+        if v1:
+            if "req_id" in kwargs:
+                raise TypeError(f"allocate_gpu_blocks: the v1 form takes no req_id; use {ALLOCATE_FORMS}")
+            names = ("request", "num_blocks")
+        elif _is_int(first):
+            if "request" in kwargs:
+                raise TypeError(f"allocate_gpu_blocks: the legacy form takes no request; use {ALLOCATE_FORMS}")
+            names = ("num_blocks", "req_id")
+        else:
+            raise TypeError(
+                f"allocate_gpu_blocks: {first!r} ({type(first).__name__}) is neither a block count nor a "
+                f"request; use {ALLOCATE_FORMS}"
+            )
+        bound = dict(zip(names, args, strict=False))
+        for name in names:
+            if name in kwargs:
+                if name in bound:
+                    raise TypeError(f"allocate_gpu_blocks: {name} given twice; use {ALLOCATE_FORMS}")
+                bound[name] = kwargs[name]
+        if "num_blocks" not in bound:
+            raise TypeError(f"allocate_gpu_blocks: num_blocks missing; use {ALLOCATE_FORMS}")
+        num_blocks = bound["num_blocks"]
+        if not _is_int(num_blocks):
+            raise TypeError(
+                f"allocate_gpu_blocks: num_blocks must be an integer, got {num_blocks!r} "
+                f"({type(num_blocks).__name__}); use {ALLOCATE_FORMS}"
+            )
+        count = as_count(num_blocks, "allocate_gpu_blocks num_blocks")
+        rid = bound["request"].request_id if v1 else bound.get("req_id")
+        if rid is None:
             raise RequestStateError(
                 "allocate_gpu_blocks needs req_id: blocks belong to a request here. FastDeploy's "
                 "ResourceManagerV1 passes request.request_id; see docs/fastdeploy.md"
             )
-        return self._allocate(req_id, int(num_blocks))
-
-    allocate_device_blocks = allocate_gpu_blocks
+        try:
+            hash(rid)
+        except TypeError:
+            raise TypeError(f"allocate_gpu_blocks: request id {rid!r} is not hashable") from None
+        return v1, rid, count
 
     def _allocate(self, rid: RequestId, num_blocks: int) -> list[int]:
         m, bs = self.manager, self.block_size
-        if num_blocks > self.num_free_device_blocks + self._own_pins(rid):
+        if rid in self._lapsed and rid not in m.requests:
+            raise RequestStateError(
+                f"the prefix match of {rid!r} lapsed at begin_step (a match is allocated in the schedule() "
+                "that made it): call request_match_blocks / match_prefix again"
+            )
+        available = m.num_available_blocks - self._pinned_by_matches(exclude=rid)
+        if num_blocks > available:
             raise NoFreeBlocksError(f"allocate_gpu_blocks for {rid!r}", num_blocks, self.num_free_device_blocks)
         rec = m.requests.get(rid)
         if rec is not None:  # running: grow by whole blocks (the manager counts allocated token slots)
@@ -231,10 +327,6 @@ class FastDeployBlockManager:
         if len(alloc.copies):
             self._copies[rid] = alloc.copies
         return rec.kv_blocks[shared:].tolist()
-
-    def _own_pins(self, rid: RequestId) -> int:
-        p = self._pending.get(rid)
-        return p.num_pinned if p else 0
 
     # ---- release --------------------------------------------------------------------------------
     def recycle_gpu_blocks(self, gpu_block_ids: Iterable[int] | int, req_id: RequestId | None = None) -> None:
@@ -282,6 +374,7 @@ class FastDeployBlockManager:
 
     def _free(self, rid: RequestId) -> None:
         self._pending.pop(rid, None)
+        self._lapsed.discard(rid)
         self._recycled.pop(rid, None)
         self._copies.pop(rid, None)
         rec = self.manager.requests.get(rid)
@@ -291,7 +384,10 @@ class FastDeployBlockManager:
     # ---- prefix caching -------------------------------------------------------------------------
     def request_match_blocks(self, task: Any, block_size: int, *args: Any) -> tuple[list[int], int, dict]:
         """Legacy match: ``(common_block_ids, matched_token_num, hit_info)``; the request is admitted by
-        the next ``allocate_gpu_blocks`` (which shares these blocks and copies the checkpoint)."""
+        the next ``allocate_gpu_blocks`` in the same step (which shares these blocks and copies the
+        checkpoint). The match replaces an earlier one of the request and lapses at the next
+        :meth:`begin_step`."""
+        block_size = as_count(block_size, "request_match_blocks block_size", minimum=1)
         if block_size != self.block_size:
             raise ValueError(f"block_size {block_size} differs from the layout's {self.block_size}")
         p = self._match(task)
@@ -312,7 +408,9 @@ class FastDeployBlockManager:
         return list(p.block_ids), hit, hit_info
 
     def match_prefix(self, request: Any, skip_storage: bool = True) -> None:
-        """v1 match: sets ``request.match_result`` (device nodes = the hit's KV blocks)."""
+        """v1 match: sets ``request.match_result`` (device nodes = the hit's KV blocks). Pending like
+        :meth:`request_match_blocks`' match: taken by the next ``allocate_gpu_blocks(request, n)``,
+        replaced by a new match, dropped by ``request_finish``, lapsed at the next :meth:`begin_step`."""
         p = self._match(request)
         result = MatchResult([_Node(b) for b in p.block_ids])
         request._match_result = result
@@ -322,12 +420,15 @@ class FastDeployBlockManager:
             pass
 
     def _match(self, task: Any) -> _Pending:
-        rid = task.request_id
-        self._pending.pop(rid, None)
+        rid = getattr(task, "request_id", None)
+        if rid is None:
+            raise TypeError(f"a prefix match needs a request with request_id, got {type(task).__name__}")
         tokens = _token_ids(task)
+        self._pending.pop(rid, None)  # a new match of the request replaces its old one
+        self._lapsed.discard(rid)
         m, cache = self.manager, self.manager.prefix_cache
         if cache is None or rid in m.requests:
-            p = _Pending(tokens, 0, [], 0)
+            p = _Pending(tokens, 0, [])
         else:
             need = int(getattr(task, "need_prefill_tokens", None) or len(tokens))
             hit = cache.match(tokens, need)
@@ -341,9 +442,9 @@ class FastDeployBlockManager:
             plan = m.plan_admission(need, token_ids=tokens)
             if plan.num_cached_tokens and hit.num_tokens == plan.num_cached_tokens:
                 blocks = hit.kv_blocks.tolist()
-                p = _Pending(tokens, hit.num_tokens, blocks, cache.num_pinned(hit), branch)
+                p = _Pending(tokens, hit.num_tokens, blocks, hit.checkpoint_key, branch)
             else:
-                p = _Pending(tokens, 0, [], 0, branch)
+                p = _Pending(tokens, 0, [], None, branch)
         self._pending[rid] = p
         return p
 
@@ -386,9 +487,18 @@ class FastDeployBlockManager:
 
     def begin_step(self) -> None:
         """Call at the start of ``schedule()``: the copies that pinned checkpoints were sent in earlier
-        steps, so those checkpoints may be evicted again, and hits may read them."""
+        steps, so those checkpoints may be evicted again, and hits may read them.
+
+        Matches of the previous step that no allocation took lapse here: FastDeploy matches and
+        allocates a request within one ``schedule()`` (and releases it when the allocation fails), so
+        such a match was abandoned. It stops pinning blocks, and a later ``allocate_gpu_blocks`` of
+        that request refuses (``RequestStateError``; ``[]`` in the v1 form) until it is matched again."""
         self.manager.release_pins()
         self._fresh.clear()
+        for rid in self._pending:
+            if rid not in self.manager.requests:
+                self._lapsed.add(rid)
+        self._pending.clear()
 
     # ---- configuration --------------------------------------------------------------------------
     def update_cache_config(self, cache_config: Any) -> None:
@@ -488,6 +598,7 @@ def attach(forward_meta: Any, metadata: StepMetadata, caches: FastDeployCaches, 
 
 
 __all__ = [
+    "ALLOCATE_FORMS",
     "HYBRID_TASK_FIELDS",
     "FastDeployBlockManager",
     "FastDeployCaches",

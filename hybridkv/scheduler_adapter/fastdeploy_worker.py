@@ -18,6 +18,12 @@ indexed by the batch slot ``request.idx``:
   blocks_per_state]``, allocated once and updated in place from the tasks, like FastDeploy's
   ``share_inputs["block_tables"]``; rows without a live request are -1, FastDeploy's padding.
 
+Every public entry point checks its arguments before it writes anything: batch slots must be
+integers in ``[0, max_num_seqs)`` (:class:`BatchSlotError` otherwise; a negative slot would index
+another slot's row), block ids integers naming a real block of the layout, ``1 .. num_blocks - 1``
+(:class:`BlockIdError` for the null block 0, the padding -1, ids past the pool or a repeated id;
+``TypeError`` for bools, floats, strings).
+
 torch and paddle are imported lazily.
 """
 
@@ -30,11 +36,84 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from hybridkv.blockmgr.layout import Layout
+from hybridkv.blockmgr.errors import HybridKVError
+from hybridkv.blockmgr.layout import NULL_BLOCK, Layout
 from hybridkv.blockmgr.spec import AttentionLayerSpec, DType
+from hybridkv.blockmgr.units import as_count
 
 PAD_BLOCK = -1
 """FastDeploy pads ``block_tables`` rows with -1; state tables use the same value."""
+
+FRAMEWORKS = ("paddle", "torch")
+
+
+class BatchSlotError(HybridKVError, IndexError):
+    """A batch slot (``request.idx``) outside ``[0, max_num_seqs)``."""
+
+
+class BlockIdError(HybridKVError, ValueError):
+    """A block id that names no real block of the layout (the null block, the padding -1, past the
+    pool) or that repeats where each id must be distinct; nothing was written."""
+
+
+def _is_int(value: object) -> bool:
+    """An exact integer: ``int`` or a numpy integer (bools, floats and strings are not)."""
+    return type(value) is int or isinstance(value, np.integer)
+
+
+def _check_framework(framework: object) -> str:
+    if framework not in FRAMEWORKS:
+        raise ValueError(f"framework must be one of {', '.join(FRAMEWORKS)}, got {framework!r}")
+    return str(framework)
+
+
+def _host_array(values: Any, what: str) -> np.ndarray:
+    """``values`` (a numpy / torch / paddle array, or nested sequences of integers) as a numpy int64
+    array, refusing anything that is not integers. No range check (see :func:`check_block_ids`)."""
+    if isinstance(values, np.ndarray):
+        arr = values
+    elif hasattr(values, "numpy") and hasattr(values, "shape"):  # a torch or paddle tensor
+        arr = values.detach().cpu().numpy() if hasattr(values, "detach") else values.numpy()
+    else:
+        if isinstance(values, str | bytes) or not hasattr(values, "__len__"):
+            raise TypeError(f"{what} must be a sequence of block ids, got {values!r} ({type(values).__name__})")
+        _check_ints(values, what)
+        try:
+            return np.array(values, dtype=np.int64)
+        except OverflowError:
+            raise BlockIdError(f"{what}: a block id is too large for any pool") from None
+        except ValueError as e:  # ragged nesting
+            raise TypeError(f"{what}: not a rectangular table of block ids ({e})") from None
+    if arr.dtype.kind not in "iu":
+        raise TypeError(f"{what} must hold integer block ids, got dtype {arr.dtype}")
+    return arr.astype(np.int64, copy=False)
+
+
+def _check_ints(values: Any, what: str) -> None:
+    for v in values:
+        if _is_int(v):
+            continue
+        if isinstance(v, str | bytes) or not hasattr(v, "__len__"):
+            raise TypeError(f"{what}: block id {v!r} ({type(v).__name__}) is not an integer")
+        _check_ints(v, what)
+
+
+def check_block_ids(layout: Layout, values: Any, what: str, distinct: bool = False) -> np.ndarray:
+    """``values`` as numpy int64 after checking that every id is an integer (``TypeError``) naming a
+    real block of ``layout``: ``NULL_BLOCK < id < num_blocks`` (:class:`BlockIdError`; 0 is the null
+    block, -1 the padding). ``distinct``: no id may repeat either. Raises before anything is written."""
+    arr = _host_array(values, what)
+    bad = (arr <= NULL_BLOCK) | (arr >= layout.num_blocks)
+    if bad.any():
+        shown = sorted(set(arr[bad].tolist()))[:5]
+        raise BlockIdError(
+            f"{what}: {shown} are not block ids of the layout (real blocks are {NULL_BLOCK + 1}.."
+            f"{layout.num_blocks - 1}; {NULL_BLOCK} is the null block, {PAD_BLOCK} the padding)"
+        )
+    if distinct and np.unique(arr).size != arr.size:
+        values_, counts = np.unique(arr, return_counts=True)
+        raise BlockIdError(f"{what}: block ids {values_[counts > 1][:5].tolist()} appear more than once")
+    return arr
 
 
 def _framework_of(t: Any) -> str:
@@ -151,8 +230,16 @@ def allocate_caches(
     """Allocate a worker's caches for ``layout``: ``num_segments`` uint8 ``[num_blocks, segment_bytes]``
     tensors per layer slot (each its own allocation, zero-filled), scale tensors for
     ``block_wise_fp8`` attention, and FastDeploy's ``caches`` list over them. ``num_layers`` defaults
-    to the model's layer count (FastDeploy's ``num_hidden_layers``)."""
-    n = len(layout.model.layers) if num_layers is None else num_layers
+    to the model's layer count (FastDeploy's ``num_hidden_layers``) and may not be lower (``ValueError``);
+    ``framework`` is ``"paddle"`` or ``"torch"``."""
+    if not isinstance(layout, Layout):
+        raise TypeError(f"allocate_caches needs a Layout, got {type(layout).__name__}")
+    framework = _check_framework(framework)
+    if not isinstance(device, str):
+        raise TypeError(f"device must be a string such as 'cpu' or 'gpu:0', got {device!r}")
+    n = len(layout.model.layers) if num_layers is None else as_count(num_layers, "num_layers")
+    if n < len(layout.model.layers):
+        raise ValueError(f"num_layers {n} is below the model's {len(layout.model.layers)} layers")
     kv = layout.kv_group
     attn = _attention_spec(layout)
     segments, scales = [], []
@@ -254,15 +341,38 @@ def _state_spans(layout: Layout, nbytes: int) -> list[tuple[int, int, int, int]]
     return spans
 
 
+def _state_rows(slot: StateLayerSlot, layout: Layout, tables: Any, nbytes: int, what: str) -> Any:
+    """Checked state sets ``tables`` ``[B, >= ceil(nbytes / block_bytes)]`` as torch int64: real block
+    ids of ``layout`` (no padding: a -1 row would address the last block), wide enough for ``nbytes``,
+    which may not exceed the slot's state set (``blocks_per_state[group] * block_bytes``)."""
+    import torch
+
+    if not isinstance(slot, StateLayerSlot):
+        raise TypeError(f"{what} needs a StateLayerSlot (FastDeployCaches.layer_slots), got {type(slot).__name__}")
+    if not isinstance(layout, Layout):
+        raise TypeError(f"{what} needs a Layout, got {type(layout).__name__}")
+    nbytes = as_count(nbytes, f"{what} nbytes")
+    capacity = layout.blocks_per_state[slot.group] * layout.block_bytes
+    if nbytes > capacity:
+        raise ValueError(f"{what}: {nbytes} bytes exceed the state set of group {slot.group} ({capacity} bytes)")
+    rows = check_block_ids(layout, tables, f"{what} tables")
+    if rows.ndim != 2:
+        raise ValueError(f"{what}: tables must be [batch, blocks], got shape {list(rows.shape)}")
+    need = -(-nbytes // layout.block_bytes)
+    if rows.shape[1] < need:
+        raise ValueError(f"{what}: {nbytes} bytes span {need} blocks, the tables have {rows.shape[1]} columns")
+    return torch.from_numpy(np.ascontiguousarray(rows))
+
+
 def gather_state_bytes(slot: StateLayerSlot, layout: Layout, tables: Any, nbytes: int) -> Any:
     """The first ``nbytes`` of each row's state: torch uint8 ``[B, nbytes]`` (a new tensor) from state
     sets ``tables`` int ``[B, >= ceil(nbytes / block_bytes)]`` (rows of ``state_block_tables[group]``).
     Reference path over per-segment base pointers: byte ``o`` of segment ``k`` of block ``b`` is at
-    ``segments[k] + b * segment_bytes + o``; one index move per (block of the set, segment)."""
+    ``segments[k] + b * segment_bytes + o``; one index move per (block of the set, segment). The
+    tables are checked on the host first (real block ids only, see :func:`check_block_ids`)."""
     import torch
 
-    rows = _torch(tables) if not isinstance(tables, np.ndarray) else torch.from_numpy(tables)
-    rows = torch.as_tensor(rows).to(torch.int64)
+    rows = _state_rows(slot, layout, tables, nbytes, "gather_state_bytes")
     segs = [_torch(t) for t in slot.segments]
     out = torch.empty((rows.shape[0], nbytes), dtype=torch.uint8, device=segs[0].device)
     for j, k, start, length in _state_spans(layout, nbytes):
@@ -271,41 +381,76 @@ def gather_state_bytes(slot: StateLayerSlot, layout: Layout, tables: Any, nbytes
 
 
 def scatter_state_bytes(slot: StateLayerSlot, layout: Layout, tables: Any, data: Any) -> None:
-    """Write ``data`` uint8 ``[B, nbytes]`` (torch or numpy) into the state sets ``tables``, in place."""
+    """Write ``data`` uint8 ``[B, nbytes]`` (torch or numpy) into the state sets ``tables``, in place.
+    Checks the tables (as :func:`gather_state_bytes`) and ``data``'s dtype and shape before writing."""
     import torch
 
-    rows = _torch(tables) if not isinstance(tables, np.ndarray) else torch.from_numpy(tables)
-    rows = torch.as_tensor(rows).to(torch.int64)
     data = torch.as_tensor(data)
+    if data.dtype != torch.uint8 or data.ndim != 2:
+        raise TypeError(f"scatter_state_bytes: data must be uint8 [batch, nbytes], got {data.dtype} {list(data.shape)}")
+    rows = _state_rows(slot, layout, tables, data.shape[1], "scatter_state_bytes")
+    if rows.shape[0] != data.shape[0]:
+        raise ValueError(f"scatter_state_bytes: {rows.shape[0]} table rows for {data.shape[0]} data rows")
     segs = [_torch(t) for t in slot.segments]
     for j, k, start, length in _state_spans(layout, data.shape[1]):
         segs[k][rows[:, j].to(segs[k].device), :length] = data[:, start : start + length].to(segs[k].device)
 
 
+def _state_set(slot: StateLayerSlot, layout: Layout, blocks: Sequence[int], what: str) -> np.ndarray:
+    """``blocks`` as one checked state set ``[1, blocks_per_state[group]]`` (distinct real block ids)."""
+    if not isinstance(slot, StateLayerSlot):
+        raise TypeError(f"{what} needs a StateLayerSlot (FastDeployCaches.layer_slots), got {type(slot).__name__}")
+    if not isinstance(layout, Layout):
+        raise TypeError(f"{what} needs a Layout, got {type(layout).__name__}")
+    ids = check_block_ids(layout, blocks, f"{what} blocks", distinct=True)
+    want = layout.blocks_per_state[slot.group]
+    if ids.ndim != 1 or ids.size != want:
+        raise ValueError(f"{what}: state group {slot.group} needs {want} block ids, got shape {list(ids.shape)}")
+    return ids[None]
+
+
 def read_state_bytes(slot: StateLayerSlot, layout: Layout, blocks: Sequence[int], nbytes: int) -> np.ndarray:
-    """One state's ``nbytes`` flat bytes from its state set ``blocks`` (numpy copy)."""
-    return gather_state_bytes(slot, layout, np.asarray([blocks], dtype=np.int64), nbytes)[0].cpu().numpy()
+    """One state's ``nbytes`` flat bytes from its state set ``blocks`` (numpy copy). ``blocks`` must be
+    the ``blocks_per_state[group]`` distinct block ids of one state set."""
+    rows = _state_set(slot, layout, blocks, "read_state_bytes")
+    return gather_state_bytes(slot, layout, rows, nbytes)[0].cpu().numpy()
 
 
 def write_state_bytes(slot: StateLayerSlot, layout: Layout, blocks: Sequence[int], data: np.ndarray) -> None:
-    """One state's flat bytes into its state set ``blocks``, in place."""
-    scatter_state_bytes(slot, layout, np.asarray([blocks], dtype=np.int64), np.asarray(data, dtype=np.uint8)[None])
+    """One state's flat bytes (uint8, 1-D) into its state set ``blocks``, in place; checked as
+    :func:`read_state_bytes` before anything is written."""
+    rows = _state_set(slot, layout, blocks, "write_state_bytes")
+    arr = np.asarray(data)
+    if arr.dtype != np.uint8 or arr.ndim != 1:
+        raise TypeError(f"write_state_bytes: data must be uint8 bytes of one state, got {arr.dtype} {list(arr.shape)}")
+    scatter_state_bytes(slot, layout, rows, arr[None])
 
 
 def copy_blocks(caches: FastDeployCaches, copies: Sequence[Sequence[int]]) -> None:
     """Run ``[[src...], [dst...]]`` block copies (a task's ``state_copies`` / ``checkpoint_copies``)
     in every allocation of ``caches``: each block's row of every segment (and scale) tensor.
-    Reference path, one index move per tensor; sources are read before any destination is written."""
-    src, dst = copies
-    if not len(src):
+    Reference path, one index move per tensor; sources are read before any destination is written.
+    Checked first: two lists of equal length, real block ids of the layout, no destination twice."""
+    if not isinstance(caches, FastDeployCaches):
+        raise TypeError(f"copy_blocks needs FastDeployCaches, got {type(caches).__name__}")
+    if isinstance(copies, str | bytes) or not hasattr(copies, "__len__") or len(copies) != 2:
+        raise TypeError(f"copy_blocks: copies must be [[src...], [dst...]], got {copies!r}")
+    src = check_block_ids(caches.layout, copies[0], "copy_blocks src")
+    dst = check_block_ids(caches.layout, copies[1], "copy_blocks dst", distinct=True)
+    if src.ndim != 1 or dst.ndim != 1 or src.size != dst.size:
+        raise ValueError(
+            f"copy_blocks: src and dst must be two lists of equal length, got shapes {list(src.shape)} and "
+            f"{list(dst.shape)}"
+        )
+    if not src.size:
         return
     import torch
 
     for tensors in (*caches.segments, *(s for s in caches.scales if s is not None)):
         for t in tensors:
             tt = _torch(t)
-            s_idx = torch.as_tensor(list(src), dtype=torch.int64, device=tt.device)
-            d_idx = torch.as_tensor(list(dst), dtype=torch.int64, device=tt.device)
+            s_idx = torch.from_numpy(src).to(tt.device)
+            d_idx = torch.from_numpy(dst).to(tt.device)
             tt[d_idx] = tt[s_idx]
 
 
@@ -325,9 +470,18 @@ class StateTables:
     runner marks stopped, set it to -1. A group with fewer
     ``blocks_per_state`` than the widest has its row tail -1 as well. The tensor object and its
     memory never change, so CUDA graphs may capture it.
+
+    Every write is checked first (slots, block ids: see the module docstring); :meth:`apply` checks
+    all the tasks of a step before it writes any row.
     """
 
     def __init__(self, layout: Layout, max_num_seqs: int, framework: str = "paddle", device: str = "cpu") -> None:
+        if not isinstance(layout, Layout):
+            raise TypeError(f"StateTables needs a Layout, got {type(layout).__name__}")
+        max_num_seqs = as_count(max_num_seqs, "max_num_seqs", minimum=1)
+        framework = _check_framework(framework)
+        if not isinstance(device, str):
+            raise TypeError(f"device must be a string such as 'cpu' or 'gpu:0', got {device!r}")
         self.layout = layout
         self.max_num_seqs = max_num_seqs
         self.blocks_per_state = layout.blocks_per_state
@@ -339,31 +493,76 @@ class StateTables:
         self.request_ids: list[Any] = [None] * max_num_seqs
 
     def apply(self, tasks: Iterable[Any]) -> None:
-        """Update the rows the tasks of one step name (same tensor, same memory)."""
+        """Update the rows the tasks of one step name (same tensor, same memory), in task order.
+        Every task is checked (slot, block ids) before any row is written: a bad task leaves all
+        rows as they were. Tasks of other kinds are passed over."""
+        writes: list[tuple[int, np.ndarray | None, Any]] = []
         for task in tasks:
             kind = _task_kind(task)
             if kind in ("PREEMPTED", "SWAP_OUT"):
-                self.release(task.idx)
+                writes.append((self._slot(getattr(task, "idx", None), f"{kind} task"), None, None))
             elif kind in ("PREFILL", "DECODE"):
                 tables = getattr(task, "state_block_tables", None)
                 if tables is not None:
-                    self.set_row(task.idx, tables, task.request_id)
+                    what = f"{kind} task of {getattr(task, 'request_id', None)!r}"
+                    idx = self._slot(getattr(task, "idx", None), what)
+                    writes.append((idx, self._row(tables, what), task.request_id))
+        for idx, row, request_id in writes:
+            if row is None:
+                self.release(idx)
+            else:
+                self._write(idx, row)
+                self.request_ids[idx] = request_id
 
     def set_row(self, idx: int, tables: Sequence[Sequence[int]], request_id: Any = None) -> None:
-        if len(tables) != self.layout.num_state_groups:
-            raise ValueError(f"state_block_tables has {len(tables)} groups, the layout {self.layout.num_state_groups}")
-        row = np.full(self.state_block_tables.shape[::2], PAD_BLOCK, dtype=np.int32)
-        for g, ids in enumerate(tables):
-            if len(ids) != self.blocks_per_state[g]:
-                raise ValueError(f"state group {g} needs {self.blocks_per_state[g]} block ids, got {len(ids)}")
-            row[g, : len(ids)] = ids
+        """Slot ``idx`` holds ``request_id`` with state sets ``tables`` (one list of
+        ``blocks_per_state[g]`` ids per state group, as ``task_fields`` sends them). Raises before
+        writing: ``TypeError`` (a slot or id that is not an integer), :class:`BatchSlotError` (a slot
+        outside ``[0, max_num_seqs)``), :class:`BlockIdError` (an id that is no real block of the
+        layout, or repeats in the row), ``ValueError`` (wrong group or id counts)."""
+        idx = self._slot(idx, "set_row")
+        row = self._row(tables, "set_row")
         self._write(idx, row)
         self.request_ids[idx] = request_id
 
     def release(self, idx: int) -> None:
-        """Slot ``idx`` holds no request: its row becomes -1 (kernels writing state in place skip it)."""
+        """Slot ``idx`` holds no request: its row becomes -1 (kernels writing state in place skip it).
+        The slot is checked like :meth:`set_row`'s."""
+        idx = self._slot(idx, "release")
         self._write(idx, np.full(self.state_block_tables.shape[::2], PAD_BLOCK, dtype=np.int32))
         self.request_ids[idx] = None
+
+    def _slot(self, idx: Any, what: str) -> int:
+        """``idx`` as a checked batch slot in ``[0, max_num_seqs)``."""
+        if not _is_int(idx):
+            raise TypeError(f"{what}: batch slot must be an integer (request.idx), got {idx!r} ({type(idx).__name__})")
+        if not 0 <= idx < self.max_num_seqs:
+            raise BatchSlotError(
+                f"{what}: batch slot {int(idx)} is outside [0, {self.max_num_seqs}) (max_num_seqs); "
+                "a negative slot would overwrite another slot's row"
+            )
+        return int(idx)
+
+    def _row(self, tables: Any, what: str) -> np.ndarray:
+        """One slot's row int32 ``[num_state_groups, width]`` from per-group id lists, checked."""
+        groups = self.layout.num_state_groups
+        if isinstance(tables, str | bytes) or not hasattr(tables, "__len__"):
+            raise TypeError(f"{what}: state_block_tables must be one list of block ids per state group, got {tables!r}")
+        if len(tables) != groups:
+            raise ValueError(f"{what}: state_block_tables has {len(tables)} groups, the layout {groups}")
+        row = np.full(self.state_block_tables.shape[::2], PAD_BLOCK, dtype=np.int32)
+        for g, ids in enumerate(tables):
+            arr = check_block_ids(self.layout, ids, f"{what}: state group {g}")
+            if arr.ndim != 1 or arr.size != self.blocks_per_state[g]:
+                raise ValueError(
+                    f"{what}: state group {g} needs {self.blocks_per_state[g]} block ids, got shape {list(arr.shape)}"
+                )
+            row[g, : arr.size] = arr
+        used = row[row != PAD_BLOCK]
+        if np.unique(used).size != used.size:
+            values, counts = np.unique(used, return_counts=True)
+            raise BlockIdError(f"{what}: block ids {values[counts > 1][:5].tolist()} appear more than once in the row")
+        return row
 
     def _write(self, idx: int, row: np.ndarray) -> None:
         buf = self.state_block_tables
@@ -375,6 +574,7 @@ class StateTables:
             buf[:, idx, :] = torch.from_numpy(row)
 
     def numpy(self) -> np.ndarray:
+        """A host copy of ``state_block_tables`` (int32 ``[num_state_groups, max_num_seqs, width]``)."""
         return np.asarray(
             self.state_block_tables.cpu().numpy() if self.framework == "torch" else self.state_block_tables.numpy()
         )
@@ -383,7 +583,15 @@ class StateTables:
 def attach_worker(forward_meta: Any, caches: FastDeployCaches, tables: StateTables) -> Any:
     """Set ``caches``, ``state_block_tables`` and ``state_layer_slots`` on ``forward_meta`` (after
     ``initialize_forward_meta``). Always the same objects: nothing is allocated per step.
-    ``has_initial_state`` of a row is ``seq_lens_decoder[idx] > 0``, read by the kernel itself."""
+    ``has_initial_state`` of a row is ``seq_lens_decoder[idx] > 0``, read by the kernel itself.
+    ``TypeError`` for other objects, ``ValueError`` if the two were built for different layouts."""
+    if not isinstance(caches, FastDeployCaches) or not isinstance(tables, StateTables):
+        raise TypeError(
+            "attach_worker needs FastDeployCaches and StateTables, "
+            f"got {type(caches).__name__}, {type(tables).__name__}"
+        )
+    if caches.layout is not tables.layout and caches.layout != tables.layout:
+        raise ValueError("attach_worker: the caches and the state tables were built for different layouts")
     forward_meta.caches = caches.caches
     forward_meta.state_block_tables = tables.state_block_tables
     forward_meta.state_layer_slots = caches.layer_slots

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import math
 import sys
 import time
 from typing import Any
@@ -48,6 +49,16 @@ def _positive_float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
     if not v > 0:
         raise argparse.ArgumentTypeError(f"must be positive, got {v}")
+    return v
+
+
+def _seconds(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not (math.isfinite(v) and v >= 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds >= 0, got {text}")
     return v
 
 
@@ -94,8 +105,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     w = p.add_argument_group("workload")
     w.add_argument("--trace", default=None, help="Mooncake-style jsonl trace (default: the synthetic workload)")
     w.add_argument("--trace-limit", type=_positive_int, default=None, help="first N requests of the window")
-    w.add_argument("--trace-start", type=float, default=0.0, help="window start, seconds of trace time")
-    w.add_argument("--trace-end", type=float, default=None, help="window end, seconds of trace time")
+    w.add_argument("--trace-start", type=_seconds, default=0.0, help="window start, seconds of trace time")
+    w.add_argument("--trace-end", type=_seconds, default=None, help="window end (after the start), seconds")
     w.add_argument("--rate-scale", type=_positive_float, default=1.0, help="arrival rate multiplier")
     w.add_argument("--max-output-tokens", type=_positive_int, default=None, help="truncate outputs")
     w.add_argument("--requests", type=_positive_int, default=None, help="synthetic: number of requests")
@@ -141,8 +152,19 @@ def _workload(args: argparse.Namespace) -> Any:
     return synthetic(cfg)
 
 
+def check_args(args: argparse.Namespace) -> None:
+    """Checks across flags, before any work: raises ``ValueError`` (one line, exit 2) naming them."""
+    if args.trace_end is not None and args.trace_end <= args.trace_start:
+        raise ValueError(
+            f"--trace-end {args.trace_end:g} must be after --trace-start {args.trace_start:g}: the window "
+            "[start, end) of trace time would hold no request"
+        )
+
+
 def run(args: argparse.Namespace) -> int:
-    """Run the simulation(s), write the reports, print where they are and the comparison table."""
+    """Run the simulation(s), write the reports, print where they are and the comparison table.
+    Bad flags, an empty trace or an empty trace window are refused before any simulation runs."""
+    check_args(args)
     from hybridkv.sim.compare import expand, run_all
     from hybridkv.sim.config import SimConfig
     from hybridkv.sim.report import comparison_table, write_reports
@@ -177,6 +199,7 @@ def run(args: argparse.Namespace) -> int:
     for c in configs:  # bad sizes and models fail here, in one line, before any run starts
         build_layout(c)
     workload = _workload(args)
+    workload.check_runnable()  # an empty trace or window: one line, exit 2, no zero-step run
     summaries = run_all(configs, workload, args.workers, progress=not args.no_progress, ray_address=args.ray)
     paths = write_reports(summaries, args.out)
     for row in comparison_table(summaries):

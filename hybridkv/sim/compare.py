@@ -77,7 +77,11 @@ def run_all(
 ) -> list[dict[str, Any]]:
     """Summaries of ``configs`` on ``workload``, in order. ``workers``: processes (default: the CPU
     count, at most one per config; 1 runs in this process). ``ray_address``: run on a Ray cluster
-    (``"local"`` starts a local instance)."""
+    (``"local"`` starts a local instance). A workload without a request raises ``ValueError``
+    before anything runs."""
+    if not isinstance(workload, Workload):
+        raise TypeError(f"run_all needs a Workload, got {type(workload).__name__}")
+    workload.check_runnable()
     if ray_address is not None:
         return _run_ray(configs, workload, ray_address)
     n = min(len(configs), workers or os.cpu_count() or 1)

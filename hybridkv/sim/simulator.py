@@ -84,8 +84,12 @@ def simulate(cfg: SimConfig, workload: Workload, progress: bool = False, positio
 
     Deterministic: the same config and workload give the same result. Raises ``HybridKVError``
     subclasses for bad configurations and :class:`~hybridkv.blockmgr.errors.IntegrityError` if the
-    manager's books stop balancing.
+    manager's books stop balancing; ``TypeError`` / ``ValueError`` (before any work) for a
+    ``workload`` that is not a :class:`~hybridkv.sim.workload.Workload` or holds no request.
     """
+    if not isinstance(workload, Workload):
+        raise TypeError(f"simulate needs a Workload, got {type(workload).__name__}")
+    workload.check_runnable()
     built = build(cfg)
     sched, manager = built.scheduler, built.manager
     executor = SimExecutor(manager, built.cost)

@@ -18,12 +18,15 @@ from __future__ import annotations
 
 import enum
 import functools
+import math
+import numbers
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from hybridkv.blockmgr.units import as_count
 from hybridkv.sim.trace import MOONCAKE_BLOCK_TOKENS, load_trace
 
 SIM_VOCAB = 256
@@ -59,6 +62,13 @@ class Workload:
 
     def __len__(self) -> int:
         return len(self.requests)
+
+    def check_runnable(self) -> None:
+        """Raise ``ValueError`` if there is nothing to simulate (no request): a run of zero steps
+        would write empty reports and exit as if it had worked."""
+        if not self.requests:
+            where = f" ({self.source['path']})" if self.source.get("path") else ""
+            raise ValueError(f"the workload{where} holds no request: nothing to simulate")
 
     @staticmethod
     def token_ids(req: SimRequest) -> list[int]:
@@ -174,6 +184,16 @@ def synthetic(cfg: SyntheticConfig) -> Workload:
     return Workload(out, source)
 
 
+def _seconds(value: object, what: str) -> float:
+    """A finite number of seconds ``>= 0`` (``TypeError`` for bools and non-numbers)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{what} must be a number of seconds, got {value!r}")
+    v = float(value)
+    if not (math.isfinite(v) and v >= 0):
+        raise ValueError(f"{what} must be a finite number of seconds >= 0, got {value}")
+    return v
+
+
 def from_trace(
     path: str | Path,
     limit: int | None = None,
@@ -184,7 +204,19 @@ def from_trace(
 ) -> Workload:
     """A Mooncake-style jsonl trace (see :func:`~hybridkv.sim.trace.load_trace`): window
     ``[start_s, end_s)`` of trace time, arrival rate times ``rate_scale``, the first ``limit``
-    requests, outputs truncated to ``max_output_tokens``."""
+    requests, outputs truncated to ``max_output_tokens``.
+
+    Raises before reading: ``TypeError`` / ``ValueError`` if ``start_s`` is not a finite number
+    ``>= 0``, ``end_s`` not one above ``start_s``, or ``max_output_tokens`` not an integer ``>= 1``;
+    then what :func:`~hybridkv.sim.trace.load_trace` raises (a trace or window without a request
+    is a :class:`~hybridkv.sim.trace.TraceError`)."""
+    start_s = _seconds(start_s, "start_s")
+    if end_s is not None:
+        end_s = _seconds(end_s, "end_s")
+        if end_s <= start_s:
+            raise ValueError(f"the trace window [{start_s}, {end_s}) s is empty: end_s must be above start_s")
+    if max_output_tokens is not None:
+        max_output_tokens = as_count(max_output_tokens, "max_output_tokens", 1)
     trace = load_trace(
         path,
         limit,
