@@ -83,7 +83,8 @@ import types  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 from hybridkv import cli  # noqa: E402
-from hybridkv.blockmgr import presets as P  # noqa: E402
+from hybridkv.cli import plan as cli_plan  # noqa: E402
+from hybridkv.models import presets as P  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -157,7 +158,7 @@ def test_every_preset_default_output_names_its_dtypes(name, capsys):
         elif hasattr(layer, "num_kv_heads"):
             assert f"KV {layer.dtype.value}" in dtype_line
     data = _json(capsys, "--model", name)
-    assert data["dtypes"] == cli.model_dtypes(model)
+    assert data["dtypes"] == cli_plan.model_dtypes(model)
     assert data["tp_size"] == P.default_tp(name)
 
 
@@ -309,7 +310,7 @@ def test_plot_writes_an_image_that_is_not_blank(tmp_path, capsys):
     assert main(["plan", "--plot", str(tmp_path / "x.gif")]) == 2
 
 
-def test_a_plugin_module_adds_a_subcommand(monkeypatch, capsys):
+def test_a_command_module_adds_a_subcommand(monkeypatch, capsys):
     mod = types.ModuleType("hybridkv_test_plugin")
 
     def add_parser(sub):
@@ -320,10 +321,11 @@ def test_a_plugin_module_adds_a_subcommand(monkeypatch, capsys):
     mod.add_parser = add_parser
     mod.run = lambda args: print(f"hello {args.who}") or 0
     monkeypatch.setitem(sys.modules, "hybridkv_test_plugin", mod)
-    monkeypatch.setattr(cli, "PLUGIN_MODULES", ("hybridkv_test_plugin", "hybridkv_no_such_module"))
+    monkeypatch.setattr(cli, "COMMAND_MODULES", (*cli.COMMAND_MODULES, "hybridkv_test_plugin"))
     assert main(["hello", "--who", "you"]) == 0
     assert capsys.readouterr().out.strip() == "hello you"
     assert importlib.import_module("hybridkv.cli") is cli
+    assert main(["plan", "--json"]) == 0  # the package's own commands are still there
 
 
 def test_console_script_with_no_arguments_prints_help():

@@ -13,10 +13,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from hybridkv.blockmgr.layout import plan
 from hybridkv.blockmgr.manager import HybridBlockManager
-from hybridkv.blockmgr.presets import preset
-from hybridkv.blockmgr.spec import with_kv_dtype
+from hybridkv.models.presets import preset
+from hybridkv.models.spec import with_kv_dtype
+from hybridkv.planner.layout import plan
 from hybridkv.scheduler_adapter import Scheduler, SchedulerConfig, StepOutputs, attach, build_step_metadata
 from hybridkv.scheduler_adapter.fastdeploy_worker import (
     allocate_caches,

@@ -41,11 +41,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from hybridkv.blockmgr.errors import RequestStateError
-from hybridkv.blockmgr.layout import plan
 from hybridkv.blockmgr.manager import HybridBlockManager
 from hybridkv.blockmgr.prefix import PrefixCacheConfig
-from hybridkv.blockmgr.spec import AttentionLayerSpec, DType, ModelSpec, RecurrentLayerSpec, StateComponent
+from hybridkv.errors import RequestStateError
+from hybridkv.models.spec import AttentionLayerSpec, DType, ModelSpec, RecurrentLayerSpec, StateComponent
+from hybridkv.planner.layout import plan
 from hybridkv.scheduler_adapter.fastdeploy import HYBRID_TASK_FIELDS, FastDeployBlockManager
 
 BLOCK_SIZE = 4

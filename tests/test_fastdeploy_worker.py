@@ -368,7 +368,7 @@ def test_copy_blocks_and_state_bytes_refuse_ids_that_are_no_real_block():
 
 
 def test_worker_errors_are_typed():
-    from hybridkv.blockmgr.errors import HybridKVError
+    from hybridkv.errors import HybridKVError
     from hybridkv.scheduler_adapter.fastdeploy_worker import BatchSlotError, BlockIdError
 
     assert issubclass(BatchSlotError, IndexError) and issubclass(BlockIdError, ValueError)

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 import hybridkv.sim.simulator as simulator_module
-from hybridkv.blockmgr.layout import plan
-from hybridkv.blockmgr.presets import preset
 from hybridkv.cli import main
+from hybridkv.models.presets import preset
+from hybridkv.planner.layout import plan
 from hybridkv.scheduler_adapter.cost import H200, GpuSpec, StepCostModel, calibrate, load_gpu
 from hybridkv.scheduler_adapter.synthetic import SyntheticEngine
 from hybridkv.sim.compare import expand, run_all

@@ -39,10 +39,9 @@ from typing import Any
 
 import numpy as np
 
-from hybridkv.blockmgr.errors import NoFreeBlocksError, RequestStateError
 from hybridkv.blockmgr.manager import HybridBlockManager
 from hybridkv.blockmgr.records import BlockCopies, RequestId, RequestStatus, SwapPlan
-from hybridkv.blockmgr.units import as_count, cdiv
+from hybridkv.errors import NoFreeBlocksError, RequestStateError
 from hybridkv.scheduler_adapter.fastdeploy_worker import (
     FastDeployCaches,
     StateLayerSlot,
@@ -51,6 +50,7 @@ from hybridkv.scheduler_adapter.fastdeploy_worker import (
     state_layer_slots,
 )
 from hybridkv.scheduler_adapter.metadata import StepMetadata
+from hybridkv.units import as_count, cdiv
 
 HYBRID_TASK_FIELDS = ("state_block_tables", "state_copies", "checkpoint_copies")
 """Fields :meth:`FastDeployBlockManager.task_fields` adds to a prefill ``Request`` / ``ScheduledDecodeTask``."""

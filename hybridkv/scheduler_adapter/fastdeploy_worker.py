@@ -36,10 +36,10 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from hybridkv.blockmgr.errors import HybridKVError
-from hybridkv.blockmgr.layout import NULL_BLOCK, Layout
-from hybridkv.blockmgr.spec import AttentionLayerSpec, DType
-from hybridkv.blockmgr.units import as_count
+from hybridkv.errors import HybridKVError
+from hybridkv.models.spec import AttentionLayerSpec, DType
+from hybridkv.planner.layout import NULL_BLOCK, Layout
+from hybridkv.units import as_count
 
 PAD_BLOCK = -1
 """FastDeploy pads ``block_tables`` rows with -1; state tables use the same value."""

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from hybridkv.blockmgr.errors import HybridKVError
+from hybridkv.errors import HybridKVError
 from hybridkv.scheduler_adapter.cost import PreemptionMode
 from hybridkv.scheduler_adapter.synthetic import SyntheticEngine
 from hybridkv.sim.config import SimConfig, build
@@ -83,7 +83,7 @@ def simulate(cfg: SimConfig, workload: Workload, progress: bool = False, positio
     """Run ``workload`` under ``cfg``; returns the raw result (see :func:`hybridkv.sim.report.summarize`).
 
     Deterministic: the same config and workload give the same result. Raises ``HybridKVError``
-    subclasses for bad configurations and :class:`~hybridkv.blockmgr.errors.IntegrityError` if the
+    subclasses for bad configurations and :class:`~hybridkv.errors.IntegrityError` if the
     manager's books stop balancing; ``TypeError`` / ``ValueError`` (before any work) for a
     ``workload`` that is not a :class:`~hybridkv.sim.workload.Workload` or holds no request.
     """

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hybridkv.blockmgr.units import as_count
+from hybridkv.units import as_count
 
 MOONCAKE_BLOCK_TOKENS = 512
 DEFAULT_TRACE = Path(__file__).resolve().parents[2].parent / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"

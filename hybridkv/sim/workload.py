@@ -26,8 +26,8 @@ from typing import Any
 
 import numpy as np
 
-from hybridkv.blockmgr.units import as_count
 from hybridkv.sim.trace import MOONCAKE_BLOCK_TOKENS, load_trace
+from hybridkv.units import as_count
 
 SIM_VOCAB = 256
 

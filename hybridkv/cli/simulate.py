@@ -1,6 +1,6 @@
 """``hybridkv simulate``: preemption and swap simulation runs and memory-pressure reports.
 
-Plugged into :mod:`hybridkv.cli` (``add_parser`` / ``run``). Imports of the simulator happen in
+A command module of :mod:`hybridkv.cli` (``add_parser`` / ``run``). Imports of the simulator happen in
 :func:`run`, so other commands start without them.
 """
 
@@ -13,6 +13,8 @@ import sys
 import time
 from typing import Any
 
+from hybridkv.cli.common import positive_int
+
 EXAMPLES = """\
 examples:
   hybridkv simulate                                   MiniMax-M1 TP8, H200, 14 GiB cache, synthetic workload
@@ -20,16 +22,6 @@ examples:
   hybridkv simulate --trace ../shared/traces/mooncake_synthetic_trace.jsonl --trace-limit 500 --rate-scale 0.5
   hybridkv simulate --model qwen3-next --tp 2 --gpu-memory 40GiB --speculative 2 --out qwen-report
 """
-
-
-def _positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if v <= 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {v}")
-    return v
 
 
 def _nonneg_int(text: str) -> int:
@@ -84,14 +76,14 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     m = p.add_argument_group("model and GPU")
     m.add_argument("--model", default="minimax-m1", help="preset or spec file (default minimax-m1)")
-    m.add_argument("--tp", type=_positive_int, default=8, help="tensor-parallel size (default 8)")
+    m.add_argument("--tp", type=positive_int, default=8, help="tensor-parallel size (default 8)")
     m.add_argument("--state-dtype", choices=["float32", "bfloat16", "float16"], default=None)
     m.add_argument("--gpu", default="h200", help="h200, h100, a100 or a GPU JSON file (default h200)")
     m.add_argument("--calibration", default=None, help="measured JSON replacing roofline figures (ops benchmark)")
     m.add_argument("--gpu-memory", default="14GiB", help="cache budget per GPU (default 14GiB)")
     m.add_argument("--host-memory", default="256GiB", help="host swap pool per GPU, 0 = none (default 256GiB)")
     s = p.add_argument_group("layout and scheduler")
-    s.add_argument("--block-size", type=_positive_int, default=None, help="tokens per KV block (default 64)")
+    s.add_argument("--block-size", type=positive_int, default=None, help="tokens per KV block (default 64)")
     s.add_argument("--layout", choices=["paged", "padded"], default="paged")
     s.add_argument("--preemption", choices=["recompute", "swap", "auto"], default="auto")
     s.add_argument("--prefix", choices=["none", "lru", "flop_aware"], default="lru", help="prefix cache eviction")
@@ -99,28 +91,28 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    choices=["none", "every_n_blocks", "branch_and_last", "branch_last_aligned", "branch_spaced"])
     s.add_argument("--speculative", type=_nonneg_int, default=0, help="draft tokens per decode step")
     s.add_argument("--accept-rate", type=_fraction, default=0.7, help="draft acceptance probability")
-    s.add_argument("--max-num-seqs", type=_positive_int, default=256)
-    s.add_argument("--max-batched-tokens", type=_positive_int, default=8192)
+    s.add_argument("--max-num-seqs", type=positive_int, default=256)
+    s.add_argument("--max-batched-tokens", type=positive_int, default=8192)
     s.add_argument("--watermark", type=_fraction, default=0.01)
     w = p.add_argument_group("workload")
     w.add_argument("--trace", default=None, help="Mooncake-style jsonl trace (default: the synthetic workload)")
-    w.add_argument("--trace-limit", type=_positive_int, default=None, help="first N requests of the window")
+    w.add_argument("--trace-limit", type=positive_int, default=None, help="first N requests of the window")
     w.add_argument("--trace-start", type=_seconds, default=0.0, help="window start, seconds of trace time")
     w.add_argument("--trace-end", type=_seconds, default=None, help="window end (after the start), seconds")
     w.add_argument("--rate-scale", type=_positive_float, default=1.0, help="arrival rate multiplier")
-    w.add_argument("--max-output-tokens", type=_positive_int, default=None, help="truncate outputs")
-    w.add_argument("--requests", type=_positive_int, default=None, help="synthetic: number of requests")
+    w.add_argument("--max-output-tokens", type=positive_int, default=None, help="truncate outputs")
+    w.add_argument("--requests", type=positive_int, default=None, help="synthetic: number of requests")
     w.add_argument("--rate", type=_positive_float, default=None, help="synthetic: requests per second")
     w.add_argument("--arrivals", choices=["poisson", "gamma"], default=None, help="synthetic arrival process")
-    w.add_argument("--prompt-median", type=_positive_int, default=None, help="synthetic: median prompt tokens")
-    w.add_argument("--output-median", type=_positive_int, default=None, help="synthetic: median output tokens")
+    w.add_argument("--prompt-median", type=positive_int, default=None, help="synthetic: median prompt tokens")
+    w.add_argument("--output-median", type=positive_int, default=None, help="synthetic: median output tokens")
     w.add_argument("--seed", type=int, default=0, help="workload and acceptance seed (default 0)")
     r = p.add_argument_group("runs and reports")
     r.add_argument("--compare", nargs="+", default=None, metavar="KEY=V1,V2", help="configurations to compare")
-    r.add_argument("--workers", type=_positive_int, default=None, help="processes for --compare (default: CPUs)")
+    r.add_argument("--workers", type=positive_int, default=None, help="processes for --compare (default: CPUs)")
     r.add_argument("--ray", default=None, metavar="ADDRESS", help="run --compare on Ray ('local' starts one)")
     r.add_argument("--out", default="hybridkv-report", help="report folder (default ./hybridkv-report)")
-    r.add_argument("--integrity-every", type=_positive_int, default=500, help="steps between integrity checks")
+    r.add_argument("--integrity-every", type=positive_int, default=500, help="steps between integrity checks")
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
     return p

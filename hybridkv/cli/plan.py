@@ -1,5 +1,4 @@
-"""Command line: ``hybridkv plan`` (capacity and waste of a model in one block pool) and the
-subcommands other packages plug in (see :data:`PLUGIN_MODULES`).
+"""``hybridkv plan``: capacity and waste of a model in one block pool, paged vs padded.
 
 Every user error is one line on stderr starting with ``hybridkv: error:`` (or ``hybridkv plan:
 error:`` for a bad option) and exit code 2; never a traceback.
@@ -9,15 +8,14 @@ from __future__ import annotations
 
 import argparse
 import csv
-import importlib
 import io
 import json
-import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from hybridkv.cli.common import UserError, number, positive_int
 from hybridkv.errors import HybridKVError
 from hybridkv.models import presets as P
 from hybridkv.models.spec import (
@@ -35,11 +33,6 @@ DEFAULT_BUDGET = "80GiB"
 DEFAULT_CONTEXT = "32k"
 DEFAULT_UTILIZATION = 0.9
 
-# Subcommands that live in other packages. Each module has ``add_parser(subparsers) -> ArgumentParser``
-# (it calls ``subparsers.add_parser(name, ...)``) and ``run(args) -> int``; a module that does not
-# exist yet is skipped, so a package plugs a command in by adding its module name here.
-PLUGIN_MODULES: tuple[str, ...] = ("hybridkv.sim.cli",)
-
 EXAMPLES = """\
 examples:
   hybridkv plan                                         MiniMax-M1 at its default TP, 80 GiB cache, 32k context
@@ -52,17 +45,6 @@ examples:
   hybridkv plan --model examples/specs/my-hybrid.toml --format md
   hybridkv plan --model minimax-m1 --plot capacity.png  capacity against context, paged vs padded
 """
-
-
-class UserError(HybridKVError, ValueError):
-    """Bad command-line input: printed as one line, exit code 2."""
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse with one-line errors (``prog: error: message (see prog --help)``), exit code 2."""
-
-    def error(self, message: str) -> None:  # type: ignore[override]
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 # ---- facts shown with every plan ---------------------------------------------------------------
@@ -482,23 +464,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
-    return value
-
-
-def _fraction(text: str) -> float:
-    try:
-        return float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-
-
 def add_plan_parser(sub: Any) -> argparse.ArgumentParser:
     p = sub.add_parser(
         "plan",
@@ -520,7 +485,7 @@ def add_plan_parser(sub: Any) -> argparse.ArgumentParser:
         "--tensor-parallel-size",
         "-tp",
         dest="tp",
-        type=_positive_int,
+        type=positive_int,
         default=None,
         help="tensor-parallel size (default: per preset, shown; spec files: 1)",
     )
@@ -556,7 +521,7 @@ def add_plan_parser(sub: Any) -> argparse.ArgumentParser:
     )
     b.add_argument(
         "--gpu-memory-utilization",
-        type=_fraction,
+        type=number,
         default=None,
         help=f"fraction of the GPU's memory the engine may use (default {DEFAULT_UTILIZATION}, as vLLM)",
     )
@@ -583,13 +548,13 @@ def add_plan_parser(sub: Any) -> argparse.ArgumentParser:
         "--max-requests",
         "--max-num-seqs",
         dest="max_requests",
-        type=_positive_int,
+        type=positive_int,
         default=None,
         help="N concurrent requests: alone, the longest context they can have; with --context, the cache they need",
     )
     lay = p.add_argument_group("layout")
     lay.add_argument(
-        "--block-size", type=_positive_int, default=None, help="tokens per KV block (default 64; padded: minimum)"
+        "--block-size", type=positive_int, default=None, help="tokens per KV block (default 64; padded: minimum)"
     )
     lay.add_argument(
         "--state-block-bytes",
@@ -613,61 +578,7 @@ def add_plan_parser(sub: Any) -> argparse.ArgumentParser:
     return p
 
 
-def _add_plugins(sub: Any) -> None:
-    for name in PLUGIN_MODULES:
-        try:
-            mod = importlib.import_module(name)
-        except ModuleNotFoundError as e:
-            if e.name is not None and name.startswith(e.name):
-                continue  # that package has not added its command yet
-            raise
-        mod.add_parser(sub)
-        for p in sub.choices.values():  # the command(s) it added run through its run(args)
-            if p.get_default("func") is None:
-                p.set_defaults(func=mod.run)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from hybridkv import __version__
-
-    parser = _Parser(
-        prog="hybridkv",
-        description="One paged memory manager for attention KV cache and recurrent (linear-attention / SSM) "
-        "state. Commands below; 'hybridkv COMMAND --help' for each.",
-        epilog=EXAMPLES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument("--version", action="version", version=f"hybridkv {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    add_plan_parser(sub)
-    _add_plugins(sub)
-    return parser
-
-
-def _run(argv: Sequence[str] | None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if getattr(args, "func", None) is None:
-        parser.print_help()
-        return 0
-    try:
-        return args.func(args)
-    except (HybridKVError, ValueError) as e:  # HybridKVError: every error hybridkv raises on purpose
-        print(f"hybridkv: error: {' '.join(str(e).split())}", file=sys.stderr)
-        return 2
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``hybridkv`` console script and ``python -m hybridkv``; returns the exit code."""
-    try:
-        code = _run(argv)
-        sys.stdout.flush()
-        return code
-    except BrokenPipeError:  # `hybridkv plan --json | head`: the reader left; say nothing more
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        return 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+add_parser = add_plan_parser  # the command module's interface (hybridkv.cli.COMMAND_MODULES)
+run = cmd_plan
