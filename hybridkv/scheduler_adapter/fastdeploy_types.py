@@ -1,0 +1,97 @@
+"""The FastDeploy-shaped values the facade (:mod:`hybridkv.scheduler_adapter.fastdeploy`) hands out
+and keeps: ``MatchResult`` (v1 cache manager), the stand-in for ``gpu_free_block_list``, a pending
+prefix match, and the names of the fields and call forms it documents."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+
+class _FreeCount(Protocol):
+    @property
+    def num_free_device_blocks(self) -> int: ...
+
+
+HYBRID_TASK_FIELDS = ("state_block_tables", "state_copies", "checkpoint_copies")
+"""Fields :meth:`FastDeployBlockManager.task_fields` adds to a prefill ``Request`` / ``ScheduledDecodeTask``."""
+
+ALLOCATE_FORMS = (
+    "allocate_gpu_blocks(num_blocks: int, req_id) (legacy PrefixCacheManager) or "
+    "allocate_gpu_blocks(request, num_blocks: int) (v1 CacheManager; request has .request_id)"
+)
+"""The two call forms :meth:`FastDeployBlockManager.allocate_gpu_blocks` accepts (named in its TypeError)."""
+
+
+def _is_int(value: object) -> bool:
+    """An exact integer: ``int`` or a numpy integer; bools, floats (even ``2.0``) and strings are not."""
+    return type(value) is int or isinstance(value, np.integer)
+
+
+class _FreeBlocks:
+    """Stands in for ``gpu_free_block_list``: FastDeploy only takes its ``len``."""
+
+    __slots__ = ("_owner",)
+
+    def __init__(self, owner: _FreeCount) -> None:
+        self._owner = owner
+
+    def __len__(self) -> int:
+        return self._owner.num_free_device_blocks
+
+
+@dataclass(frozen=True)
+class _Node:
+    block_id: int
+
+
+@dataclass
+class MatchResult:
+    """``fastdeploy.cache_manager.v1.metadata.MatchResult``'s fields, filled from a hybridkv hit."""
+
+    device_nodes: list[_Node] = field(default_factory=list)
+    host_nodes: list[_Node] = field(default_factory=list)
+    storage_nodes: list[Any] = field(default_factory=list)
+    uncached_block_ids: list[int] = field(default_factory=list)
+
+    @property
+    def matched_device_nums(self) -> int:
+        return len(self.device_nodes)
+
+    @property
+    def matched_host_nums(self) -> int:
+        return 0
+
+    @property
+    def matched_storage_nums(self) -> int:
+        return 0
+
+    @property
+    def total_matched_blocks(self) -> int:
+        return len(self.device_nodes)
+
+    @property
+    def device_block_ids(self) -> list[int]:
+        return [n.block_id for n in self.device_nodes]
+
+
+@dataclass
+class _Pending:
+    """A prefix match handed to FastDeploy, not yet admitted: its input and the hit it was told.
+
+    What it pins is not stored: ``block_ids`` and the checkpoint at ``checkpoint_key`` are counted
+    when asked (:meth:`FastDeployBlockManager._pinned_by_matches`), as a union over all matches."""
+
+    token_ids: list[int]
+    num_cached_tokens: int
+    block_ids: list[int]
+    checkpoint_key: int | None = None  # the checkpoint the hit's copy reads (None: no hit)
+    branch_tokens: int = 0  # where the input leaves the cached prefixes (checkpoint policy input)
+
+
+def _token_ids(task: Any) -> list[int]:
+    prompt = task.prompt_token_ids
+    prompt = prompt.tolist() if isinstance(prompt, np.ndarray) else list(prompt)
+    return prompt + list(getattr(task, "output_token_ids", None) or [])
