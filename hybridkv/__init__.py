@@ -47,7 +47,15 @@ _LAZY: dict[str, str] = {
     **dict.fromkeys(("load_spec", "resolve_model"), "hybridkv.models.spec_file"),
     "spec_from_hf_config": "hybridkv.models.hf",
     **dict.fromkeys(
-        ("ModelSpec", "DType", "AttentionLayerSpec", "RecurrentLayerSpec", "NoCacheLayerSpec", "StateComponent"),
+        (
+            "ModelSpec",
+            "DType",
+            "AttentionLayerSpec",
+            "RecurrentLayerSpec",
+            "HybridLayerSpec",
+            "NoCacheLayerSpec",
+            "StateComponent",
+        ),
         "hybridkv.models.spec",
     ),
     **dict.fromkeys(("plan", "Layout", "LayoutKind"), "hybridkv.planner.layout"),

@@ -24,6 +24,10 @@ STATE_BYTES = {
     ("gla-1.3b", "float32"): 24 * 4 * 256 * 512 * 4,
     ("retnet-7b", "float16"): 32 * (16 * 256 * 432 * 2 + 16 * 4),
     ("retnet-7b", "float32"): 32 * (16 * 256 * 432 * 4 + 16 * 4),
+    ("jamba-1.5-mini", "float32"): 28 * (8192 * 16 * 4 + 8192 * 3 * 2),
+    ("qwen3.5-27b", "float32"): 48 * (48 * 128 * 128 * 4 + (2 * 16 * 128 + 48 * 128) * 3 * 2),
+    ("qwen3.5-35b-a3b", "float32"): 30 * (32 * 128 * 128 * 4 + 8192 * 3 * 2),
+    ("kimi-linear-48b-a3b", "float32"): 20 * (32 * 128 * 128 * 4 + 3 * 32 * 128 * 3 * 2),
 }
 # The rounded figures of MODELS.md's "state per request" column, in MiB
 TABLE_MIB = {
@@ -41,6 +45,10 @@ TABLE_MIB = {
     ("gla-1.3b", "float32"): 48,
     ("retnet-7b", "float16"): 108,
     ("retnet-7b", "float32"): 216,
+    ("jamba-1.5-mini", "float32"): 15.3,
+    ("qwen3.5-27b", "float32"): 146.8,
+    ("qwen3.5-35b-a3b", "float32"): 61.4,
+    ("kimi-linear-48b-a3b", "float32"): 41.4,
 }
 KV_PER_TOKEN = {
     "minimax-m1": 40 * KiB,
@@ -51,6 +59,9 @@ KV_PER_TOKEN = {
     "rwkv7-1.5b": 0,
     "gla-1.3b": 0,
     "retnet-7b": 0,
+    "qwen3.5-27b": 16 * 2 * 4 * 256 * 2,  # 64 KiB
+    "qwen3.5-35b-a3b": 10 * 2 * 2 * 256 * 2,  # 20 KiB
+    "kimi-linear-48b-a3b": 7 * (512 + 64) * 2,  # MLA latent + rotary key, one head
 }
 LAYER_COUNTS = {  # (all layers, attention, recurrent)
     "minimax-m1": (80, 10, 70),
@@ -61,6 +72,17 @@ LAYER_COUNTS = {  # (all layers, attention, recurrent)
     "rwkv7-1.5b": (24, 0, 24),
     "gla-1.3b": (24, 0, 24),
     "retnet-7b": (32, 0, 32),
+    "qwen3.5-27b": (64, 16, 48),
+    "qwen3.5-35b-a3b": (40, 10, 30),
+    "kimi-linear-48b-a3b": (27, 7, 20),
+}
+# Default dtypes (issue 27): what transformers keeps in a bf16 model; the figures of docs/models.md
+DEFAULT_MIB = {
+    "minimax-m1": 280,  # float32 kept (see presets._PRESETS); transformers: 140 (test_models_hf_presets.py)
+    "qwen3-next-80b-a3b": 73.7,
+    "nemotron-h-8b": 97.4,
+    "jamba-1.5-mini": 15.3,
+    "mamba2-2.7b": 162,
 }
 
 
@@ -110,7 +132,67 @@ def test_state_dtype_only_changes_the_main_state():
     l16, l32 = bf16.layers[0], fp32.layers[0]
     assert l16.component("ssm").dtype is DType.BFLOAT16 and l32.component("ssm").dtype is DType.FLOAT32
     assert l16.component("conv").dtype is l32.component("conv").dtype is DType.BFLOAT16
-    assert default_state_dtype("minimax-m1") is DType.FLOAT32
+    conv32 = preset("qwen3-next-80b-a3b", conv_dtype="float32").layers[0]
+    assert conv32.component("conv").dtype is DType.FLOAT32 and conv32.component("ssm").dtype is DType.FLOAT32
+    assert "--conv-dtype" in preset("qwen3-next-80b-a3b", conv_dtype="float32").dtype_source("gdn.conv")
+
+
+@pytest.mark.parametrize("name", sorted(DEFAULT_MIB))
+def test_default_dtypes_are_what_transformers_keeps_and_say_so(name):
+    spec = preset(name)
+    assert round(spec.state_bytes / MiB, 1) == pytest.approx(DEFAULT_MIB[name], abs=0.05)
+    main = "kv" if name == "minimax-m1" else "ssm"
+    layer = spec.layers[spec.recurrent_layer_ids[0]]
+    key = f"{layer.mixer}.{main}"
+    assert layer.component(main).dtype is DType.FLOAT32
+    assert ("MiniMax" if name == "minimax-m1" else "transformers") in spec.dtype_source(key)
+    assert default_state_dtype(name) is layer.component(main).dtype
+
+
+@pytest.mark.parametrize(
+    ("heads", "groups", "d_state", "tp", "per_rank_groups"),
+    [
+        (80, 1, 128, 2, 1),  # Mamba2-2.7B: the one group replicated on both ranks
+        (80, 1, 128, 8, 1),
+        (8, 2, 16, 4, 1),  # 2 groups over 4 ranks: each rank's 2 heads sit in one group
+        (12, 3, 16, 2, 2),  # 3 groups over 2 ranks: rank 0 holds heads 0-5 = groups 0 and 1
+        (16, 4, 16, 8, 1),
+        (128, 8, 128, 2, 4),  # divides: split as before
+    ],
+)
+def test_mamba2_groups_are_replicated_when_tp_does_not_divide_them(heads, groups, d_state, tp, per_rank_groups):
+    from hybridkv.models.presets import mamba2_layer
+    from hybridkv.models.spec import ModelSpec, groups_per_rank
+
+    layer = mamba2_layer(heads, 64, d_state, groups, 4)
+    sharded = ModelSpec("m", (layer,)).shard(tp)
+    conv = sharded.layers[0].component("conv")
+    assert groups_per_rank(heads, groups, tp) == per_rank_groups
+    assert conv.shape == (heads * 64 // tp + 2 * d_state * per_rank_groups, 3)
+    assert sharded.layers[0].component("ssm").shape == (heads // tp, 64, d_state)
+    if groups % tp:
+        assert any("replicated" in n for n in sharded.notes)
+
+
+def test_mamba2_27b_tp2_keeps_2816_conv_channels_per_rank():
+    conv = preset("mamba2-2.7b", tp_size=2).layers[0].component("conv")
+    assert conv.shape == (2816, 3)  # 5,120 / 2 + 2 x 128: the single group's B and C on both ranks
+    assert preset("nemotron-h-8b", tp_size=2).layers[0].component("conv").shape == (4096 + 2 * 4 * 128, 3)
+
+
+def test_gdn_needs_tp_to_divide_key_and_value_heads():
+    with pytest.raises(TensorParallelError, match="heads"):
+        preset("qwen3.5-27b", tp_size=32)  # 16 key heads
+    assert preset("qwen3.5-27b", tp_size=4).layers[0].component("conv").shape == ((2 * 16 * 128 + 48 * 128) // 4, 3)
+
+
+def test_mla_latent_is_replicated_and_k_v_widths_differ():
+    spec = preset("kimi-linear-48b-a3b", tp_size=4)
+    attn = spec.layers[3]
+    assert (attn.num_kv_heads, attn.head_dim, attn.value_head_dim) == (1, 512, 64)
+    assert attn.kv_bytes_per_token == (512 + 64) * 2
+    assert spec.layers[0].component("ssm").shape == (8, 128, 128)
+    assert any("replicated KV head" in n for n in spec.notes)
 
 
 def test_tp8_divides_minimax_heads():

@@ -130,7 +130,8 @@ HF_CONFIGS = {
 @pytest.mark.parametrize("name", sorted(HF_CONFIGS))
 def test_hf_config_gives_the_preset_shapes(name, tmp_path):
     spec = spec_from_hf_config(HF_CONFIGS[name])
-    ref = preset(name)
+    # the HF reader keeps transformers' dtypes; the minimax-m1 preset keeps its float32 lightning default
+    ref = preset(name, "bfloat16") if name == "minimax-m1" else preset(name)
     assert spec.layers == ref.layers
     path = tmp_path / "config.json"
     path.write_text(json.dumps(HF_CONFIGS[name]))

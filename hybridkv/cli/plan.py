@@ -19,10 +19,11 @@ from hybridkv.cli.common import UserError, number, positive_int
 from hybridkv.errors import HybridKVError
 from hybridkv.models import presets as P
 from hybridkv.models.spec import (
+    CONV_COLUMNS,
     KV_CACHE_DTYPES,
-    AttentionLayerSpec,
+    DType,
     ModelSpec,
-    RecurrentLayerSpec,
+    with_conv_columns,
     with_kv_dtype,
 )
 from hybridkv.models.spec_file import is_spec_path, resolve_model
@@ -50,13 +51,43 @@ examples:
 # ---- facts shown with every plan ---------------------------------------------------------------
 def model_dtypes(model: ModelSpec) -> dict[str, Any]:
     """``{"kv": dtype or None, "state": {"<mixer>.<component>": dtype}}`` of a model's caches."""
-    kv = sorted({layer.dtype.value for layer in model.layers if isinstance(layer, AttentionLayerSpec)})
+    kv = sorted({a.dtype.value for _, a in model.attention_layers()})
     state: dict[str, str] = {}
-    for layer in model.layers:
-        if isinstance(layer, RecurrentLayerSpec):
-            for c in layer.components:
-                state.setdefault(f"{layer.mixer}.{c.name}", c.dtype.value)
+    for _, layer in model.recurrent_layers():
+        for c in layer.components:
+            state.setdefault(f"{layer.mixer}.{c.name}", c.dtype.value)
     return {"kv": ", ".join(kv) or None, "state": state}
+
+
+# What engines keep, for the note beside the defaults: vLLM keeps Mamba-style states (conv and SSM)
+# in the model dtype unless --mamba-ssm-cache-dtype / --mamba-cache-dtype say otherwise; FastDeploy's
+# GDN state pool keeps the SSM state float32 and the conv window bfloat16, its MiniMax port the
+# lightning state in the activation dtype.
+_FASTDEPLOY = {"gdn.ssm": DType.FLOAT32, "gdn.conv": DType.BFLOAT16, "lightning.kv": DType.BFLOAT16}
+_VLLM_MIXERS = ("mamba", "mamba2", "gdn", "kda", "short_conv", "lightning")
+
+
+def engine_dtype_note(model: ModelSpec) -> str | None:
+    """One line naming the components whose dtype here differs from what vLLM or FastDeploy keeps
+    by default (None when both agree with every component)."""
+    kv = next((a.dtype for _, a in model.attention_layers()), DType.BFLOAT16)
+    model_dtype = kv if kv.itemsize > 1 else DType.BFLOAT16
+    vllm, fd = [], []
+    for key, dtype in model_dtypes(model)["state"].items():
+        mixer = key.split(".")[0]
+        if mixer in _VLLM_MIXERS and DType(dtype) is not model_dtype:
+            vllm.append(f"{key} {model_dtype.value}")
+        if key in _FASTDEPLOY and DType(dtype) is not _FASTDEPLOY[key]:
+            fd.append(f"{key} {_FASTDEPLOY[key].value}")
+    parts = []
+    if vllm:
+        parts.append(
+            f"vLLM keeps {', '.join(vllm)} (the model dtype; --mamba-ssm-cache-dtype float32 keeps the SSM state "
+            "float32 as here)"
+        )
+    if fd:
+        parts.append(f"FastDeploy keeps {', '.join(fd)}")
+    return "engines differ from these dtypes: " + "; ".join(parts) if parts else None
 
 
 def _dtype_line(dtypes: dict[str, Any], source: str) -> str:
@@ -159,7 +190,14 @@ def _rows(out: dict[str, Any]) -> list[list[str]]:
         ),
         ("blocks / request (state)", lambda s: f"{s['state_blocks_per_request']:,}", "nokv"),
         ("allocated / request", lambda s: format_bytes(s["allocated_bytes_per_request"]), "all"),
-        ("  waste: state tail", lambda s: format_bytes(s[waste]["state_tail_bytes"]), "all"),
+        (
+            "  waste: state tail",
+            lambda s: (
+                f"{format_bytes(s[waste]['state_tail_bytes'])} "
+                f"({_pct(s[waste]['state_tail_bytes'], s['state_bytes_per_request'])} of state)"
+            ),
+            "all",
+        ),
         ("  waste: padded slack", lambda s: format_bytes(s[waste]["padded_slack_bytes"]), "all"),
         ("  waste: padding layers", lambda s: format_bytes(s[waste]["padding_layer_bytes"]), "all"),
         ("  waste: KV last-block tail", lambda s: format_bytes(s[waste]["kv_tail_bytes"]), "kv"),
@@ -199,6 +237,7 @@ def _header(out: dict[str, Any]) -> list[str]:
         f"{out['model']}, TP{out['tp_size']}, cache budget {format_bytes(out['budget_bytes'])} per GPU, {what}",
         _dtype_line(out["dtypes"], out["dtypes_source"]),
     ]
+    lines += [f"  {k}: {v}" for k, v in out.get("dtype_sources", {}).items()]
     lines += out["explain"]
     return lines
 
@@ -324,9 +363,12 @@ def build_plan(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Layo
                 f"{P.DEFAULT_TP_WEIGHT_FRACTION:.0%} of one {ref_gpu.upper()} (--tp to change)"
             )
     state_dtype = None if args.state_dtype in (None, "auto") else args.state_dtype
-    model = resolve_model(args.model, state_dtype, tp)
+    conv_dtype = None if args.conv_dtype in (None, "auto") else args.conv_dtype
+    model = resolve_model(args.model, state_dtype, tp, conv_dtype)
     if args.kv_dtype not in (None, "auto"):
         model = with_kv_dtype(model, args.kv_dtype)  # attention only; states keep their dtype
+    if args.conv_columns:
+        model = with_conv_columns(model, args.conv_columns)
     budget, gpu, lines = _budget(args, model, preset_name)
     explain += lines
     num_requests = args.max_requests
@@ -362,7 +404,12 @@ def build_plan(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Layo
                 )
             s["memory_for_requests"] = need
         summaries.append(s)
-    notes = list(dict.fromkeys(n for s in summaries for n in s["notes"]))
+    notes = list(dict.fromkeys([*model.notes, *(n for s in summaries for n in s["notes"])]))
+    engines = engine_dtype_note(model)
+    if engines is not None:
+        notes.append(engines)
+    if model.conv_columns == "kernel":
+        notes.append("conv windows keep kernel_size columns (--conv-columns kernel, as transformers keeps them)")
     if not has_kv and len(summaries) > 1:
         summaries.sort(key=lambda s: (-s["max_requests"], s["waste_bytes_per_request"]["total_bytes"]))
         paged = next(s for s in summaries if s["layout"] == "paged")
@@ -395,6 +442,8 @@ def build_plan(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Layo
         "dtypes_source": "this model's defaults; --state-dtype to change"
         if state_dtype is None or from_file
         else "--state-dtype",
+        "dtype_sources": dict(model.dtype_sources),
+        "state_tail_fraction": {s["layout"]: by_kind[s["layout"]].state_tail_fraction for s in summaries},
         "kv_bytes_per_token": model.kv_bytes_per_token,
         "state_bytes_per_request": model.state_bytes,
         **{k: first[k] for k in ("layout", "block_size", "blocks_per_state", "max_requests")},
@@ -495,7 +544,23 @@ def add_plan_parser(sub: Any) -> argparse.ArgumentParser:
         dest="state_dtype",
         choices=["auto", "float32", "bfloat16", "float16"],
         default=None,
-        help="dtype of the main recurrent state (default/auto: the model's own, shown in the output)",
+        help="dtype of the main recurrent state (ssm / kv / wkv; default/auto: what the model's config or "
+        "code keeps, shown with its source in the output)",
+    )
+    m.add_argument(
+        "--conv-dtype",
+        "--mamba-conv-cache-dtype",
+        dest="conv_dtype",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        default=None,
+        help="dtype of the conv windows and token shifts (default/auto: the model dtype)",
+    )
+    m.add_argument(
+        "--conv-columns",
+        choices=list(CONV_COLUMNS),
+        default=None,
+        help="conv window columns: kernel-1 (default: all a decode reads; vLLM, FastDeploy) or kernel "
+        "(what transformers keeps)",
     )
     m.add_argument(
         "--kv-dtype",
@@ -576,8 +641,6 @@ def add_plan_parser(sub: Any) -> argparse.ArgumentParser:
     )
     p.set_defaults(func=cmd_plan)
     return p
-
-
 
 
 add_parser = add_plan_parser  # the command module's interface (hybridkv.cli.COMMAND_MODULES)

@@ -3,8 +3,13 @@
 Builders turn published hyper-parameters into :class:`RecurrentLayerSpec` objects so that presets,
 spec files and HuggingFace configs share one derivation (e.g. the Mamba2 conv width
 ``d_inner + 2 * n_groups * d_state``). ``state_dtype`` replaces the dtype of a layer's main state
-(lightning ``kv``, ``ssm``, ``wkv``); conv windows and token shifts keep the activation dtype, as
-engines store them.
+(lightning ``kv``, ``ssm``, ``wkv``); ``conv_dtype`` the conv windows'.
+
+Default dtypes of the presets of models transformers implements follow what transformers keeps in a
+bf16 model (checked against transformers 5.24 on the CPU, ``tests/test_models_hf.py``): SSM and
+delta-net states float32 whatever the model dtype, MiniMax's lightning state in the activation dtype
+(bfloat16), conv windows and KV in the model dtype (bfloat16). Conv windows keep ``kernel - 1``
+columns (see :mod:`hybridkv.models.spec`).
 """
 
 from __future__ import annotations
@@ -39,14 +44,24 @@ def mamba2_layer(
     conv_kernel: int,
     ssm_dtype: DType | str = BF16,
     conv_dtype: DType | str = BF16,
+    d_inner: int | None = None,
 ) -> RecurrentLayerSpec:
-    """Mamba2: ``ssm [num_heads, head_dim, d_state]`` + ``conv [d_inner + 2*n_groups*d_state, conv_kernel-1]``."""
-    conv_dim = num_heads * head_dim + 2 * n_groups * d_state
+    """Mamba2: ``ssm [num_heads, head_dim, d_state]`` + ``conv [d_inner + 2*n_groups*d_state, conv_kernel-1]``.
+
+    ``d_inner`` defaults to ``num_heads * head_dim``. Tensor parallelism splits heads; the conv's B
+    and C channels (``2 * d_state`` per group) go whole to every rank whose heads use the group.
+    """
+    if n_groups <= 0 or num_heads % n_groups:
+        raise SpecError(f"mamba2: num_heads {num_heads} must be a multiple of n_groups {n_groups}")
+    inner = num_heads * head_dim if d_inner is None else d_inner
+    conv_dim = inner + 2 * n_groups * d_state
     return RecurrentLayerSpec(
         "mamba2",
         (
             StateComponent("ssm", (num_heads, head_dim, d_state), ssm_dtype),
-            StateComponent("conv", (conv_dim, conv_kernel - 1), conv_dtype),
+            StateComponent(
+                "conv", (conv_dim, conv_kernel - 1), conv_dtype, tp_groups=(num_heads, n_groups, 2 * d_state)
+            ),
         ),
     )
 
@@ -79,11 +94,46 @@ def gdn_layer(
 ) -> RecurrentLayerSpec:
     """Gated DeltaNet (Qwen3-Next): ``ssm [num_v_heads, k_head_dim, v_head_dim]`` + conv over q, k, v."""
     conv_dim = 2 * num_k_heads * k_head_dim + num_v_heads * v_head_dim
+    heads = (num_k_heads, num_v_heads)
     return RecurrentLayerSpec(
         "gdn",
         (
-            StateComponent("ssm", (num_v_heads, k_head_dim, v_head_dim), ssm_dtype),
-            StateComponent("conv", (conv_dim, conv_kernel - 1), conv_dtype),
+            StateComponent("ssm", (num_v_heads, k_head_dim, v_head_dim), ssm_dtype, tp_heads=heads),
+            StateComponent("conv", (conv_dim, conv_kernel - 1), conv_dtype, tp_heads=heads),
+        ),
+    )
+
+
+def kda_layer(
+    num_heads: int, head_dim: int, conv_kernel: int, ssm_dtype: DType | str = FP32, conv_dtype: DType | str = BF16
+) -> RecurrentLayerSpec:
+    """Kimi Delta Attention (Kimi Linear): ``ssm [num_heads, head_dim, head_dim]`` + one conv window
+    over q, k and v ``[3 * num_heads * head_dim, conv_kernel-1]``; heads split by tensor parallelism."""
+    return RecurrentLayerSpec(
+        "kda",
+        (
+            StateComponent("ssm", (num_heads, head_dim, head_dim), ssm_dtype),
+            StateComponent("conv", (3 * num_heads * head_dim, conv_kernel - 1), conv_dtype),
+        ),
+    )
+
+
+def short_conv_layer(channels: int, conv_kernel: int, dtype: DType | str = BF16) -> RecurrentLayerSpec:
+    """A gated short convolution whose only state is its window (LFM2): ``conv [channels, conv_kernel-1]``."""
+    return RecurrentLayerSpec("short_conv", (StateComponent("conv", (channels, conv_kernel - 1), dtype),))
+
+
+def rwkv4_layer(hidden_size: int, attention_size: int, dtype: DType | str = BF16) -> RecurrentLayerSpec:
+    """RWKV-4 (transformers ``rwkv``): token shifts of time-mix and channel-mix (model dtype) and the
+    WKV numerator, denominator and running maximum ``[attention_size]`` (float32)."""
+    return RecurrentLayerSpec(
+        "rwkv4",
+        (
+            StateComponent("shift_ffn", (hidden_size,), dtype),
+            StateComponent("shift_attn", (hidden_size,), dtype),
+            StateComponent("num", (attention_size,), FP32),
+            StateComponent("den", (attention_size,), FP32),
+            StateComponent("max", (attention_size,), FP32),
         ),
     )
 
@@ -141,22 +191,55 @@ def layers_from_pattern(
     return tuple(layers)
 
 
-def _minimax_m1(state_dtype: DType) -> ModelSpec:
+HF_SSM = "transformers keeps SSM / delta-net states in float32 whatever the model dtype"
+HF_CONV = "the model dtype (transformers keeps conv windows and token shifts in it)"
+
+
+def _minimax_m1(state_dtype: DType, conv_dtype: DType | None) -> ModelSpec:
+    # MiniMax-M1 config.json (MiniMaxAI/MiniMax-M1-80k): 80 layers, attn_type_list softmax at 7, 15, ..
     pattern = "".join("A" if i % 8 == 7 else "R" for i in range(80))
     return ModelSpec(
         "minimax-m1",
         layers_from_pattern(pattern, AttentionLayerSpec(8, 128, BF16, 64), lightning_layer(64, 128, state_dtype)),
         hidden_size=6144,
         params_active=45.9e9,
+        dtype_sources=(("kv", "bfloat16: the model dtype"),),
     )
 
 
-def _qwen3_next(state_dtype: DType) -> ModelSpec:
-    pattern = "".join("A" if i % 4 == 3 else "R" for i in range(48))
+def _gdn_preset(
+    name: str, layers: int, attn: AttentionLayerSpec, gdn: tuple[int, int, int, int], hidden: int, active: float
+) -> Callable[[DType, DType | None], ModelSpec]:
+    def build(state_dtype: DType, conv_dtype: DType | None) -> ModelSpec:
+        pattern = "".join("A" if i % 4 == 3 else "R" for i in range(layers))
+        rec = gdn_layer(*gdn, 4, state_dtype, conv_dtype or BF16)
+        return ModelSpec(name, layers_from_pattern(pattern, attn, rec), hidden_size=hidden, params_active=active)
+
+    return build
+
+
+# Qwen3-Next-80B-A3B config.json (Qwen/Qwen3-Next-80B-A3B-Instruct): 48 layers, full_attention_interval 4,
+# 16 q / 2 kv heads x 256, linear 16 key / 32 value heads x 128, linear_conv_kernel_dim 4
+_qwen3_next = _gdn_preset("qwen3-next-80b-a3b", 48, AttentionLayerSpec(2, 256, BF16, 16), (16, 32, 128, 128), 2048, 3e9)
+# Qwen3.5-27B config.json text_config (Qwen/Qwen3.5-27B): 64 layers, full_attention_interval 4,
+# 24 q / 4 kv heads x 256, linear 16 key / 48 value heads x 128, conv 4, hidden 5120
+_qwen35_27b = _gdn_preset("qwen3.5-27b", 64, AttentionLayerSpec(4, 256, BF16, 24), (16, 48, 128, 128), 5120, 27e9)
+# Qwen3.5-35B-A3B config.json text_config (Qwen/Qwen3.5-35B-A3B, qwen3_5_moe_text): 40 layers, interval 4,
+# 16 q / 2 kv heads x 256, linear 16 key / 32 value heads x 128, conv 4, hidden 2048
+_qwen35_35b = _gdn_preset("qwen3.5-35b-a3b", 40, AttentionLayerSpec(2, 256, BF16, 16), (16, 32, 128, 128), 2048, 3e9)
+
+
+def _kimi_linear_48b(state_dtype: DType, conv_dtype: DType | None) -> ModelSpec:
+    # Kimi-Linear-48B-A3B config.json (moonshotai/Kimi-Linear-48B-A3B-Instruct): 27 layers,
+    # linear_attn_config full_attn_layers [4, 8, 12, 16, 20, 24, 27] (1-based) = MLA, the other 20 KDA
+    # (num_heads 32, head_dim 128, short_conv_kernel_size 4); MLA kv_lora_rank 512, qk_rope_head_dim 64
+    mla = {3, 7, 11, 15, 19, 23, 26}
+    pattern = "".join("A" if i in mla else "R" for i in range(27))
+    attn = AttentionLayerSpec(1, 512, BF16, 32, v_head_dim=64)  # latent 512 + rotary key 64, one head
     return ModelSpec(
-        "qwen3-next-80b-a3b",
-        layers_from_pattern(pattern, AttentionLayerSpec(2, 256, BF16, 16), gdn_layer(16, 32, 128, 128, 4, state_dtype)),
-        hidden_size=2048,
+        "kimi-linear-48b-a3b",
+        layers_from_pattern(pattern, attn, kda_layer(32, 128, 4, state_dtype, conv_dtype or BF16)),
+        hidden_size=2304,
         params_active=3e9,
     )
 
@@ -164,46 +247,50 @@ def _qwen3_next(state_dtype: DType) -> ModelSpec:
 NEMOTRON_H_8B_PATTERN = "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-"
 
 
-def _nemotron_h_8b(state_dtype: DType) -> ModelSpec:
+def _nemotron_h_8b(state_dtype: DType, conv_dtype: DType | None) -> ModelSpec:
     return ModelSpec(
         "nemotron-h-8b",
         layers_from_pattern(
-            NEMOTRON_H_8B_PATTERN, AttentionLayerSpec(8, 128, BF16, 32), mamba2_layer(128, 64, 128, 8, 4, state_dtype)
+            NEMOTRON_H_8B_PATTERN,
+            AttentionLayerSpec(8, 128, BF16, 32),
+            mamba2_layer(128, 64, 128, 8, 4, state_dtype, conv_dtype or BF16),
         ),
         hidden_size=4096,
         params_active=8e9,
     )
 
 
-def _jamba_15_mini(state_dtype: DType) -> ModelSpec:
+def _jamba_15_mini(state_dtype: DType, conv_dtype: DType | None) -> ModelSpec:
     pattern = "".join("A" if i % 8 == 4 else "R" for i in range(32))
     return ModelSpec(
         "jamba-1.5-mini",
-        layers_from_pattern(pattern, AttentionLayerSpec(8, 128, BF16, 32), mamba1_layer(8192, 16, 4, state_dtype)),
+        layers_from_pattern(
+            pattern, AttentionLayerSpec(8, 128, BF16, 32), mamba1_layer(8192, 16, 4, state_dtype, conv_dtype or BF16)
+        ),
         hidden_size=4096,
         params_active=12e9,
     )
 
 
-def _mamba2_27b(state_dtype: DType) -> ModelSpec:
+def _mamba2_27b(state_dtype: DType, conv_dtype: DType | None) -> ModelSpec:
     return ModelSpec(
         "mamba2-2.7b",
-        layers_from_pattern("R" * 64, None, mamba2_layer(80, 64, 128, 1, 4, state_dtype)),
+        layers_from_pattern("R" * 64, None, mamba2_layer(80, 64, 128, 1, 4, state_dtype, conv_dtype or BF16)),
         hidden_size=2560,
         params_active=2.7e9,
     )
 
 
-def _rwkv7_15b(state_dtype: DType) -> ModelSpec:
+def _rwkv7_15b(state_dtype: DType, conv_dtype: DType | None) -> ModelSpec:
     return ModelSpec(
         "rwkv7-1.5b",
-        layers_from_pattern("R" * 24, None, rwkv_layer(32, 64, 2048, state_dtype)),
+        layers_from_pattern("R" * 24, None, rwkv_layer(32, 64, 2048, state_dtype, conv_dtype or BF16)),
         hidden_size=2048,
         params_active=1.5e9,
     )
 
 
-def _gla_13b(state_dtype: DType) -> ModelSpec:
+def _gla_13b(state_dtype: DType, conv_dtype: DType | None) -> ModelSpec:
     return ModelSpec(
         "gla-1.3b",
         layers_from_pattern("R" * 24, None, gla_layer(4, 256, 512, state_dtype)),
@@ -212,7 +299,7 @@ def _gla_13b(state_dtype: DType) -> ModelSpec:
     )
 
 
-def _retnet_7b(state_dtype: DType) -> ModelSpec:
+def _retnet_7b(state_dtype: DType, conv_dtype: DType | None) -> ModelSpec:
     return ModelSpec(
         "retnet-7b",
         layers_from_pattern("R" * 32, None, retention_layer(16, 256, 432, state_dtype)),
@@ -221,18 +308,30 @@ def _retnet_7b(state_dtype: DType) -> ModelSpec:
     )
 
 
-# name -> (builder, default dtype of the main state)
-_PRESETS: dict[str, tuple[Callable[[DType], ModelSpec], DType]] = {
-    "minimax-m1": (_minimax_m1, FP32),
-    "qwen3-next-80b-a3b": (_qwen3_next, BF16),
-    "nemotron-h-8b": (_nemotron_h_8b, BF16),
-    "jamba-1.5-mini": (_jamba_15_mini, BF16),
-    "mamba2-2.7b": (_mamba2_27b, BF16),
-    "rwkv7-1.5b": (_rwkv7_15b, FP32),
-    "gla-1.3b": (_gla_13b, BF16),
-    "retnet-7b": (_retnet_7b, DType.FLOAT16),
+# name -> (builder, default dtype of the main state, where that default comes from)
+_PRESETS: dict[str, tuple[Callable[[DType, DType | None], ModelSpec], DType, str]] = {
+    # MiniMax-M1 keeps its float32 default (MiniMax's reference code accumulates the lightning state in
+    # float32); transformers, vLLM and FastDeploy keep it in bfloat16 - `hybridkv plan` says so, and
+    # the HF reader (model_type minimax) follows transformers. Kept so that the allocator's and the
+    # scheduler's tests, which assume it, stay as they are; --state-dtype bfloat16 gives the engines' bytes.
+    "minimax-m1": (_minimax_m1, FP32, "MiniMax's reference code keeps the lightning state in float32"),
+    "qwen3-next-80b-a3b": (_qwen3_next, FP32, HF_SSM),
+    "nemotron-h-8b": (_nemotron_h_8b, FP32, HF_SSM + " (NemotronHConfig mamba_ssm_cache_dtype float32)"),
+    "jamba-1.5-mini": (_jamba_15_mini, FP32, HF_SSM),
+    "mamba2-2.7b": (_mamba2_27b, FP32, HF_SSM),
+    "rwkv7-1.5b": (_rwkv7_15b, FP32, "fla / RWKV-7 reference keeps wkv in float32 (not in transformers)"),
+    "gla-1.3b": (_gla_13b, BF16, "the model dtype (fla GLA; not in transformers)"),
+    "retnet-7b": (_retnet_7b, DType.FLOAT16, "torchscale retnet_7b runs in float16 (not in transformers)"),
+    "qwen3.5-27b": (_qwen35_27b, FP32, HF_SSM),
+    "qwen3.5-35b-a3b": (_qwen35_35b, FP32, HF_SSM),
+    "kimi-linear-48b-a3b": (_kimi_linear_48b, FP32, HF_SSM),
 }
-_ALIASES = {"minimax-text-01": "minimax-m1", "qwen3-next": "qwen3-next-80b-a3b", "nemotron-h": "nemotron-h-8b"}
+_ALIASES = {
+    "minimax-text-01": "minimax-m1",
+    "qwen3-next": "qwen3-next-80b-a3b",
+    "nemotron-h": "nemotron-h-8b",
+    "kimi-linear": "kimi-linear-48b-a3b",
+}
 
 PRESET_NAMES: tuple[str, ...] = tuple(_PRESETS)
 
@@ -240,6 +339,10 @@ PRESET_NAMES: tuple[str, ...] = tuple(_PRESETS)
 def default_state_dtype(name: str) -> DType:
     """The main-state dtype a preset uses when none is asked for."""
     return _PRESETS[_canonical(name)][1]
+
+
+def _main_component(mixer: str) -> str:
+    return {"lightning": "kv", "rwkv": "wkv", "gla": "kv", "retention": "kv"}.get(mixer, "ssm")
 
 
 def _canonical(name: str) -> str:
@@ -252,16 +355,44 @@ def _canonical(name: str) -> str:
     return key
 
 
-def preset(name: str, state_dtype: DType | str | None = None, tp_size: int = 1) -> ModelSpec:
-    """The preset ``name`` with its main state in ``state_dtype`` (default per model), sharded to ``tp_size``.
+def preset(
+    name: str, state_dtype: DType | str | None = None, tp_size: int = 1, conv_dtype: DType | str | None = None
+) -> ModelSpec:
+    """The preset ``name`` with its main state in ``state_dtype`` and its conv windows (or token
+    shifts) in ``conv_dtype`` (defaults per model, see :func:`default_state_dtype`), sharded to ``tp_size``.
 
-    Raises :class:`SpecError` for an unknown name and :class:`TensorParallelError` when ``tp_size``
-    does not divide the model's heads or channels.
+    The result's ``dtype_sources`` say where each dtype came from. Raises :class:`SpecError` for an
+    unknown name and :class:`TensorParallelError` when ``tp_size`` does not divide the model's heads
+    or channels.
     """
     key = _canonical(name)
-    builder, default = _PRESETS[key]
+    builder, default, why = _PRESETS[key]
     dtype = default if state_dtype is None else DType.parse(state_dtype)
-    return builder(dtype).shard(tp_size)
+    conv = None if conv_dtype is None else DType.parse(conv_dtype)
+    spec = builder(dtype, conv)
+    sources: dict[str, str] = {}
+    if spec.attention_layer_ids:
+        sources["kv"] = "bfloat16: the model dtype"
+    for _, layer in spec.recurrent_layers():
+        for c in layer.components:
+            k = f"{layer.mixer}.{c.name}"
+            if k in sources:
+                continue
+            if c.name == _main_component(layer.mixer):
+                sources[k] = f"{c.dtype.value}: " + ("--state-dtype" if state_dtype is not None else why)
+            elif c.name.startswith(("conv", "shift")):
+                sources[k] = f"{c.dtype.value}: " + ("--conv-dtype" if conv is not None else HF_CONV)
+            else:
+                sources[k] = f"{c.dtype.value}: fixed by the model"
+    spec = ModelSpec(
+        spec.name,
+        spec.layers,
+        hidden_size=spec.hidden_size,
+        params_active=spec.params_active,
+        notes=spec.notes,
+        dtype_sources=tuple(sources.items()),
+    )
+    return spec.shard(tp_size)
 
 
 # ---- deployment facts the planner uses: total parameters, GPU memory, default TP -----------------
@@ -276,6 +407,9 @@ PARAMS_TOTAL: dict[str, float] = {
     "rwkv7-1.5b": 1.5e9,
     "gla-1.3b": 1.3e9,
     "retnet-7b": 6.7e9,
+    "qwen3.5-27b": 27e9,  # model card: 27B dense
+    "qwen3.5-35b-a3b": 35e9,  # model card: 35B total, 3B active
+    "kimi-linear-48b-a3b": 48e9,  # model card: 48B total, 3B active
 }
 
 GPU_MEMORY_BYTES: dict[str, int] = {

@@ -6,10 +6,21 @@ A :class:`ModelSpec` is the ordered list of a model's layers. Each layer is one 
 - :class:`RecurrentLayerSpec`: a fixed-size per-request state made of named
   :class:`StateComponent` tensors (lightning ``kv``, Mamba2 ``ssm`` + ``conv``, RWKV ``wkv`` +
   token shifts, ...);
+- :class:`HybridLayerSpec`: one decoder layer that keeps both (Falcon-H1: every layer has attention
+  and a Mamba2 mixer side by side; Zamba2's hybrid layers: the shared transformer block's K/V, kept
+  per layer that calls it, plus the layer's own Mamba2 state);
 - :class:`NoCacheLayerSpec`: a layer that holds nothing per request (an MLP layer of Nemotron-H).
 
 Shapes are per request and per layer at tensor-parallel size 1; :meth:`ModelSpec.shard` divides
-heads and channels by ``tp_size`` and raises :class:`TensorParallelError` when they do not divide.
+heads and channels by ``tp_size`` (the rules vLLM applies, named in the sharded spec's ``notes``)
+and raises :class:`TensorParallelError` when they do not divide.
+
+Conv windows: a component whose name starts with ``conv`` is a causal-conv window
+``[channels, columns]``. hybridkv keeps ``kernel_size - 1`` columns: the next step's convolution
+reads those plus the new token, so that is all a decode needs (a transformers forward fed
+``kernel_size - 1`` columns gives the same logits). transformers keeps ``kernel_size`` columns (one
+more, overwritten every step); :func:`with_conv_columns` gives a spec with the width an engine
+keeps, so that transfers to and from such an engine can be described byte for byte.
 """
 
 from __future__ import annotations
@@ -86,12 +97,23 @@ class StateComponent:
 
     ``shape`` is per request at TP 1; ``tp_axis`` is the axis tensor parallelism divides
     (heads or channels), ``None`` for a tensor every rank holds whole.
+
+    ``tp_groups = (num_heads, n_groups, group_channels)``: the last ``n_groups * group_channels``
+    entries of ``tp_axis`` belong to head groups (Mamba2's B and C: ``2 * d_state`` channels per
+    group) that a rank needs whole for every head it holds. A rank keeps ``axis - n_groups *
+    group_channels`` channels divided by ``tp_size``, plus ``group_channels`` for each group its heads
+    use: with ``n_groups % tp_size != 0`` the groups are replicated (vLLM's
+    ``extra_groups_for_head_shards``), so Mamba2-2.7B (1 group) at TP2 keeps 2,560 + 2 x 128 = 2,816
+    conv channels per rank, not 5,376 / 2. ``tp_heads``: head counts tensor parallelism must divide
+    for this tensor to split (GDN's conv spans key and value heads).
     """
 
     name: str
     shape: tuple[int, ...]
     dtype: DType
     tp_axis: int | None = 0
+    tp_groups: tuple[int, int, int] | None = None
+    tp_heads: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -103,6 +125,17 @@ class StateComponent:
         _check_positive(f"shape of state component {self.name!r}", self.shape)
         if self.tp_axis is not None and not 0 <= self.tp_axis < len(self.shape):
             raise SpecError(f"state component {self.name!r}: tp_axis={self.tp_axis} is outside shape {self.shape}")
+        if self.tp_groups is not None:
+            object.__setattr__(self, "tp_groups", tuple(self.tp_groups))
+            _check_positive(f"tp_groups of state component {self.name!r}", self.tp_groups)
+            heads, groups, width = self.tp_groups
+            if self.tp_axis is None or heads % groups or groups * width > self.shape[self.tp_axis]:
+                raise SpecError(
+                    f"state component {self.name!r}: tp_groups {self.tp_groups} need a tp_axis holding "
+                    f"n_groups x group_channels channels and heads divisible by groups"
+                )
+        object.__setattr__(self, "tp_heads", tuple(self.tp_heads))
+        _check_positive(f"tp_heads of state component {self.name!r}", self.tp_heads)
 
     @property
     def numel(self) -> int:
@@ -115,14 +148,38 @@ class StateComponent:
     def shard(self, tp_size: int, layer: str) -> StateComponent:
         if tp_size == 1 or self.tp_axis is None:
             return self
+        what = f"{layer} state '{self.name}'"
+        for heads in self.tp_heads:
+            _divide(f"{what} heads", heads, tp_size)
         shape = list(self.shape)
-        shape[self.tp_axis] = _divide(f"{layer} state '{self.name}' axis {self.tp_axis}", shape[self.tp_axis], tp_size)
-        return replace(self, shape=tuple(shape))
+        axis = shape[self.tp_axis]
+        if self.tp_groups is None:
+            shape[self.tp_axis] = _divide(f"{what} axis {self.tp_axis}", axis, tp_size)
+        else:
+            heads, groups, width = self.tp_groups
+            split = _divide(f"{what} axis {self.tp_axis} (without its groups)", axis - groups * width, tp_size)
+            shape[self.tp_axis] = split + width * groups_per_rank(heads, groups, tp_size, what)
+        return replace(self, shape=tuple(shape), tp_groups=None, tp_heads=())
+
+
+def groups_per_rank(num_heads: int, n_groups: int, tp_size: int, what: str = "layer") -> int:
+    """Head groups one rank of ``tp_size`` needs whole when ``num_heads`` heads in ``n_groups`` groups
+    are split by heads: ``n_groups / tp_size`` when that divides, else every group any of the rank's
+    heads belongs to (the most over ranks; 1 when ``n_groups`` = 1: the group is replicated)."""
+    per_rank = _divide(f"{what} heads", num_heads, tp_size)
+    if n_groups % tp_size == 0:
+        return n_groups // tp_size
+    per_group = num_heads // n_groups
+    return max(len({h // per_group for h in range(r * per_rank, (r + 1) * per_rank)}) for r in range(tp_size))
 
 
 @dataclass(frozen=True, slots=True)
 class AttentionLayerSpec:
-    """Softmax attention with a paged KV cache: K and V of ``num_kv_heads x head_dim`` per token.
+    """Softmax attention with a paged KV cache: K of ``num_kv_heads x head_dim`` and V of
+    ``num_kv_heads x v_head_dim`` per token (``v_head_dim`` None: as K). Multi-head latent attention
+    (Kimi Linear, DeepSeek) as transformers and vLLM cache it: one "head" whose K is the compressed
+    latent (``kv_lora_rank``, e.g. 512) and whose V is the rotary key (``qk_rope_head_dim``, 64),
+    replicated on every tensor-parallel rank.
 
     ``kv_scale_dtype``: with a quantized ``dtype``, the dtype of a per-token, per-head scale kept
     for K and for V beside the cache (FastDeploy's ``block_wise_fp8``: float32 tensors
@@ -135,10 +192,15 @@ class AttentionLayerSpec:
     dtype: DType = DType.BFLOAT16
     num_q_heads: int | None = None
     kv_scale_dtype: DType | None = None
+    v_head_dim: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", DType.parse(self.dtype, quantized=True))
         _check_positive("attention num_kv_heads/head_dim", (self.num_kv_heads, self.head_dim))
+        if self.v_head_dim is not None:
+            _check_positive("attention v_head_dim", (self.v_head_dim,))
+            if self.v_head_dim == self.head_dim:
+                object.__setattr__(self, "v_head_dim", None)  # one spelling for equal widths
         if self.num_q_heads is not None:
             _check_positive("attention num_q_heads", (self.num_q_heads,))
         if self.kv_scale_dtype is not None:
@@ -149,9 +211,15 @@ class AttentionLayerSpec:
     kind = "attention"
 
     @property
+    def value_head_dim(self) -> int:
+        """Width of one V head (``head_dim`` unless the layer says otherwise)."""
+        return self.head_dim if self.v_head_dim is None else self.v_head_dim
+
+    @property
     def kv_bytes_per_token(self) -> int:
         """K plus V bytes of one token in this layer (their scales included)."""
-        return 2 * self.num_kv_heads * self.head_dim * self.dtype.itemsize + self.scale_bytes_per_token
+        widths = self.head_dim + self.value_head_dim
+        return self.num_kv_heads * widths * self.dtype.itemsize + self.scale_bytes_per_token
 
     @property
     def scale_bytes_per_token(self) -> int:
@@ -224,6 +292,43 @@ class RecurrentLayerSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class HybridLayerSpec:
+    """One decoder layer that keeps attention K/V **and** a recurrent state (Falcon-H1's parallel
+    attention + Mamba2 layers, Zamba2's hybrid layers). The planner lays it out as two cache layers:
+    its attention joins the KV group, its state a state group (:meth:`ModelSpec.cache_view`)."""
+
+    attention: AttentionLayerSpec
+    recurrent: RecurrentLayerSpec
+
+    kind = "hybrid"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.attention, AttentionLayerSpec) or not isinstance(self.recurrent, RecurrentLayerSpec):
+            raise SpecError("a hybrid layer needs an attention layer spec and a recurrent layer spec")
+
+    @property
+    def mixer(self) -> str:
+        return self.recurrent.mixer
+
+    @property
+    def components(self) -> tuple[StateComponent, ...]:
+        return self.recurrent.components
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self.attention.kv_bytes_per_token
+
+    @property
+    def state_bytes(self) -> int:
+        return self.recurrent.state_bytes
+
+    def shard(self, tp_size: int, layer: str) -> HybridLayerSpec:
+        if tp_size == 1:
+            return self
+        return HybridLayerSpec(self.attention.shard(tp_size, layer), self.recurrent.shard(tp_size, layer))
+
+
+@dataclass(frozen=True, slots=True)
 class NoCacheLayerSpec:
     """A layer that keeps nothing per request (MLP, MoE); kept so layer ids stay faithful."""
 
@@ -233,7 +338,20 @@ class NoCacheLayerSpec:
         return self
 
 
-LayerSpec = AttentionLayerSpec | RecurrentLayerSpec | NoCacheLayerSpec
+LayerSpec = AttentionLayerSpec | RecurrentLayerSpec | HybridLayerSpec | NoCacheLayerSpec
+_LAYER_TYPES = (AttentionLayerSpec, RecurrentLayerSpec, HybridLayerSpec, NoCacheLayerSpec)
+
+
+def _attention_of(layer: LayerSpec) -> AttentionLayerSpec | None:
+    if isinstance(layer, HybridLayerSpec):
+        return layer.attention
+    return layer if isinstance(layer, AttentionLayerSpec) else None
+
+
+def _recurrent_of(layer: LayerSpec) -> RecurrentLayerSpec | None:
+    if isinstance(layer, HybridLayerSpec):
+        return layer.recurrent
+    return layer if isinstance(layer, RecurrentLayerSpec) else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -242,6 +360,12 @@ class ModelSpec:
 
     ``tp_size`` records how the shapes were divided (1 = as published). ``vocab_*`` and FLOP
     fields are optional facts the cost model uses; the memory planner ignores them.
+
+    ``dtype_sources``: ``(key, where the dtype came from)`` pairs, ``key`` ``"kv"`` or
+    ``"<mixer>.<component>"`` (e.g. ``("gdn.ssm", "float32: transformers keeps ...")``).
+    ``conv_columns``: ``"kernel-1"`` (hybridkv's conv windows) or ``"kernel"`` (as transformers keeps
+    them, see :func:`with_conv_columns`). ``decoder_layer_ids``: for a :meth:`cache_view`, the decoder
+    layer each entry of ``layers`` comes from (None: entry ``i`` is decoder layer ``i``).
     """
 
     name: str
@@ -250,34 +374,81 @@ class ModelSpec:
     hidden_size: int | None = None
     params_active: float | None = None
     notes: tuple[str, ...] = field(default=())
+    dtype_sources: tuple[tuple[str, str], ...] = field(default=())
+    conv_columns: str = "kernel-1"
+    decoder_layer_ids: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layers", tuple(self.layers))
+        object.__setattr__(self, "notes", tuple(self.notes))
+        object.__setattr__(self, "dtype_sources", tuple(tuple(p) for p in self.dtype_sources))
         if not self.layers:
             raise SpecError(f"model {self.name!r} has no layers")
         for i, layer in enumerate(self.layers):
-            if not isinstance(layer, AttentionLayerSpec | RecurrentLayerSpec | NoCacheLayerSpec):
+            if not isinstance(layer, _LAYER_TYPES):
                 raise SpecError(f"model {self.name!r} layer {i} is not a layer spec: {layer!r}")
         if not self.attention_layer_ids and not self.recurrent_layer_ids:
             raise SpecError(f"model {self.name!r} has no layer that holds a cache")
+        if self.conv_columns not in CONV_COLUMNS:
+            raise SpecError(f"conv_columns must be one of {CONV_COLUMNS}, got {self.conv_columns!r}")
+        if self.decoder_layer_ids is not None:
+            object.__setattr__(self, "decoder_layer_ids", tuple(self.decoder_layer_ids))
+            if len(self.decoder_layer_ids) != len(self.layers):
+                raise SpecError(f"model {self.name!r}: decoder_layer_ids must name one decoder layer per entry")
 
     @property
     def attention_layer_ids(self) -> tuple[int, ...]:
-        return tuple(i for i, l in enumerate(self.layers) if isinstance(l, AttentionLayerSpec))
+        """Layers that keep K/V (hybrid layers included)."""
+        return tuple(i for i, l in enumerate(self.layers) if _attention_of(l) is not None)
 
     @property
     def recurrent_layer_ids(self) -> tuple[int, ...]:
-        return tuple(i for i, l in enumerate(self.layers) if isinstance(l, RecurrentLayerSpec))
+        """Layers that keep a recurrent state (hybrid layers included)."""
+        return tuple(i for i, l in enumerate(self.layers) if _recurrent_of(l) is not None)
+
+    @property
+    def hybrid_layer_ids(self) -> tuple[int, ...]:
+        return tuple(i for i, l in enumerate(self.layers) if isinstance(l, HybridLayerSpec))
 
     @property
     def kv_bytes_per_token(self) -> int:
         """K+V bytes of one token summed over all attention layers."""
-        return sum(l.kv_bytes_per_token for l in self.layers if isinstance(l, AttentionLayerSpec))
+        return sum(a.kv_bytes_per_token for a in map(_attention_of, self.layers) if a is not None)
 
     @property
     def state_bytes(self) -> int:
         """Recurrent state bytes of one request summed over all recurrent layers."""
-        return sum(l.state_bytes for l in self.layers if isinstance(l, RecurrentLayerSpec))
+        return sum(r.state_bytes for r in map(_recurrent_of, self.layers) if r is not None)
+
+    def attention_layers(self) -> tuple[tuple[int, AttentionLayerSpec], ...]:
+        """``(layer id, attention spec)`` of every layer keeping K/V (a hybrid layer's attention part)."""
+        return tuple((i, a) for i, a in enumerate(map(_attention_of, self.layers)) if a is not None)
+
+    def recurrent_layers(self) -> tuple[tuple[int, RecurrentLayerSpec], ...]:
+        """``(layer id, recurrent spec)`` of every layer keeping a state (a hybrid layer's state part)."""
+        return tuple((i, r) for i, r in enumerate(map(_recurrent_of, self.layers)) if r is not None)
+
+    def dtype_source(self, key: str) -> str | None:
+        """Where the dtype of ``key`` (``"kv"`` or ``"<mixer>.<component>"``) came from, if recorded."""
+        return dict(self.dtype_sources).get(key)
+
+    def cache_view(self) -> ModelSpec:
+        """This model with each hybrid layer split into two cache layers, its attention then its
+        recurrent part, so that every entry of ``layers`` is one kind; ``decoder_layer_ids`` maps each
+        entry back to its decoder layer. A model without hybrid layers is returned as it is."""
+        if not self.hybrid_layer_ids:
+            return self
+        layers: list[LayerSpec] = []
+        source: list[int] = []
+        for i, layer in enumerate(self.layers):
+            parts = (layer.attention, layer.recurrent) if isinstance(layer, HybridLayerSpec) else (layer,)
+            layers.extend(parts)
+            source.extend([i] * len(parts))
+        note = (
+            f"hybrid layers {list(self.hybrid_layer_ids)} keep K/V and a state: each is two cache layers "
+            "(attention, then state); decoder_layer_ids maps cache layers to decoder layers"
+        )
+        return replace(self, layers=tuple(layers), decoder_layer_ids=tuple(source), notes=(*self.notes, note))
 
     def shard(self, tp_size: int) -> ModelSpec:
         """This model as one rank of ``tp_size``-way tensor parallelism sees it.
@@ -293,7 +464,43 @@ class ModelSpec:
         if tp_size == 1:
             return self
         layers = tuple(l.shard(tp_size, f"layer {i}") for i, l in enumerate(self.layers))
-        return replace(self, layers=layers, tp_size=tp_size)
+        return replace(self, layers=layers, tp_size=tp_size, notes=(*self.notes, *self._tp_notes(tp_size)))
+
+    def _tp_notes(self, tp_size: int) -> list[str]:
+        """The tensor-parallel rules applied at ``tp_size``, one line each (vLLM's rules)."""
+        notes: list[str] = []
+        attn = next((a for _, a in self.attention_layers()), None)
+        if attn is not None:
+            if attn.num_kv_heads < tp_size:
+                notes.append(
+                    f"TP{tp_size}: {attn.num_kv_heads} KV head(s) < {tp_size} ranks: each rank keeps one "
+                    "replicated KV head (vLLM)"
+                )
+            else:
+                notes.append(f"TP{tp_size}: KV heads split across ranks")
+        seen: set[str] = set()
+        for _, r in self.recurrent_layers():
+            if r.mixer in seen:
+                continue
+            seen.add(r.mixer)
+            grouped = next((c for c in r.components if c.tp_groups is not None), None)
+            if grouped is not None and grouped.tp_groups is not None:
+                heads, groups, _ = grouped.tp_groups
+                per = groups_per_rank(heads, groups, tp_size) if heads % tp_size == 0 else "?"
+                rule = (
+                    f"groups split ({groups} / {tp_size})"
+                    if groups % tp_size == 0
+                    else f"n_groups {groups} % tp {tp_size} != 0: each rank keeps the {per} group(s) its heads use "
+                    "whole (B and C replicated, vLLM extra_groups_for_head_shards)"
+                )
+                notes.append(f"TP{tp_size}: {r.mixer} heads split; conv B/C {rule}")
+            elif r.mixer == "mamba":
+                notes.append(f"TP{tp_size}: mamba (v1) channels d_inner split across ranks (vLLM MambaMixer)")
+            elif r.mixer in ("gdn", "kda"):
+                notes.append(f"TP{tp_size}: {r.mixer} key and value heads split (conv over q, k, v split by heads)")
+            else:
+                notes.append(f"TP{tp_size}: {r.mixer} heads / channels split across ranks")
+        return notes
 
 
 KV_CACHE_DTYPES: dict[str, tuple[DType, DType | None]] = {
@@ -315,7 +522,44 @@ def with_kv_dtype(model: ModelSpec, kv_dtype: str) -> ModelSpec:
     if key not in KV_CACHE_DTYPES:
         raise SpecError(f"unknown KV cache dtype {kv_dtype!r}: use one of {', '.join(KV_CACHE_DTYPES)}")
     dtype, scale = KV_CACHE_DTYPES[key]
-    layers = tuple(
-        replace(l, dtype=dtype, kv_scale_dtype=scale) if isinstance(l, AttentionLayerSpec) else l for l in model.layers
-    )
-    return replace(model, layers=layers)
+
+    def convert(l: LayerSpec) -> LayerSpec:
+        if isinstance(l, AttentionLayerSpec):
+            return replace(l, dtype=dtype, kv_scale_dtype=scale)
+        if isinstance(l, HybridLayerSpec):
+            return HybridLayerSpec(replace(l.attention, dtype=dtype, kv_scale_dtype=scale), l.recurrent)
+        return l
+
+    sources = tuple((k, v) for k, v in model.dtype_sources if k != "kv") + (("kv", f"{key}: --kv-dtype"),)
+    return replace(model, layers=tuple(map(convert, model.layers)), dtype_sources=sources)
+
+
+CONV_COLUMNS = ("kernel-1", "kernel")
+"""Conv window widths: ``kernel-1`` columns (hybridkv, vLLM, FastDeploy: all a decode reads) or
+``kernel`` (transformers keeps the whole kernel window)."""
+
+
+def with_conv_columns(model: ModelSpec, columns: str) -> ModelSpec:
+    """``model`` with every conv window (components named ``conv*``, last axis = columns) keeping
+    ``columns`` = ``"kernel-1"`` or ``"kernel"`` columns; other components are unchanged."""
+    if columns not in CONV_COLUMNS:
+        raise SpecError(f"conv columns must be one of {', '.join(CONV_COLUMNS)}, got {columns!r}")
+    delta = CONV_COLUMNS.index(columns) - CONV_COLUMNS.index(model.conv_columns)
+    if delta == 0:
+        return model
+
+    def widen(r: RecurrentLayerSpec) -> RecurrentLayerSpec:
+        comps = tuple(
+            replace(c, shape=(*c.shape[:-1], c.shape[-1] + delta)) if c.name.startswith("conv") else c
+            for c in r.components
+        )
+        return replace(r, components=comps)
+
+    def convert(l: LayerSpec) -> LayerSpec:
+        if isinstance(l, RecurrentLayerSpec):
+            return widen(l)
+        if isinstance(l, HybridLayerSpec):
+            return HybridLayerSpec(l.attention, widen(l.recurrent))
+        return l
+
+    return replace(model, layers=tuple(map(convert, model.layers)), conv_columns=columns)

@@ -56,7 +56,11 @@ _BUILDERS: dict[str, Callable[..., RecurrentLayerSpec]] = {
     "rwkv": P.rwkv_layer,
     "gla": P.gla_layer,
     "retention": P.retention_layer,
+    "kda": P.kda_layer,
+    "short_conv": P.short_conv_layer,
+    "rwkv4": P.rwkv4_layer,
 }
+
 
 # ---- hybridkv format ----------------------------------------------------------------------------
 def _attention(table: Any, where: str) -> AttentionLayerSpec:
@@ -129,15 +133,20 @@ def _name(data: Mapping[str, Any], source: str) -> str:
     return name
 
 
-def spec_from_dict(data: Mapping[str, Any], source: str = "spec", state_dtype: DType | str | None = None) -> ModelSpec:
+def spec_from_dict(
+    data: Mapping[str, Any],
+    source: str = "spec",
+    state_dtype: DType | str | None = None,
+    conv_dtype: DType | str | None = None,
+) -> ModelSpec:
     """Build a :class:`ModelSpec` from hybridkv's format, or from a HuggingFace config dict
-    (``state_dtype`` applies to HF configs; a hybridkv spec states its own dtypes).
+    (``state_dtype`` / ``conv_dtype`` apply to HF configs; a hybridkv spec states its own dtypes).
 
     Raises :class:`SpecError` (one line naming the field) for any malformed input.
     """
     data = _table(data, source)
     if "model_type" in data or "architectures" in data:
-        return spec_from_hf_config(data, source, state_dtype)
+        return spec_from_hf_config(data, source, state_dtype, conv_dtype)
     name = _name(data, source)
     layers: list[LayerSpec] = []
     if "layers" in data:
@@ -212,22 +221,30 @@ def read_spec_file(path: str | Path) -> dict[str, Any]:
     return data
 
 
-def load_spec(path: str | Path, state_dtype: DType | str | None = None) -> ModelSpec:
+def load_spec(
+    path: str | Path, state_dtype: DType | str | None = None, conv_dtype: DType | str | None = None
+) -> ModelSpec:
     """Read a model spec from a ``.json`` or ``.toml`` file (hybridkv format or HF ``config.json``),
     or from a model directory holding ``config.json``."""
     p = Path(path)
     source = str(p / "config.json") if p.is_dir() else str(p)
-    return spec_from_dict(read_spec_file(p), source, state_dtype)
+    return spec_from_dict(read_spec_file(p), source, state_dtype, conv_dtype)
 
 
-def resolve_model(name_or_path: str, state_dtype: DType | str | None = None, tp_size: int = 1) -> ModelSpec:
+def resolve_model(
+    name_or_path: str,
+    state_dtype: DType | str | None = None,
+    tp_size: int = 1,
+    conv_dtype: DType | str | None = None,
+) -> ModelSpec:
     """A preset by name, or a spec file / model directory by path; then sharded to ``tp_size``.
 
-    ``state_dtype`` applies to presets and HF configs; a hybridkv spec file states its own dtypes.
+    ``state_dtype`` / ``conv_dtype`` apply to presets and HF configs; a hybridkv spec file states its
+    own dtypes.
     """
     if is_spec_path(name_or_path):
-        return load_spec(name_or_path, state_dtype).shard(tp_size)
-    return P.preset(name_or_path, state_dtype, tp_size)
+        return load_spec(name_or_path, state_dtype, conv_dtype).shard(tp_size)
+    return P.preset(name_or_path, state_dtype, tp_size, conv_dtype)
 
 
 def is_spec_path(name_or_path: str) -> bool:

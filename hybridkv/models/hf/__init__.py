@@ -1,9 +1,16 @@
 """Model specs from HuggingFace ``config.json`` files: one reader module per family.
 
-Each family module has ``read(cfg, where, state_dtype) -> (pattern, attention layer, recurrent
-layer)``; :func:`spec_from_hf_config` picks it by ``model_type`` (:data:`READERS`) and builds the
-:class:`~hybridkv.models.spec.ModelSpec`. Adding a family is a new module here and a line in
-:data:`READERS`.
+Each family module has ``MODEL_TYPES`` and ``read(cfg, where, dtypes) -> layers`` (one layer spec per
+decoder layer; ``dtypes`` is a :class:`~hybridkv.models.hf.common.Dtypes` that records where each
+dtype came from). :func:`spec_from_hf_config` picks the reader by ``model_type`` (:data:`READERS`),
+reads a composite config's ``text_config`` when the outer type has no reader of its own, and builds
+the :class:`~hybridkv.models.spec.ModelSpec`. Adding a family is a new module here and its
+``MODEL_TYPES`` in :data:`FAMILIES`.
+
+Every hybrid or recurrent ``model_type`` of transformers 5.24 either has a reader or is listed in
+:data:`NOT_DESCRIBED` with the reason its cache is not a layout hybridkv describes; any other
+``model_type`` is refused with one line naming it (and the per-layer cache kinds its config
+declares), never guessed.
 """
 
 from __future__ import annotations
@@ -13,54 +20,146 @@ from pathlib import Path
 from typing import Any
 
 from hybridkv.errors import SpecError
-from hybridkv.models import presets as P
 from hybridkv.models.fields import _dtype, _table, _whole
-from hybridkv.models.hf import jamba, mamba2, minimax, nemotron_h, qwen3_next
+from hybridkv.models.hf import (
+    bamba,
+    falcon_h1,
+    granitemoehybrid,
+    jamba,
+    kimi_linear,
+    lfm2,
+    mamba,
+    mamba2,
+    minimax,
+    minimax_m2,
+    nemotron_h,
+    qwen3_next,
+    rwkv,
+    zamba2,
+)
+from hybridkv.models.hf.common import Dtypes
 from hybridkv.models.spec import DType, ModelSpec
 
-# model_type -> reader; a key ending in "*" matches every model_type it starts
-READERS: dict[str, Callable[..., tuple]] = {
-    "minimax*": minimax.read,
-    "qwen3_next": qwen3_next.read,
-    "nemotron_h": nemotron_h.read,
-    "jamba": jamba.read,
-    "mamba2": mamba2.read,
+FAMILIES = (
+    minimax,
+    minimax_m2,
+    qwen3_next,
+    nemotron_h,
+    jamba,
+    mamba,
+    mamba2,
+    bamba,
+    granitemoehybrid,
+    falcon_h1,
+    zamba2,
+    lfm2,
+    kimi_linear,
+    rwkv,
+)
+READERS: dict[str, Callable[..., tuple]] = {mt: fam.read for fam in FAMILIES for mt in fam.MODEL_TYPES}
+"""model_type -> reader."""
+
+_WINDOW = "sliding-window attention (a bounded K/V window, not a token-paged KV group hybridkv describes)"
+NOT_DESCRIBED: dict[str, str] = {
+    "recurrent_gemma": "RecurrentGemma's attention layers keep a ring buffer of the last attention_window_size "
+    "tokens: " + _WINDOW,
+    "xlstm": "xLSTM keeps per-block mLSTM matrix memories that hybridkv has no reader for yet "
+    "(write a hybridkv spec file with its components)",
+    "zamba": "Zamba (v1) has no reader yet: its mamba layers split d_inner into n_mamba_heads "
+    "(write a hybridkv spec file); Zamba2 (zamba2) is read",
+    "lara_mini": "its layer_types mix linear attention with " + _WINDOW,
+    "lfm3": "its layer_types mix conv layers with " + _WINDOW,
+    "dory": "its layer_types hold " + _WINDOW + " and loop layers that re-run with per-loop K/V",
+    "zaya": "its hybrid layers may be sliding-window: " + _WINDOW,
+    "inkling": "its hybrid layers mix a state with " + _WINDOW,
+    "inkling_text": "its hybrid layers mix a state with " + _WINDOW,
+    "inkling2": "its hybrid layers mix a state with " + _WINDOW,
+    "inkling2_text": "its hybrid layers mix a state with " + _WINDOW,
+    "inkling2_loop": "its hybrid layers mix a state with " + _WINDOW,
+    "inkling2_loop_text": "its hybrid layers mix a state with " + _WINDOW,
+    "inkling_mm_model": "its hybrid layers mix a state with " + _WINDOW,
+    "glm5_next": "indexed (DeepSeek sparse) attention keeps indexer keys beside K/V, which hybridkv does not describe",
+    "glm5_next_text": "indexed (DeepSeek sparse) attention keeps indexer keys beside K/V, which hybridkv does not "
+    "describe",
+    "qwen4_exp": "indexed (DeepSeek sparse) attention keeps indexer keys beside K/V, which hybridkv does not describe",
+    "qwen4_exp_text": "indexed (DeepSeek sparse) attention keeps indexer keys beside K/V, which hybridkv does not "
+    "describe",
+    "lfm3_vl": "its text model (lfm3) mixes conv layers with " + _WINDOW,
+    "lfm3_vl_vision": "a vision encoder (its conv layers run once per image), not a decoder with a per-request cache",
+    "bailing_hybrid": "Bailing hybrid's linear-attention state has no reader yet (its MLA and linear layers need "
+    "a spec file)",
 }
+"""model_type -> why hybridkv does not read it (one line each)."""
+
+_CACHE_KEYS = ("layer_types", "layers_block_type", "block_types", "attn_type_list", "hybrid_override_pattern")
 
 
-def _reader(model_type: str) -> Callable[..., tuple] | None:
-    for key, read in READERS.items():
-        if model_type == key or (key.endswith("*") and model_type.startswith(key[:-1])):
-            return read
-    return None
+def _refusal(mt: str, cfg: Mapping[str, Any], source: str) -> SpecError:
+    if mt in NOT_DESCRIBED:
+        return SpecError(f"{source}: HuggingFace model_type {mt!r} is not read: {NOT_DESCRIBED[mt]}")
+    text = cfg.get("text_config")
+    inner = str(text.get("model_type", "")).lower() if isinstance(text, Mapping) else ""
+    if inner in NOT_DESCRIBED:
+        return SpecError(
+            f"{source}: HuggingFace model_type {mt!r} (text model {inner!r}) is not read: {NOT_DESCRIBED[inner]}"
+        )
+    declared = ""
+    for key in _CACHE_KEYS:
+        value = cfg.get(key)
+        if isinstance(value, list | tuple):
+            kinds = sorted({str(v) for v in value})[:6]
+            declared = f" (its {key} names {kinds})"
+            break
+    return SpecError(
+        f"{source}: HuggingFace model_type {mt!r} is not understood{declared}; hybridkv reads "
+        f"{', '.join(sorted(READERS))} - for another model write a hybridkv spec file"
+    )
 
 
 def spec_from_hf_config(
-    cfg: Mapping[str, Any], source: str = "config.json", state_dtype: DType | str | None = None
+    cfg: Mapping[str, Any],
+    source: str = "config.json",
+    state_dtype: DType | str | None = None,
+    conv_dtype: DType | str | None = None,
 ) -> ModelSpec:
-    """A spec from a HuggingFace ``config.json`` of MiniMax-M1/Text-01, Qwen3-Next, Nemotron-H, Jamba or Mamba2.
+    """A spec from a HuggingFace ``config.json`` (as transformers writes it or as the hub holds it).
 
-    Raises :class:`SpecError` for an unsupported ``model_type`` or a missing / malformed field.
+    Dtypes: ``state_dtype`` / ``conv_dtype`` when given; else the config's own keys
+    (``mamba_ssm_cache_dtype``, ``dtype`` / ``torch_dtype``); else what transformers keeps (SSM and
+    delta-net states float32, lightning in the activation dtype, conv and KV in the model dtype). The
+    spec's ``dtype_sources`` say which. Raises :class:`SpecError` (one line naming the file and the
+    model_type or field) for a model_type without a reader or a missing / malformed field.
     """
     cfg = _table(cfg, source)
     mt = str(cfg.get("model_type", "")).lower()
+    text = cfg.get("text_config")
+    if mt not in READERS and isinstance(text, Mapping) and str(text.get("model_type", "")).lower() in READERS:
+        inner = dict(text)
+        for key in ("dtype", "torch_dtype"):
+            inner.setdefault(key, cfg.get(key))
+        return spec_from_hf_config(
+            {**inner, "_name_or_path": cfg.get("_name_or_path")}, f"{source} text_config", state_dtype, conv_dtype
+        )
     where = f"{source} (model_type {mt!r})"
     name = cfg.get("_name_or_path") or mt or Path(source).stem
     name = name if isinstance(name, str) else str(mt or Path(source).stem)
-    dt = _dtype(state_dtype, where) if state_dtype else None
     try:
-        read = _reader(mt)
+        read = READERS.get(mt)
         if read is None:
-            raise SpecError(
-                f"{source}: HuggingFace model_type {mt!r} is not understood; supported: "
-                f"{', '.join(READERS)} - or write a hybridkv spec file"
-            )
-        pattern, attn, rec = read(cfg, where, dt)
+            raise _refusal(mt, cfg, source)
+        dt = Dtypes(
+            cfg,
+            where,
+            _dtype(state_dtype, where) if state_dtype else None,
+            _dtype(conv_dtype, where) if conv_dtype else None,
+        )
+        layers = read(cfg, where, dt)
         hidden = cfg.get("hidden_size")
         return ModelSpec(
             name,
-            P.layers_from_pattern(pattern, attn, rec),
+            tuple(layers),
             hidden_size=None if hidden is None else _whole(hidden, where, "hidden_size"),
+            dtype_sources=tuple(dt.sources.items()),
         )
     except SpecError as e:
         msg = str(e)

@@ -1,4 +1,5 @@
-"""Shared readers of HuggingFace ``config.json`` fields: attention, layer counts, per-layer types."""
+"""Shared readers of HuggingFace ``config.json`` fields: dtypes and where they came from, attention,
+layer counts, per-layer types in every vocabulary transformers and the hub use."""
 
 from __future__ import annotations
 
@@ -6,20 +7,75 @@ from collections.abc import Mapping
 from typing import Any
 
 from hybridkv.errors import SpecError
-from hybridkv.models.fields import MAX_LAYERS, _field, _list, _whole
+from hybridkv.models.fields import MAX_LAYERS, _dtype, _field, _list, _whole
 from hybridkv.models.spec import AttentionLayerSpec, DType
 
+HF_SSM = "transformers keeps SSM / delta-net states in float32 whatever the model dtype"
 
-def _hf_attention(cfg: Mapping[str, Any], where: str) -> AttentionLayerSpec:
+
+class Dtypes:
+    """The dtype of each cache component of one config, and a line saying where each came from.
+
+    ``model``: the config's ``dtype`` / ``torch_dtype`` (bfloat16, said so, when it gives none).
+    ``state`` / ``conv``: the caller's overrides (``--state-dtype``, ``--conv-dtype``).
+    """
+
+    def __init__(self, cfg: Mapping[str, Any], where: str, state: DType | None = None, conv: DType | None = None):
+        key = "dtype" if cfg.get("dtype") is not None else "torch_dtype"
+        raw = cfg.get(key)
+        if raw is None:
+            self.model, self.model_source = DType.BFLOAT16, "bfloat16 assumed (the config names no dtype)"
+        else:
+            self.model = _dtype(raw, f"{where}: {key}")
+            self.model_source = f"the model dtype (config {key} {self.model.value})"
+        self.cfg, self.where, self.state_override, self.conv_override = cfg, where, state, conv
+        self.sources: dict[str, str] = {}
+
+    def _note(self, key: str, dtype: DType, why: str) -> DType:
+        self.sources.setdefault(key, f"{dtype.value}: {why}")
+        return dtype
+
+    def kv(self) -> DType:
+        return self._note("kv", self.model, self.model_source)
+
+    def conv(self, mixer: str) -> DType:
+        if self.conv_override is not None:
+            return self._note(f"{mixer}.conv", self.conv_override, "--conv-dtype")
+        return self._note(f"{mixer}.conv", self.model, self.model_source)
+
+    def ssm(self, mixer: str, component: str = "ssm") -> DType:
+        """SSM / delta-net state: the override, else the config's cache dtype key, else float32 (HF)."""
+        if self.state_override is not None:
+            return self._note(f"{mixer}.{component}", self.state_override, "--state-dtype")
+        for key in ("mamba_ssm_cache_dtype", "mamba_ssm_dtype"):
+            if self.cfg.get(key) not in (None, "auto"):
+                return self._note(
+                    f"{mixer}.{component}", _dtype(self.cfg[key], f"{self.where}: {key}"), f"config {key}"
+                )
+        return self._note(f"{mixer}.{component}", DType.FLOAT32, HF_SSM)
+
+    def activation(self, mixer: str, component: str) -> DType:
+        """A state transformers keeps in the activation dtype (MiniMax's lightning ``kv``)."""
+        if self.state_override is not None:
+            return self._note(f"{mixer}.{component}", self.state_override, "--state-dtype")
+        return self._note(f"{mixer}.{component}", self.model, "the activation dtype, as transformers keeps it")
+
+    def fixed(self, mixer: str, component: str, dtype: DType, why: str) -> DType:
+        return self._note(f"{mixer}.{component}", dtype, why)
+
+
+def _hf_attention(
+    cfg: Mapping[str, Any], where: str, dt: Dtypes, head_dim_keys: tuple[str, ...] = ("head_dim", "attention_head_dim")
+) -> AttentionLayerSpec:
     heads = _field(cfg, "num_attention_heads", where)
-    hd = cfg.get("head_dim") or cfg.get("attention_head_dim")
+    hd = next((cfg[k] for k in head_dim_keys if cfg.get(k) is not None), None)
     if hd is None:
         hidden = _field(cfg, "hidden_size", where)
         if hidden % heads:
             raise SpecError(f"{where}: hidden_size {hidden} is not a multiple of num_attention_heads {heads}")
         hd = hidden // heads
     kv = _field(cfg, "num_key_value_heads", where, default=heads)
-    return AttentionLayerSpec(kv, _whole(hd, where, "head_dim"), DType.BFLOAT16, heads)
+    return AttentionLayerSpec(kv, _whole(hd, where, "head_dim"), dt.kv(), heads)
 
 
 def _num_layers(cfg: Mapping[str, Any], where: str) -> int:
@@ -29,8 +85,68 @@ def _num_layers(cfg: Mapping[str, Any], where: str) -> int:
     return n
 
 
-def _hf_types(cfg: Mapping[str, Any], key: str, n: int, where: str) -> list[Any]:
+def _hf_types(cfg: Mapping[str, Any], key: str, n: int | None, where: str) -> list[Any]:
     types = _list(cfg[key], f"{where}: {key}")
-    if len(types) != n:
+    if n is not None and len(types) != n:
         raise SpecError(f"{where}: {key} has {len(types)} entries, num_hidden_layers is {n}")
+    if len(types) > MAX_LAYERS:
+        raise SpecError(f"{where}: {key} has {len(types):,} entries: not a model this planner expands")
     return types
+
+
+# Per-layer type names seen in transformers 5 configs and on the hub, -> A (attention), R (recurrent),
+# H (attention and state in one layer), - (no cache)
+LAYER_TYPE_CODES = {
+    "full_attention": "A",
+    "attention": "A",
+    "linear_attention": "R",
+    "mamba": "R",
+    "mamba2": "R",
+    "conv": "R",
+    "hybrid": "H",
+    "mlp": "-",
+    "moe": "-",
+}
+NOT_DESCRIBED = {
+    "sliding_attention": "sliding-window attention keeps a bounded window of K/V, which hybridkv's token-paged "
+    "KV group does not describe",
+    "hybrid_sliding": "sliding-window attention keeps a bounded window of K/V, which hybridkv's token-paged "
+    "KV group does not describe",
+    "chunked_attention": "chunked attention keeps a bounded window of K/V, which hybridkv does not describe",
+    "indexed_attention": "indexed (DeepSeek sparse) attention keeps indexer keys beside K/V, which hybridkv does "
+    "not describe",
+}
+
+
+def layer_codes(types: list[Any], key: str, where: str, allowed: str = "ARH-") -> str:
+    """``types`` (strings) as a pattern of A/R/H/-; a type hybridkv does not describe is one clear error."""
+    out = []
+    for i, t in enumerate(types):
+        if isinstance(t, str) and t in NOT_DESCRIBED:
+            raise SpecError(f"{where}: {key}[{i}] is {t!r}: {NOT_DESCRIBED[t]}")
+        code = LAYER_TYPE_CODES.get(t) if isinstance(t, str) else None
+        if code is None or code not in allowed:
+            names = sorted(k for k, v in LAYER_TYPE_CODES.items() if v in allowed)
+            raise SpecError(f"{where}: {key}[{i}] is {t!r}: this family's layer types are {names}")
+        out.append(code)
+    return "".join(out)
+
+
+def pattern_from(
+    cfg: Mapping[str, Any], where: str, keys: tuple[str, ...], allowed: str = "ARH-", n: int | None = None
+) -> str | None:
+    """The layer pattern from the first of ``keys`` the config has (a list of type names), or None."""
+    for key in keys:
+        if cfg.get(key) is not None:
+            return layer_codes(_hf_types(cfg, key, n, where), key, where, allowed)
+    return None
+
+
+def positive(cfg: Mapping[str, Any], key: str, where: str, default: Any = None, minimum: int = 1) -> int:
+    """An integer field, ``default`` when absent or null (``"auto"`` also means the default)."""
+    value = cfg.get(key)
+    if value is None or value == "auto":
+        if default is None:
+            raise SpecError(f"{where}: needs {key!r}")
+        return default
+    return _whole(value, where, key, minimum)

@@ -1,37 +1,37 @@
-"""Qwen3-Next (``model_type`` ``qwen3_next``): Gated DeltaNet layers with full attention every
-``full_attention_interval`` layers (``layer_types`` when the config gives it)."""
+"""Gated DeltaNet hybrids: Qwen3-Next (``qwen3_next``), Qwen3.5 dense and MoE (``qwen3_5_text``,
+``qwen3_5_moe_text``; the multimodal ``qwen3_5`` / ``qwen3_5_moe`` through their ``text_config``)
+and OLMo Hybrid (``olmo_hybrid``). GDN layers and full attention in the order of ``layer_types``,
+else full attention every ``full_attention_interval`` layers. State per GDN layer:
+``ssm [value_heads, key_dim, value_dim]`` (float32 in transformers) + one conv window over q, k, v."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any
 
-from hybridkv.errors import SpecError
 from hybridkv.models import presets as P
 from hybridkv.models.fields import _field
-from hybridkv.models.hf.common import _hf_attention, _hf_types, _num_layers
-from hybridkv.models.spec import AttentionLayerSpec, DType, RecurrentLayerSpec
+from hybridkv.models.hf.common import Dtypes, _hf_attention, _num_layers, pattern_from
+from hybridkv.models.spec import LayerSpec
+
+MODEL_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "olmo_hybrid")
 
 
-def read(cfg: Mapping[str, Any], where: str, dt: DType | None) -> tuple[str, AttentionLayerSpec, RecurrentLayerSpec]:
-    """(layer pattern, attention layer, GDN layer) of a Qwen3-Next config."""
+def read(cfg: Mapping[str, Any], where: str, dt: Dtypes) -> tuple[LayerSpec, ...]:
+    """The layers of a GDN hybrid config."""
     n = _num_layers(cfg, where)
-    if "layer_types" in cfg:
-        types = _hf_types(cfg, "layer_types", n, where)
-        allowed = ("full_attention", "linear_attention")
-        if any(t not in allowed for t in types):
-            raise SpecError(f"{where}: layer_types entries must be one of {list(allowed)}")
-        pattern = "".join("A" if t == "full_attention" else "R" for t in types)
-    else:
+    pattern = pattern_from(cfg, where, ("layer_types",), "AR", n)
+    if pattern is None:
         k = _field(cfg, "full_attention_interval", where, default=4)
         pattern = "".join("A" if (i + 1) % k == 0 else "R" for i in range(n))
-    attn = _hf_attention(cfg, where)
+    attn = _hf_attention(cfg, where, dt)
     rec = P.gdn_layer(
         _field(cfg, "linear_num_key_heads", where),
         _field(cfg, "linear_num_value_heads", where),
         _field(cfg, "linear_key_head_dim", where),
         _field(cfg, "linear_value_head_dim", where),
         _field(cfg, "linear_conv_kernel_dim", where, minimum=2),
-        dt or DType.BFLOAT16,
+        dt.ssm("gdn"),
+        dt.conv("gdn"),
     )
-    return pattern, attn, rec
+    return P.layers_from_pattern(pattern, attn, rec)

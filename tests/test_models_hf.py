@@ -1,0 +1,314 @@
+"""The HF readers against transformers itself (the oracle): for each family a tiny model is built
+from its config class with random weights (bf16, CPU), run for a short prefill and one decode, and
+the cache tensors transformers keeps per layer are compared with what ``load_spec`` reads from the
+``config.json`` that transformers wrote: layer kinds, component shapes (conv with ``kernel - 1``
+columns here, ``kernel`` in transformers) and dtypes.
+
+Skips (with the reason) when transformers or torch is not installed: ``pip install 'hybridkv[tests]'``.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="the HF oracle tests need torch (pip install 'hybridkv[torch]')")
+transformers = pytest.importorskip(
+    "transformers", reason="the HF oracle tests need transformers==5.24.0 (pip install 'hybridkv[tests]')"
+)
+
+from hybridkv.errors import SpecError  # noqa: E402
+from hybridkv.models.hf import NOT_DESCRIBED, READERS, spec_from_hf_config  # noqa: E402
+from hybridkv.models.spec import (  # noqa: E402
+    AttentionLayerSpec,
+    HybridLayerSpec,
+    NoCacheLayerSpec,
+    RecurrentLayerSpec,
+    with_conv_columns,
+)
+from hybridkv.models.spec_file import load_spec  # noqa: E402
+
+PINNED = "5.24.0"
+BASE = dict(vocab_size=128, hidden_size=64, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2)
+GDN = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=16)
+MAMBA = dict(mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=2, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2)
+MOE = dict(num_experts=2, num_experts_per_tok=1, moe_intermediate_size=32)
+# model_type -> tiny config kwargs (2-4 layers, hidden 64)
+CASES: dict[str, dict] = {
+    "mamba": dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, state_size=8, expand=2, conv_kernel=4),
+    "falcon_mamba": dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, state_size=8, expand=2, conv_kernel=4),
+    "mamba2": dict(
+        vocab_size=128,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_heads=8,
+        head_dim=16,
+        state_size=8,
+        n_groups=2,
+        conv_kernel=4,
+        expand=2,
+    ),
+    "jamba": dict(
+        BASE,
+        num_hidden_layers=4,
+        attn_layer_period=2,
+        attn_layer_offset=1,
+        mamba_d_state=8,
+        mamba_d_conv=4,
+        mamba_expand=2,
+        mamba_dt_rank=8,
+        num_experts=2,
+        num_experts_per_tok=1,
+        expert_layer_period=2,
+        expert_layer_offset=1,
+    ),
+    "nemotron_h": dict(
+        BASE,
+        layers_block_type=["linear_attention", "mlp", "full_attention", "moe"],
+        head_dim=16,
+        mamba_num_heads=8,
+        mamba_head_dim=16,
+        ssm_state_size=8,
+        n_groups=2,
+        conv_kernel=4,
+        n_routed_experts=2,
+        num_experts_per_tok=1,
+        moe_intermediate_size=32,
+        moe_shared_expert_intermediate_size=32,
+    ),
+    "qwen3_next": dict(
+        BASE,
+        num_hidden_layers=4,
+        head_dim=16,
+        linear_conv_kernel_dim=4,
+        shared_expert_intermediate_size=32,
+        **GDN,
+        **MOE,
+    ),  # noqa: E501
+    "qwen3_5_text": dict(BASE, num_hidden_layers=4, head_dim=16, linear_conv_kernel_dim=4, **GDN),
+    "qwen3_5_moe_text": dict(
+        BASE,
+        num_hidden_layers=4,
+        head_dim=16,
+        linear_conv_kernel_dim=4,
+        shared_expert_intermediate_size=32,
+        **GDN,
+        **MOE,
+    ),
+    "olmo_hybrid": dict(BASE, num_hidden_layers=4, linear_conv_kernel_dim=4, **GDN),
+    "minimax": dict(
+        BASE,
+        num_hidden_layers=4,
+        head_dim=16,
+        num_local_experts=2,
+        num_experts_per_tok=1,
+        layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+    ),
+    "minimax_m2": dict(BASE, num_hidden_layers=2, head_dim=16, num_local_experts=2, num_experts_per_tok=1),
+    "bamba": dict(BASE, num_hidden_layers=3, attn_layer_indices=[1], **MAMBA),
+    "granitemoehybrid": dict(
+        BASE,
+        num_hidden_layers=3,
+        layer_types=["mamba", "attention", "mamba"],
+        num_local_experts=2,
+        num_experts_per_tok=1,
+        shared_intermediate_size=32,
+        **MAMBA,
+    ),
+    "falcon_h1": dict(BASE, num_hidden_layers=2, head_dim=16, mamba_d_ssm=128, **MAMBA),
+    "zamba2": dict(
+        BASE,
+        num_hidden_layers=4,
+        layers_block_type=["mamba", "hybrid", "mamba", "hybrid"],
+        mamba_d_state=8,
+        mamba_d_conv=4,
+        mamba_expand=2,
+        mamba_ngroups=2,
+        n_mamba_heads=8,
+        num_mem_blocks=1,
+        adapter_rank=8,
+    ),
+    "lfm2": dict(BASE, num_hidden_layers=3, layer_types=["conv", "full_attention", "conv"], conv_L_cache=3),
+    "lfm2_moe": dict(
+        BASE,
+        num_hidden_layers=3,
+        layer_types=["conv", "full_attention", "conv"],
+        conv_L_cache=3,
+        num_dense_layers=1,
+        **MOE,
+    ),
+    "kimi_linear": dict(
+        BASE,
+        num_hidden_layers=4,
+        num_key_value_heads=4,
+        kv_lora_rank=16,
+        q_lora_rank=None,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=16,
+        v_head_dim=12,
+        linear_head_dim=8,
+        linear_num_heads=4,
+        linear_conv_kernel_dim=4,
+        layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+        **MOE,
+    ),
+    "rwkv": dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, attention_hidden_size=64, intermediate_size=64),
+}
+
+
+def _quiet():
+    transformers.utils.logging.set_verbosity_error()
+    warnings.filterwarnings("ignore")
+
+
+def _run_tiny(model_type: str, tmp: Path) -> tuple[list[dict], Path]:
+    """Per decoder layer, what transformers keeps after a 5-token prefill and one decode:
+    ``{"k": (heads, width, dtype), "v": ..., "conv": [(shape, dtype)], "state": [(shape, dtype)]}``
+    (shapes without the batch axis); and the directory of the config.json transformers wrote."""
+    _quiet()
+    cfg = transformers.CONFIG_MAPPING[model_type](pad_token_id=0, **CASES[model_type])
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
+    model.config.save_pretrained(tmp)
+    ids = torch.randint(1, 100, (1, 5))
+    with torch.no_grad():
+        out = model(ids, use_cache=True)
+        if model_type == "rwkv":
+            out = model(ids[:, :1], state=out.state, use_cache=True)
+            state = out.state  # five [batch, hidden, layers] tensors
+            n = cfg.num_hidden_layers
+            return [{"state": [(tuple(s[0, :, i].shape), s.dtype) for s in state]} for i in range(n)], tmp
+        cache = out.past_key_values
+        cache = model(ids[:, :1], past_key_values=cache, use_cache=True).past_key_values
+    layers = []
+    linear = getattr(cache, "linear_cache", None)  # MiniMaxCache keeps lightning states beside its layers
+    for i, layer in enumerate(cache.layers):
+        d: dict = {}
+        keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
+        if torch.is_tensor(keys):
+            d["k"] = (keys.shape[1], keys.shape[3], keys.dtype)
+            d["v"] = (values.shape[1], values.shape[3], values.dtype)
+        for name, attr in (("conv", "conv_states"), ("state", "recurrent_states")):
+            ts = getattr(layer, attr, None)
+            ts = list(ts.values()) if isinstance(ts, dict) else ts
+            if ts:
+                d[name] = [(tuple(t.shape[1:]), t.dtype) for t in ts if torch.is_tensor(t)]
+        if linear and i < len(linear) and torch.is_tensor(linear[i]):
+            d["state"] = [(tuple(linear[i].shape[1:]), linear[i].dtype)]
+        layers.append({k: v for k, v in d.items() if v})
+    return layers, tmp
+
+
+def _torch(dtype) -> torch.dtype:
+    return getattr(torch, dtype.value)
+
+
+def _expected(layer) -> dict:
+    """What a hybridkv layer spec says transformers keeps (conv with kernel columns)."""
+    out: dict = {}
+    attn = layer.attention if isinstance(layer, HybridLayerSpec) else layer
+    rec = layer.recurrent if isinstance(layer, HybridLayerSpec) else layer
+    if isinstance(attn, AttentionLayerSpec):
+        out["k"] = (attn.num_kv_heads, attn.head_dim, _torch(attn.dtype))
+        out["v"] = (attn.num_kv_heads, attn.value_head_dim, _torch(attn.dtype))
+    if isinstance(rec, RecurrentLayerSpec):
+        conv = [(c.shape, _torch(c.dtype)) for c in rec.components if c.name.startswith("conv")]
+        state = [(c.shape, _torch(c.dtype)) for c in rec.components if not c.name.startswith("conv")]
+        if conv:
+            out["conv"] = conv
+        if state:
+            out["state"] = state
+    return out
+
+
+@pytest.mark.parametrize("model_type", sorted(CASES))
+def test_load_spec_matches_the_cache_transformers_keeps(model_type, tmp_path):
+    hf, path = _run_tiny(model_type, tmp_path)
+    spec = load_spec(path)
+    assert len(spec.layers) == len(hf)
+    kernel = with_conv_columns(spec, "kernel")
+    for i, (ours, theirs) in enumerate(zip(kernel.layers, hf, strict=True)):
+        if isinstance(ours, NoCacheLayerSpec):
+            assert theirs == {}, f"layer {i}: transformers keeps {theirs}, the spec says nothing"
+            continue
+        exp = _expected(ours)
+        if model_type == "rwkv":  # transformers keeps the five vectors in one order: shifts, num, den, max
+            exp = {"state": exp["state"]}
+        assert exp == theirs, f"{model_type} layer {i}"
+    # hybridkv keeps one conv column fewer than transformers, and says so
+    for (_, a), (_, b) in zip(spec.recurrent_layers(), kernel.recurrent_layers(), strict=True):
+        for ca, cb in zip(a.components, b.components, strict=True):
+            assert ca.shape[:-1] == cb.shape[:-1]
+            assert ca.shape[-1] == cb.shape[-1] - (1 if ca.name.startswith("conv") else 0)
+    assert dict(spec.dtype_sources), "every read names where its dtypes came from"
+
+
+def test_the_oracle_can_fail(tmp_path):
+    """A reader that kept the conv kernel columns, or the SSM in bf16, would be caught."""
+    hf, path = _run_tiny("mamba2", tmp_path)
+    spec = load_spec(path, state_dtype="bfloat16")
+    assert _expected(with_conv_columns(spec, "kernel").layers[0]) != hf[0]
+    assert _expected(load_spec(path).layers[0]) != hf[0]  # kernel-1 columns are not what HF keeps
+
+
+def _hybrid_or_recurrent_types() -> dict[str, dict]:
+    """Every model_type of the installed transformers whose default config declares a recurrent,
+    conv or hybrid layer (layer_types / layers_block_type / block_types), or whose modeling keeps
+    a recurrent state without declaring it."""
+    _quiet()
+    out = {}
+    own = {"mamba", "falcon_mamba", "mamba2", "rwkv", "xlstm", "recurrent_gemma", "falcon_h1", "bamba", "zamba"}
+    own |= {"lfm2", "lfm2_moe", "minimax_m2", "jamba"}  # default configs that list no recurrent layer
+    for mt in sorted(transformers.CONFIG_MAPPING.keys()):
+        try:
+            cfg = transformers.CONFIG_MAPPING[mt]()
+        except Exception:  # noqa: BLE001 - a config class that needs arguments is not a decoder we read
+            continue
+        d = cfg.to_dict()
+        text = d.get("text_config") if isinstance(d.get("text_config"), dict) else d
+        kinds = set()
+        for key in ("layer_types", "layers_block_type", "block_types"):
+            if isinstance(text.get(key), list):
+                kinds |= {str(v) for v in text[key]}
+        if mt in own or kinds & {"linear_attention", "conv", "hybrid", "hybrid_sliding", "mamba", "recurrent"}:
+            out[mt] = d
+    return out
+
+
+def test_every_hybrid_or_recurrent_model_type_reads_or_says_why():
+    if transformers.__version__ != PINNED:
+        pytest.skip(f"the model_type list is that of transformers {PINNED}, installed {transformers.__version__}")
+    found = _hybrid_or_recurrent_types()
+    issue = {"mamba", "falcon_h1", "granitemoehybrid", "bamba", "zamba2", "lfm2", "qwen3_5_text", "kimi_linear"}
+    assert issue | {"olmo_hybrid", "falcon_mamba", "qwen3_5", "qwen3_5_moe", "lfm2_moe", "zamba", "rwkv"} <= set(found)
+    read, refused = [], []
+    for mt, d in found.items():
+        try:
+            spec = spec_from_hf_config(d, f"{mt}/config.json")
+        except SpecError as e:
+            msg = str(e)
+            assert len(msg.splitlines()) == 1 and repr(mt) in msg or "text_config" in msg, msg
+            inner = str((d.get("text_config") or {}).get("model_type", ""))
+            if mt in CASES:  # a reader's family: its default config lacks the layer kinds, and says which key
+                assert "needs 'layer_types'" in msg, msg
+                continue
+            assert mt in NOT_DESCRIBED or inner in NOT_DESCRIBED, f"{mt} refused without a listed reason: {msg}"
+            refused.append(mt)
+        else:
+            assert spec.recurrent_layer_ids or spec.attention_layer_ids
+            read.append(mt)
+    assert set(CASES) - {"lfm2_moe"} <= set(read)
+    assert {"recurrent_gemma", "xlstm", "zamba"} <= set(refused)
+
+
+@pytest.mark.parametrize("model_type", ["llama4_hybrid_next", "mamba3"])
+def test_a_model_type_added_later_is_one_clear_line(model_type):
+    cfg = {"model_type": model_type, "num_hidden_layers": 2, "layer_types": ["linear_attention", "full_attention"]}
+    with pytest.raises(SpecError) as e:
+        spec_from_hf_config(cfg)
+    msg = str(e.value)
+    assert len(msg.splitlines()) == 1 and f"model_type {model_type!r} is not understood" in msg
+    assert "linear_attention" in msg  # it names what the config declares, never guesses a layout
+    assert model_type not in READERS
