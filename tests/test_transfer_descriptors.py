@@ -12,7 +12,14 @@ from hybridkv.blockmgr.layout import plan
 from hybridkv.blockmgr.manager import HybridBlockManager
 from hybridkv.blockmgr.presets import preset
 from hybridkv.blockmgr.transfer_plans import RequestBlocks
-from hybridkv.transfer import PoolRegions, TransferError, pair_descriptors, request_descriptors
+from hybridkv.transfer import (
+    PoolRegions,
+    TransferError,
+    check_compatible,
+    layout_signature,
+    pair_descriptors,
+    request_descriptors,
+)
 from hybridkv.transfer.loopback import copy_pairs, covered_mask, regions_of_array, sha256
 from hybridkv.transfer.testing import mini_layout, mini_mamba2, mini_minimax, reference_bytes, seeded_pool
 
@@ -178,10 +185,11 @@ def test_ops_pools_regions_match_the_numpy_rule(framework):
 
 
 def test_minimax_m1_tp8_32k_counts():
-    """The figures docs/transfer.md quotes: 195 MiB per request either way; descriptors by fragmentation."""
+    """The figures docs/transfer.md quotes: 195 MiB per request either way; descriptors by fragmentation
+    (lightning state in float32, as the page says: the figures do not follow the preset's default)."""
     counts = {}
     for kind in ("paged", "padded"):
-        layout = plan(preset("minimax-m1", tp_size=8), 8 << 30, layout=kind)
+        layout = plan(preset("minimax-m1", state_dtype="float32", tp_size=8), 8 << 30, layout=kind)
         n = layout.footprint(32768).num_blocks
         regions = PoolRegions.contiguous(layout, 1 << 40)
         run = blocks_of(layout, range(1, n + 1), 32768)
@@ -226,3 +234,74 @@ def test_docs_transfer_python_snippet_runs_as_written(tmp_path):
         proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0, proc.stderr
         assert "descriptors," in proc.stdout
+
+
+def _model(kv_dtype="bfloat16", ssm_dtype="bfloat16", name="mini-mamba2"):
+    from hybridkv.blockmgr.presets import layers_from_pattern, mamba2_layer
+    from hybridkv.blockmgr.spec import AttentionLayerSpec, ModelSpec, with_kv_dtype
+
+    m2 = mamba2_layer(num_heads=2, head_dim=4, d_state=4, n_groups=1, conv_kernel=4, ssm_dtype=ssm_dtype)
+    model = ModelSpec(name, layers_from_pattern("MMAMMA", AttentionLayerSpec(1, 8), m2))
+    return with_kv_dtype(model, kv_dtype)
+
+
+@pytest.mark.parametrize(
+    ("here", "peer", "expect"),
+    [
+        (dict(kv_dtype="bfloat16"), dict(kv_dtype="float16"), r"dtype: here 'bfloat16', peer 'float16'"),
+        (dict(kv_dtype="int8"), dict(kv_dtype="fp8"), r"dtype: here 'int8', peer 'float8_e4m3fn'"),
+        (
+            dict(ssm_dtype="bfloat16"),
+            dict(ssm_dtype="float16"),
+            r"components\[0\]\.dtype: here 'bfloat16', peer 'float16'",
+        ),
+        (dict(kv_dtype="fp8"), dict(kv_dtype="block_wise_fp8"), r"kv_scale_dtype: here None, peer 'float32'"),
+    ],
+    ids=["kv-bf16-vs-fp16", "kv-int8-vs-fp8", "state-bf16-vs-fp16", "kv-scales"],
+)
+def test_layout_signature_covers_every_kv_and_state_dtype(here, peer, expect):
+    """Same model name, same byte sizes, another element type: every path that meets a peer's layout
+    refuses it and names the difference (the peer would read every byte as the wrong type)."""
+    a = mini_layout(_model(**here), 60)
+    b = mini_layout(_model(**peer), 60)
+    assert layout_signature(a) != layout_signature(b)
+    with pytest.raises(TransferError, match=expect):
+        check_compatible(a, layout_signature(b))
+    with pytest.raises(TransferError, match=expect):
+        PoolRegions.from_wire(a, PoolRegions.contiguous(b, 1 << 32).to_wire())
+    n = a.footprint(10).num_blocks
+    blocks = blocks_of(a, range(1, n + 1), 10)
+    with pytest.raises(TransferError, match="dtype"):
+        pair_descriptors(PoolRegions.contiguous(a, 0), blocks, PoolRegions.contiguous(b, 0), blocks)
+    check_compatible(a, layout_signature(mini_layout(_model(**here), 90)))  # only the block count differs: fine
+
+
+def test_layout_signature_names_the_layout_kind_and_survives_the_wire():
+    import json
+
+    paged, padded = mini_layout(mini_mamba2(), 60), mini_layout(mini_mamba2(), 60, "padded")
+    with pytest.raises(TransferError, match="layout_kind: here 'paged', peer 'padded'"):
+        check_compatible(paged, layout_signature(padded))
+    check_compatible(paged, json.loads(json.dumps(layout_signature(paged))))  # JSON round trip compares equal
+    with pytest.raises(TransferError, match="not a mapping"):
+        check_compatible(paged, ["not", "a", "signature"])
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "expect"),
+    [
+        ("plane_region", [[0, 3], [0, 0]], "plane_region names regions"),
+        ("plane_offset", [[0, 0], [0, 1 << 40]], "does not fit in its region"),
+        ("plane_region", [[0, 0]], "shape"),
+        ("num_blocks", 10**6, "does not fit in its region"),
+        ("num_blocks", "7", "must be an integer"),
+        ("regions", [[0, 10, 0, "HBM"]], "unknown memory kind"),
+        ("regions", [[0, 10]], "region 0 must be"),
+    ],
+)
+def test_a_malformed_pool_message_is_refused(field, value, expect):
+    layout = mini_layout(mini_mamba2(), 60)
+    wire = PoolRegions.contiguous(layout, 1 << 32).to_wire()
+    wire[field] = value
+    with pytest.raises(TransferError, match=expect):
+        PoolRegions.from_wire(layout, wire)

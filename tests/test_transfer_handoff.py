@@ -1,13 +1,20 @@
 """The hand-off flows in one process (loopback engine): both directions, and every failure settles its plan."""
 
+import gc
+import json
+import weakref
+
+import numpy as np
 import pytest
 
 from hybridkv.blockmgr.errors import RequestStateError
 from hybridkv.blockmgr.manager import HybridBlockManager
 from hybridkv.transfer import TransferError, TransferTimeoutError
 from hybridkv.transfer.handoff import (
+    BlocksMessage,
     finish_export,
     finish_import,
+    notification_for,
     offer_request,
     pull_request,
     push_request,
@@ -94,3 +101,102 @@ def test_failures_settle_every_plan(sides):
     src_m.check_integrity()
     dst_m.check_integrity()
     other.check_integrity()
+
+
+def _edited(offer, edit):
+    msg = json.loads(offer)
+    edit(msg)
+    return json.dumps(msg).encode()
+
+
+MALFORMED = {
+    "plane_region names a missing region": lambda m: m["pool"].__setitem__("plane_region", [[0, 7], [0, 0]]),
+    "a plane past its region": lambda m: m["pool"]["regions"][0].__setitem__(1, 64),
+    "ids past the peer's pool": lambda m: m["blocks"]["kv_blocks"].__setitem__(0, 10**6),
+    "the null block": lambda m: m["blocks"]["kv_blocks"].__setitem__(0, 0),
+    "a KV block too few": lambda m: m["blocks"]["kv_blocks"].pop(),
+    "an id twice": lambda m: m["blocks"]["kv_blocks"].__setitem__(1, m["blocks"]["kv_blocks"][0]),
+    "a float id": lambda m: m["blocks"]["kv_blocks"].__setitem__(0, 1.5),
+    "no pool": lambda m: m.pop("pool"),
+    "a list request id": lambda m: m.__setitem__("request_id", ["r"]),
+    "another layout": lambda m: m["pool"]["signature"].__setitem__("block_size", 8),
+}
+
+
+@pytest.mark.parametrize("what", list(MALFORMED))
+def test_a_malformed_offer_is_refused_before_anything_is_reserved(sides, what):
+    layout, src_m, dst_m, src, dst, a, b = sides
+    before = books(dst_m)
+    _, offer = offer_request(src_m, a.pool, "r")
+    with pytest.raises(TransferError):
+        pull_request(dst_m, b, "prefill", _edited(offer, MALFORMED[what]), timeout_s=1.0)
+    assert books(dst_m) == before and not a.take_notification("decode", notification_for("r"))
+    dst_m.check_integrity()
+    with pytest.raises(TransferError, match="not JSON"):
+        pull_request(dst_m, b, "prefill", b"{not json", timeout_s=1.0)
+    assert books(dst_m) == before
+
+
+class _Crashing(LoopbackEngine):
+    """An engine whose READ fails with something other than a TransferError (a bug, a driver error)."""
+
+    def read(self, peer, pairs, remote, notification, timeout_s):
+        raise IndexError("a driver error half-way")
+
+
+def test_any_exception_of_the_engine_aborts_the_import(sides):
+    layout, src_m, dst_m, src, dst, a, b = sides
+    before = books(dst_m)
+    crashing = _Crashing("crashing", b.pool, a.hub)
+    crashing.connect(lambda _: b"prefill")
+    _, offer = offer_request(src_m, a.pool, "r")
+    with pytest.raises(IndexError, match="half-way"):
+        pull_request(dst_m, crashing, "prefill", offer, timeout_s=1.0)
+    assert books(dst_m) == before and "r" not in dst_m.requests
+    dst_m.check_integrity()
+
+
+def test_int_and_str_ids_never_share_a_notification():
+    assert notification_for(5) != notification_for("5")
+    assert notification_for(np.int64(5)) == notification_for(5)
+    with pytest.raises(TypeError, match="str or an int"):
+        notification_for(("a", 1))
+
+
+def test_request_ids_that_cannot_travel_are_refused_before_the_export(sides):
+    layout, src_m, dst_m, src, dst, a, b = sides
+    src_m.allocate(("t", 1), 5)
+    with pytest.raises(TypeError, match="str or an int"):
+        offer_request(src_m, a.pool, ("t", 1))
+    src_m.append(("t", 1), 1)  # not pinned: it runs on
+    src_m.allocate(np.int64(9), 5)
+    _, offer = offer_request(src_m, a.pool, np.int64(9))  # numpy integers travel as int
+    assert BlocksMessage.from_bytes(offer).request_id == 9
+    src_m.check_integrity()
+
+
+def test_a_registered_pool_lives_as_long_as_its_engine():
+    layout = mini_layout(mini_mamba2(), 40)
+    pool = seeded_pool(layout, 1)
+    expected, ref = pool.copy(), weakref.ref(pool)
+    engine = LoopbackEngine("owner", regions_of_array(layout, pool), LoopbackHub())
+    del pool
+    gc.collect()
+    assert ref() is not None, "the engine registered this memory: it must keep it alive"
+    assert np.array_equal(ref(), expected)
+    engine.close()
+    del engine
+    gc.collect()
+    assert ref() is None  # and lets it go once it is closed and dropped
+
+
+def test_descriptors_into_memory_the_peer_did_not_register_are_refused(sides):
+    layout, src_m, dst_m, src, dst, a, b = sides
+    before = books(dst_m)
+    stranger = seeded_pool(layout, 3)  # a pool of this process that no engine registered
+    _, offer = offer_request(src_m, a.pool, "r")
+    region = [stranger.ctypes.data, stranger.nbytes, 0, "DRAM"]
+    forged = _edited(offer, lambda m: m["pool"].__setitem__("regions", [region]))
+    with pytest.raises(TransferError, match="did not register"):
+        pull_request(dst_m, b, "prefill", forged, timeout_s=1.0)
+    assert books(dst_m) == before

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from hybridkv.blockmgr.errors import HybridKVError
+from hybridkv.errors import HybridKVError
 
 
 class TransferError(HybridKVError):
@@ -23,3 +23,9 @@ class TransferTimeoutError(TransferError, TimeoutError):
 
 class TransferUnavailableError(TransferError, ImportError):
     """The transfer engine's package is not installed (``pip install 'hybridkv[transfer]'``)."""
+
+
+class HandoffRefusedError(TransferError):
+    """This side cannot take a hand-off as it was offered (e.g. a request without its prompt's token
+    ids on a decode role with no host pool to swap it to); nothing was reserved. Tell the prefill side
+    to cancel it, or send it again with what the message says is missing."""

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from hybridkv.blockmgr.layout import Layout
+from hybridkv.planner.layout import Layout
 from hybridkv.transfer.descriptors import DescriptorPairs, Descriptors, MemoryKind, PoolRegions
 from hybridkv.transfer.engine import Exchange, TransferEngine
 from hybridkv.transfer.errors import TransferError, TransferTimeoutError
@@ -21,27 +21,37 @@ from hybridkv.transfer.errors import TransferError, TransferTimeoutError
 
 def pool_array(layout: Layout, num_blocks: int | None = None, fill: int = 0) -> np.ndarray:
     """A host pool as numpy: uint8 ``[group_size, num_segments, num_blocks, segment_bytes]``, the
-    ``ops`` device-pool layout. The caller owns it and must keep it alive while it is registered."""
+    ``ops`` device-pool layout. :func:`regions_of_array` regions hold a reference to it, so an engine
+    that registered them keeps it alive."""
     n = layout.num_blocks if num_blocks is None else num_blocks
     return np.full((layout.group_size, layout.num_segments, n, layout.segment_bytes), fill, dtype=np.uint8)
 
 
 def regions_of_array(layout: Layout, pool: np.ndarray) -> PoolRegions:
-    """:class:`PoolRegions` of a :func:`pool_array` (one region: the array's memory)."""
+    """:class:`PoolRegions` of a :func:`pool_array` (one region: the array's memory, which the regions
+    keep alive: ``owner`` is the array)."""
+    if not isinstance(pool, np.ndarray):
+        raise TypeError(f"regions_of_array takes a numpy array, got {type(pool).__name__}")
     if not pool.flags.c_contiguous or pool.dtype != np.uint8 or pool.ndim != 4:
         raise ValueError("expected a C-contiguous uint8 [group_size, num_segments, num_blocks, segment_bytes] array")
-    return PoolRegions.contiguous(layout, pool.ctypes.data, pool.shape[2], 0, MemoryKind.DRAM)
+    if pool.shape[:2] != (layout.group_size, layout.num_segments) or pool.shape[3] != layout.segment_bytes:
+        raise ValueError(
+            f"array of shape {list(pool.shape)} does not match the layout's [group_size, num_segments, num_blocks, "
+            f"segment_bytes] = {[layout.group_size, layout.num_segments, 'n', layout.segment_bytes]}"
+        )
+    return PoolRegions.contiguous(layout, pool.ctypes.data, pool.shape[2], 0, MemoryKind.DRAM, owner=pool)
 
 
 def regions_of_pools(pools: Any) -> PoolRegions:
     """:class:`PoolRegions` of an ``hybridkv.ops.BlockPools`` (torch or paddle; host or device memory).
 
-    Device (slot-major) pools only: one region over the backing tensor.
+    Device (slot-major) pools only: one region over the backing tensor. The regions keep ``pools``
+    alive (``owner``).
     """
     pools.require_slot_major("regions_of_pools")
     t = pools.torch_data
     kind = MemoryKind.VRAM if t.device.type == "cuda" else MemoryKind.DRAM
-    return PoolRegions.contiguous(pools.layout, t.data_ptr(), pools.num_blocks, t.device.index or 0, kind)
+    return PoolRegions.contiguous(pools.layout, t.data_ptr(), pools.num_blocks, t.device.index or 0, kind, owner=pools)
 
 
 def copy_pairs(src: list[np.ndarray], dst: list[np.ndarray], pairs: DescriptorPairs) -> None:
@@ -93,12 +103,39 @@ class LoopbackHub:
         self.notifications: dict[str, list[tuple[str, bytes]]] = {}  # receiver -> [(sender, message)]
 
 
+def _check_registered(registered: PoolRegions, pool: PoolRegions, descs: Descriptors, side: str) -> None:
+    """Every byte ``descs`` name (addressed through ``pool``, which came from a message) must lie in a
+    region the owning engine registered: a wrong address in an offer is refused, never copied."""
+    if not len(descs):
+        return
+    a = descs.addresses(pool)
+    start, end = a[:, 0], a[:, 0] + a[:, 1]
+    inside = np.zeros(len(descs), dtype=bool)
+    for r in registered.regions:
+        inside |= (start >= np.uint64(r.address)) & (end <= np.uint64(r.address + r.length))
+    if not inside.all():
+        raise TransferError(
+            f"{side} descriptors name memory the peer did not register: the peer's pool message is wrong or stale"
+        )
+
+
 class LoopbackEngine(TransferEngine):
     """A :class:`TransferEngine` between pools of one process (``memmove`` by address): the hand-off
     logic runs unchanged in tests and in the simulator without a network. DRAM pools only; every
-    descriptor is bounds-checked against its region before a byte moves."""
+    descriptor is bounds-checked against its region, and a peer's descriptors against the regions
+    that peer registered, before a byte moves.
+
+    The engine holds ``pool`` (and so its ``owner``, the memory) while it is registered; the peers
+    it reaches are held by the hub until they close.
+    """
 
     def __init__(self, name: str, pool: PoolRegions, hub: LoopbackHub) -> None:
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"an engine name must be a non-empty str, got {name!r}")
+        if not isinstance(pool, PoolRegions):
+            raise TypeError(f"pool must be PoolRegions, got {type(pool).__name__}")
+        if not isinstance(hub, LoopbackHub):
+            raise TypeError(f"hub must be a LoopbackHub, got {type(hub).__name__}")
         if name in hub.engines:
             raise TransferError(f"an engine named {name!r} is already on this hub: use a new name")
         self.name, self.pool, self.hub = name, pool, hub
@@ -107,17 +144,36 @@ class LoopbackEngine(TransferEngine):
         hub.notifications[name] = []
 
     def connect(self, exchange: Exchange) -> str:
+        if not callable(exchange):
+            raise TypeError(f"exchange must be a callable(bytes) -> bytes, got {type(exchange).__name__}")
         peer = exchange(self.name.encode()).decode()
         if peer not in self.hub.engines:
             raise TransferError(f"no engine {peer!r} on this hub")
         self._peers.add(peer)
         return peer
 
-    def _move(self, peer: str, src: tuple[PoolRegions, Descriptors], dst: tuple[PoolRegions, Descriptors]) -> None:
+    @staticmethod
+    def _check_args(peer: object, pairs: object, remote: object, notification: object, timeout_s: object) -> None:
+        if not isinstance(peer, str):
+            raise TypeError(f"peer must be a str, got {type(peer).__name__}")
+        if not isinstance(pairs, DescriptorPairs):
+            raise TypeError(f"pairs must be DescriptorPairs, got {type(pairs).__name__}")
+        if not isinstance(remote, PoolRegions):
+            raise TypeError(f"remote must be PoolRegions, got {type(remote).__name__}")
+        if not isinstance(notification, bytes):
+            raise TypeError(f"notification must be bytes, got {type(notification).__name__}")
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float):
+            raise TypeError(f"timeout_s must be a number, got {timeout_s!r}")
+
+    def _move(
+        self, peer: str, src: tuple[PoolRegions, Descriptors], dst: tuple[PoolRegions, Descriptors], op: str
+    ) -> None:
         if peer not in self._peers or peer not in self.hub.engines:
             raise TransferError(f"peer {peer!r} is not connected (or closed): connect() to it first")
         _check_bounds(*src, "source")
         _check_bounds(*dst, "destination")
+        remote, side = (src, "source") if op == "READ" else (dst, "destination")
+        _check_registered(self.hub.engines[peer].pool, *remote, side)
         if not np.array_equal(src[1].length, dst[1].length):
             raise TransferError("source and destination descriptors differ in lengths")
         s, d = src[1].addresses(src[0]), dst[1].addresses(dst[0])
@@ -127,14 +183,16 @@ class LoopbackEngine(TransferEngine):
     def read(
         self, peer: str, pairs: DescriptorPairs, remote: PoolRegions, notification: bytes, timeout_s: float
     ) -> None:
-        self._move(peer, (remote, pairs.src), (self.pool, pairs.dst))
+        self._check_args(peer, pairs, remote, notification, timeout_s)
+        self._move(peer, (remote, pairs.src), (self.pool, pairs.dst), "READ")
         if notification:
             self.hub.notifications[peer].append((self.name, notification))
 
     def write(
         self, peer: str, pairs: DescriptorPairs, remote: PoolRegions, notification: bytes, timeout_s: float
     ) -> None:
-        self._move(peer, (self.pool, pairs.src), (remote, pairs.dst))
+        self._check_args(peer, pairs, remote, notification, timeout_s)
+        self._move(peer, (self.pool, pairs.src), (remote, pairs.dst), "WRITE")
         if notification:
             self.hub.notifications[peer].append((self.name, notification))
 

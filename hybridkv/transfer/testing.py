@@ -11,12 +11,12 @@ from typing import Any
 
 import numpy as np
 
-from hybridkv.blockmgr.layout import Layout, plan
 from hybridkv.blockmgr.manager import HybridBlockManager
 from hybridkv.blockmgr.pool import runs
-from hybridkv.blockmgr.presets import layers_from_pattern, lightning_layer, mamba2_layer
-from hybridkv.blockmgr.spec import AttentionLayerSpec, DType, ModelSpec, RecurrentLayerSpec
 from hybridkv.blockmgr.transfer_plans import RequestBlocks
+from hybridkv.models.presets import layers_from_pattern, lightning_layer, mamba2_layer
+from hybridkv.models.spec import AttentionLayerSpec, DType, ModelSpec, RecurrentLayerSpec
+from hybridkv.planner.layout import Layout, plan
 from hybridkv.transfer.descriptors import DescriptorPairs, Descriptors, PoolRegions, request_descriptors
 from hybridkv.transfer.engine import TransferEngine
 from hybridkv.transfer.errors import TransferError, TransferTimeoutError
