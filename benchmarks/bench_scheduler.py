@@ -37,7 +37,7 @@ MIXED_PROMPT_TOKENS = 1792
 
 
 def new_scheduler(k: int, budget_tokens: int) -> Scheduler:
-    layout = plan(preset("minimax-m1", tp_size=8), 140 * GiB, block_size=64)
+    layout = plan(preset("minimax-m1", "float32", tp_size=8), 140 * GiB, block_size=64)  # fp32 state, as published
     manager = HybridBlockManager(layout)
     cfg = SchedulerConfig(max_num_seqs=NUM_REQUESTS, max_num_batched_tokens=budget_tokens, num_speculative_tokens=k)
     return Scheduler(manager, cfg)

@@ -32,7 +32,10 @@ from hybridkv.sim.simulator import simulate  # noqa: E402
 from hybridkv.sim.trace import DEFAULT_TRACE  # noqa: E402
 from hybridkv.sim.workload import from_trace  # noqa: E402
 
-MODELS = {"minimax-m1": (8, "14GiB"), "qwen3-next-80b-a3b": (2, "46GiB")}
+# model -> (TP, cache budget, main state dtype). The dtypes are pinned to those of the published
+# 2026-11-30 figures (README, docs/simulate.md), from before issue 27 moved the preset defaults
+# (MiniMax-M1 lightning bf16 now, Qwen3-Next GDN state fp32 now): the runs stay comparable.
+MODELS = {"minimax-m1": (8, "14GiB", "float32"), "qwen3-next-80b-a3b": (2, "46GiB", "bfloat16")}
 AXES = ["layout=paged,padded", "preemption=recompute,swap,auto"]
 
 
@@ -56,8 +59,8 @@ def main() -> None:
         sys.exit(f"trace {args.trace} not found (it lives in ../shared/traces/)")
     jobs = []
     for model in args.models:
-        tp, budget = MODELS[model]
-        jobs += expand(SimConfig(model=model, tp=tp, gpu_memory=budget), AXES)
+        tp, budget, state_dtype = MODELS[model]
+        jobs += expand(SimConfig(model=model, tp=tp, gpu_memory=budget, state_dtype=state_dtype), AXES)
     t0 = time.perf_counter()
     with ProcessPoolExecutor(max_workers=args.workers) as pool:
         futures = [pool.submit(_timed, cfg, args.trace, args.limit, i) for i, cfg in enumerate(jobs)]

@@ -98,7 +98,7 @@ def test_state_lives_in_the_same_allocations_addressed_per_segment(framework):
         pytest.importorskip("paddle")
     layout = minimax_layout(num_blocks=130)
     m = HybridBlockManager(layout)
-    m.allocate("a", 100)  # 2 KV blocks + 7 state sets of 16 blocks (112)
+    m.allocate("a", 100)  # 2 KV blocks + 7 state sets of 8 blocks (56; bf16 lightning state)
     c = allocate_caches(layout, framework=framework)
     slots = state_layer_slots(c)
     st = slots[0]  # lightning layer 0: state group 0, slot 0: the allocations caches[14], caches[15] show as K, V
@@ -147,7 +147,9 @@ def test_attach_for_hybridkv_scheduler_uses_the_same_caches():
     c = allocate_caches(layout, framework="torch")
     fm = attach(FakeForwardMeta(), md, c, set_seq_lens=True)
     assert fm.caches is c.caches and fm.block_tables.dtype == torch.int32 and fm.block_tables.shape == (4, 2)
-    assert fm.state_block_tables.shape == (7, 4, 16) and fm.has_initial_state.tolist() == [True, True, False, False]
+    # 7 state groups x 4 rows x 8 blocks: a TP8 bf16 lightning state (8 x 128 x 128 x 2 B = 256 KiB) over
+    # 32 KiB blocks (64 tokens x 1 KV head x 128 x K and V x 2 B)
+    assert fm.state_block_tables.shape == (7, 4, 8) and fm.has_initial_state.tolist() == [True, True, False, False]
     assert fm.state_layer_slots[78].slot == 9 and fm.state_layer_slots[78].group == 6
     with pytest.raises(ValueError, match="different layout"):
         attach(FakeForwardMeta(), md, allocate_caches(minimax_layout(), framework="torch"))
@@ -183,3 +185,43 @@ def test_ops_pools_hold_block_wise_fp8_scales_and_uint8_kv_views():
     views = kv_cache_views(pools)
     assert len(views) == 20 and views[0].dtype == torch.uint8 and views[0].shape == (24, 1, 64, 128)
     assert allocate_pools(minimax_layout(), device="cpu").scales is None
+
+
+def test_k_and_v_of_different_widths_are_one_allocation_each_in_fastdeploys_list():
+    """Kimi-like MLA (K 12 wide, V 4: segments of 4, K takes 3): caches[2l] is K [num_blocks, kv_heads,
+    block_size, 3, 4] over one allocation of its 3 segments, caches[2l+1] V over the 4th; the state
+    addressing still sees one tensor per segment of that memory."""
+    from tests.test_ops_pools import _mla_layout
+
+    layout = _mla_layout()
+    c = allocate_caches(layout, framework="torch")
+    assert len(c.caches) == 2 * 5 and [i for i, t in enumerate(c.caches) if t is not None] == [2, 3, 8, 9]
+    k, v = c.caches[2], c.caches[3]
+    assert tuple(k.shape) == (12, 2, 4, 3, 4) and tuple(v.shape) == (12, 2, 4, 4)
+    for t in (k, v):
+        assert is_own_allocation(t) and t.data_ptr() == allocation_start(t) and _dtype_name(t) == "bfloat16"
+    slot = layout.kv_group.layer_ids.index(1)
+    segs = c.segments[slot]
+    assert [s.data_ptr() for s in segs[:3]] == [k.data_ptr() + j * segs[0].nbytes for j in range(3)]
+    assert segs[3].data_ptr() == v.data_ptr()
+    k[5, 1, 2] = torch.arange(12, dtype=torch.bfloat16).view(3, 4)
+    offset = (1 * 4 + 2) * 4 * 2
+    for j in range(3):
+        assert segs[j][5, offset : offset + 8].view(torch.bfloat16).tolist() == [4.0 * j + i for i in range(4)]
+    with pytest.raises(ValueError, match="torch only"):
+        allocate_caches(layout, framework="paddle")
+
+
+def test_a_hybrid_models_caches_are_indexed_by_decoder_layer():
+    """Falcon-H1-like: every decoder layer keeps K/V and a state (two cache layers each); FastDeploy's
+    caches[2l] / [2l+1] are decoder layer l's K and V (layout.decoder_layer_id)."""
+    from tests.test_ops_pools import _mla_layout
+
+    layout = _mla_layout(hybrid=True)
+    c = allocate_caches(layout, framework="torch")
+    assert c.num_layers == 3 and len(c.caches) == 6 and all(t is not None for t in c.caches)
+    for slot, cache_id in enumerate(layout.kv_group.layer_ids):
+        if cache_id is not None:
+            assert c.caches[2 * layout.decoder_layer_id(cache_id)].data_ptr() == c.segments[slot][0].data_ptr()
+    with pytest.raises(ValueError, match="below the model's 3 layers"):
+        allocate_caches(layout, num_layers=2, framework="torch")

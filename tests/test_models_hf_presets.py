@@ -133,8 +133,7 @@ def test_published_configs_as_transformers_writes_them_give_hf_bytes(name, tmp_p
     path = _written(tmp_path, model_type, values)
     spec = load_spec(path)
     assert with_conv_columns(spec, "kernel").state_bytes == HF_STATE_BYTES[name]  # transformers' bytes, exactly
-    ref = preset(name) if name != "minimax-m1" else preset(name, "bfloat16")
-    assert spec.layers == ref.layers  # the preset is the published config, read through the same reader
+    assert spec.layers == preset(name).layers  # the preset is the published config, through the same reader
     assert main(["plan", "--model", str(path), "--conv-columns", "kernel", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["state_bytes_per_request"] == HF_STATE_BYTES[name]
@@ -236,9 +235,15 @@ def test_plan_notes_where_engines_keep_other_dtypes(capsys):
     note = next(n for n in out["notes"] if n.startswith("engines differ"))
     assert "vLLM keeps gdn.ssm bfloat16" in note and "FastDeploy" not in note  # FastDeploy's GDN pool: fp32 too
     assert out["dtype_sources"]["gdn.ssm"].startswith("float32: transformers")
-    assert main(["plan", "--model", "minimax-m1", "--json"]) == 0
-    note = next(n for n in json.loads(capsys.readouterr().out)["notes"] if n.startswith("engines differ"))
-    assert "FastDeploy keeps lightning.kv bfloat16" in note
+    assert main(["plan", "--model", "minimax-m1", "--json"]) == 0  # default bf16: what the engines keep
+    out = json.loads(capsys.readouterr().out)
+    assert not any(n.startswith("engines differ") for n in out["notes"])
+    assert out["dtype_sources"]["lightning.kv"].startswith("bfloat16: the activation dtype (transformers")
+    assert main(["plan", "--model", "minimax-m1", "--state-dtype", "float32", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    note = next(n for n in out["notes"] if n.startswith("engines differ"))
+    assert "FastDeploy keeps lightning.kv bfloat16" in note and "vLLM keeps lightning.kv bfloat16" in note
+    assert out["dtype_sources"]["lightning.kv"] == "float32: --state-dtype"
     assert main(["plan", "--model", "qwen3-next-80b-a3b", "--state-dtype", "bfloat16", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert "FastDeploy keeps gdn.ssm float32" in " ".join(out["notes"])

@@ -138,3 +138,57 @@ def test_tables_may_come_from_numpy_torch_or_lists():
     a = read_state(pools, 0, 1, table[0, 0])
     b = read_state(pools, 0, 1, torch.from_numpy(np.array(table[0, 0])))
     assert torch.equal(a["ssm"].view(torch.int32), b["ssm"].view(torch.int32))
+
+
+# ---- K and V of different widths (MLA, Kimi Linear) and hybrid layers ----------------------------------
+def _mla_layout(num_blocks=12, hybrid=False):
+    """A Kimi-like model: MLA attention keeping K 12 wide and V 4 wide (segments of their common width 4:
+    K takes 3, V 1) beside a recurrent layer; ``hybrid``: every decoder layer keeps both (Falcon-H1-like)."""
+    from hybridkv.models.spec import (
+        AttentionLayerSpec,
+        HybridLayerSpec,
+        ModelSpec,
+        RecurrentLayerSpec,
+        StateComponent,
+    )
+    from hybridkv.planner.layout import plan
+
+    attn = AttentionLayerSpec(2, 12, "bfloat16", 4, v_head_dim=4)
+    rec = RecurrentLayerSpec("kda", (StateComponent("ssm", (2, 8, 8), "float32"),))
+    layers = (HybridLayerSpec(attn, rec),) * 3 if hybrid else (rec, attn, rec, rec, attn)
+    model = ModelSpec("mla-mini", layers)
+    probe = plan(model, 1 << 30, block_size=4)
+    return plan(model, num_blocks * probe.bytes_per_block, block_size=4)
+
+
+def test_k_and_v_of_different_widths_are_views_over_their_segments():
+    from hybridkv.ops.pools import kv_view_shape
+
+    layout = _mla_layout()
+    assert (layout.key_segments, layout.value_segments, layout.num_segments) == (3, 1, 4)
+    pools = allocate_pools(layout, "cpu")
+    caches = kv_cache_views(pools)
+    assert len(caches) == 4  # [k0, v0, k1, v1]
+    spec = layout.model.layers[layout.kv_group.layer_ids[0]]
+    k, v = caches[0], caches[1]
+    assert k.shape == kv_view_shape(layout, spec, value=False) == (12, 2, 4, 3, 4)  # head_dim 12 = 3 x 4
+    assert v.shape == kv_view_shape(layout, spec, value=True) == (12, 2, 4, 4) and v.is_contiguous()
+    assert k.dtype == v.dtype == torch.bfloat16
+    # block 5, head 1, token 2: the K head's 12 columns in segments 0..2, V's 4 in segment 3
+    k[5, 1, 2] = torch.arange(12, dtype=torch.bfloat16).view(3, 4)
+    v[5, 1, 2] = torch.arange(100, 104, dtype=torch.bfloat16)
+    offset = (1 * 4 + 2) * 4 * 2  # (head 1, token 2) x width 4 x 2 bytes
+    for seg in range(3):
+        raw = pools.data[0, seg, 5, offset : offset + 8].view(torch.bfloat16)
+        assert raw.tolist() == [4.0 * seg + i for i in range(4)]
+    assert pools.data[0, 3, 5, offset : offset + 8].view(torch.bfloat16).tolist() == [100, 101, 102, 103]
+    assert k.reshape(12, 2, 4, 12)[5, 1, 2].tolist() == list(range(12))  # the plain shape, copied
+    assert int(pools.data.view(-1).view(torch.bfloat16).count_nonzero()) == 11 + 4  # nothing else written
+
+
+def test_a_hybrid_layers_kv_and_state_are_two_cache_layers_mapped_to_their_decoder_layer():
+    layout = _mla_layout(hybrid=True)
+    assert len(layout.model.layers) == 6 and layout.num_decoder_layers == 3
+    assert layout.model.decoder_layer_ids == (0, 0, 1, 1, 2, 2)
+    assert [layout.decoder_layer_id(i) for i in layout.kv_group.layer_ids if i is not None] == [0, 1, 2]
+    assert len(kv_cache_views(allocate_pools(layout, "cpu"))) == 6

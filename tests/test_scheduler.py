@@ -175,7 +175,7 @@ MINIMAX_BLOCK_BYTES = 327_680  # MiniMax-M1 TP8, fp32 state, 64-token blocks: 32
 
 
 def test_auto_cost_numbers_minimax_m1_tp8_on_h200():
-    layout = plan(preset("minimax-m1", tp_size=8), 1024 * MINIMAX_BLOCK_BYTES, block_size=64)
+    layout = plan(preset("minimax-m1", "float32", tp_size=8), 1024 * MINIMAX_BLOCK_BYTES, block_size=64)
     assert layout.bytes_per_block == MINIMAX_BLOCK_BYTES and layout.num_state_blocks_per_request == 112
     short = preemption_cost(layout, H200, 1 + 112, 16)  # 16 tokens: 1 KV block + 112 state blocks
     assert short.swap_bytes == 113 * MINIMAX_BLOCK_BYTES  # 37.0 MB, out and back: 1.34 ms at 55.3 GB/s
@@ -193,7 +193,9 @@ def test_auto_picks_per_victim(victim_tokens, expected):
     """MiniMax-M1 TP8: a pool holding exactly a 64-token request and the victim; the 64-token one
     needs a second KV block for its 65th token, so the victim goes, by the mode the cost picks."""
     victim_blocks = -(-victim_tokens // 64) + 112
-    layout = plan(preset("minimax-m1", tp_size=8), (1 + 113 + victim_blocks) * MINIMAX_BLOCK_BYTES, block_size=64)
+    layout = plan(
+        preset("minimax-m1", "float32", tp_size=8), (1 + 113 + victim_blocks) * MINIMAX_BLOCK_BYTES, block_size=64
+    )
     m = HybridBlockManager(layout, num_host_blocks=200)
     s = Scheduler(m, SchedulerConfig(max_num_batched_tokens=4096, preemption_mode=AUTO))
     s.add_request("first", 64, 4)

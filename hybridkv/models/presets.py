@@ -193,6 +193,10 @@ def layers_from_pattern(
 
 HF_SSM = "transformers keeps SSM / delta-net states in float32 whatever the model dtype"
 HF_CONV = "the model dtype (transformers keeps conv windows and token shifts in it)"
+MINIMAX_LIGHTNING = (
+    "the activation dtype (transformers, vLLM and FastDeploy keep the lightning state in it; "
+    "MiniMax's reference code: float32)"
+)
 
 
 def _minimax_m1(state_dtype: DType, conv_dtype: DType | None) -> ModelSpec:
@@ -310,11 +314,10 @@ def _retnet_7b(state_dtype: DType, conv_dtype: DType | None) -> ModelSpec:
 
 # name -> (builder, default dtype of the main state, where that default comes from)
 _PRESETS: dict[str, tuple[Callable[[DType, DType | None], ModelSpec], DType, str]] = {
-    # MiniMax-M1 keeps its float32 default (MiniMax's reference code accumulates the lightning state in
-    # float32); transformers, vLLM and FastDeploy keep it in bfloat16 - `hybridkv plan` says so, and
-    # the HF reader (model_type minimax) follows transformers. Kept so that the allocator's and the
-    # scheduler's tests, which assume it, stay as they are; --state-dtype bfloat16 gives the engines' bytes.
-    "minimax-m1": (_minimax_m1, FP32, "MiniMax's reference code keeps the lightning state in float32"),
+    # MiniMax-M1's lightning state in the activation dtype, as transformers (MiniMaxCache), vLLM and
+    # FastDeploy keep it; the HF reader (model_type minimax) gives the same. MiniMax's own reference code
+    # accumulates it in float32: --state-dtype float32 for those bytes (twice the state).
+    "minimax-m1": (_minimax_m1, BF16, MINIMAX_LIGHTNING),
     "qwen3-next-80b-a3b": (_qwen3_next, FP32, HF_SSM),
     "nemotron-h-8b": (_nemotron_h_8b, FP32, HF_SSM + " (NemotronHConfig mamba_ssm_cache_dtype float32)"),
     "jamba-1.5-mini": (_jamba_15_mini, FP32, HF_SSM),

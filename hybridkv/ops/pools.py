@@ -136,29 +136,56 @@ def allocate_host_pools(
     return _new_pools(layout, num_host_blocks, torch.device("cpu"), Framework(framework), fill, pin=pin, host=True)
 
 
+def kv_view_shape(layout: Layout, spec: AttentionLayerSpec, value: bool) -> tuple[int, ...]:
+    """Shape of one attention layer's K (``value=False``) or V view over the layout's segments.
+
+    A K (V) taking one segment: ``[num_blocks, kv_heads, block_size, head_dim]``. K and V of different
+    widths (MLA) are cut into segments of their greatest common width ``w`` (``layout.key_segments``
+    for K, ``layout.value_segments`` for V): ``[num_blocks, kv_heads, block_size, segments, w]``, the
+    head's columns ``j*w .. (j+1)*w - 1`` in segment ``j`` (a strided view: segment ``j`` of every
+    block is one run, ``num_blocks`` blocks long; ``.reshape(..., head_dim)`` copies it into the plain
+    shape)."""
+    n = layout.value_segments if value else layout.key_segments
+    width = spec.value_head_dim if value else spec.head_dim
+    lead = (layout.num_blocks, spec.num_kv_heads, layout.block_size)
+    return (*lead, width) if n == 1 else (*lead, n, width // n)
+
+
+def segment_kv_view(segments: Any, spec: AttentionLayerSpec, block_size: int) -> Any:
+    """Torch uint8 ``[n, num_blocks, segment_bytes]`` (``n`` consecutive segments of one layer slot)
+    seen as that layer's K or V: ``[num_blocks, kv_heads, block_size, head_dim]`` for ``n == 1``, else
+    ``[num_blocks, kv_heads, block_size, n, width]`` (:func:`kv_view_shape`). Same memory, same start."""
+    n, num_blocks = segments.shape[0], segments.shape[1]
+    t = segments if spec.dtype.itemsize == 1 else segments.view(torch_dtype(spec.dtype))
+    t = t.view(n, num_blocks, spec.num_kv_heads, block_size, -1)
+    return t[0] if n == 1 else t.permute(1, 2, 3, 0, 4)
+
+
 def kv_cache_views(pools: BlockPools) -> list[Any]:
     """``[k0, v0, k1, v1, ...]`` for the attention layers in slot order: views of the one backing
     allocation, so not FastDeploy's ``caches`` (those are built by
     ``hybridkv.scheduler_adapter.fastdeploy_worker.kv_cache_list``, one allocation per tensor).
     Quantized (1-byte) KV is seen as uint8, as FastDeploy stores it.
 
-    Each is ``[num_blocks, kv_heads, block_size, head_dim]`` of the attention dtype, a view of the
-    pool memory in the pool's framework. Empty for models without attention.
+    K takes the slot's segments ``[0, layout.key_segments)``, V the next ``layout.value_segments``.
+    Each is ``[num_blocks, kv_heads, block_size, head_dim]`` of the attention dtype when it takes one
+    segment; K and V of different widths (MLA) are ``[num_blocks, kv_heads, block_size, segments,
+    width]`` (:func:`kv_view_shape`). Views of the pool memory in the pool's framework. Empty for
+    models without attention.
     """
     pools.require_slot_major("kv_cache_views")
     layout, kv = pools.layout, pools.layout.kv_group
     if kv is None:
         return []
     views = []
+    ks, vs = layout.key_segments, layout.value_segments
     for slot, layer_id in enumerate(kv.layer_ids):
         if layer_id is None:
             continue
         spec = layout.model.layers[layer_id]
         assert isinstance(spec, AttentionLayerSpec)
-        for seg in range(2):
-            t = pools.torch_data[slot, seg]
-            t = t if spec.dtype.itemsize == 1 else t.view(torch_dtype(spec.dtype))
-            t = t.view(pools.num_blocks, spec.num_kv_heads, layout.block_size, spec.head_dim)
+        for cut in (slice(0, ks), slice(ks, ks + vs)):
+            t = segment_kv_view(pools.torch_data[slot, cut], spec, layout.block_size)
             views.append(from_torch(t, pools.framework))
     return views
 

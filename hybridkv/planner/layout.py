@@ -155,6 +155,25 @@ class Layout:
         return self.num_blocks - 1
 
     @property
+    def num_decoder_layers(self) -> int:
+        """Decoder layers of the model (an engine's ``num_hidden_layers``): ``model`` is the cache view,
+        where a hybrid layer (K/V and a state in one decoder layer) is two cache layers."""
+        ids = self.model.decoder_layer_ids
+        return len(self.model.layers) if ids is None else max(ids) + 1
+
+    def kv_segment_runs(self, spec: AttentionLayerSpec) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+        """``(first segment, segments, width)`` of K and of V of attention layer ``spec`` in a layer slot:
+        K ``(0, key_segments, head_dim)``, V ``(key_segments, value_segments, value_head_dim)``."""
+        k, v = self.key_segments, self.value_segments
+        return (0, k, spec.head_dim), (k, v, spec.value_head_dim)
+
+    def decoder_layer_id(self, cache_layer_id: int) -> int:
+        """The decoder layer that cache layer ``cache_layer_id`` of ``model`` belongs to
+        (``model.decoder_layer_ids``; itself when the model has no hybrid layer)."""
+        ids = self.model.decoder_layer_ids
+        return cache_layer_id if ids is None else ids[cache_layer_id]
+
+    @property
     def kv_group(self) -> Group | None:
         return next((g for g in self.groups if g.kind is GroupKind.KV), None)
 

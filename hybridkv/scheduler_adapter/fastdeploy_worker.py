@@ -149,15 +149,8 @@ def _zeros(framework: str, shape: Sequence[int], dtype: str, device: str) -> Any
 
 def _view(t: Any, dtype: str, shape: Sequence[int]) -> Any:
     """``t`` (uint8, offset 0) seen as ``dtype`` of ``shape``: same memory, same start."""
-    if _framework_of(t) == "paddle":
-        import paddle
-
-        v = t if dtype == "uint8" else t.view(getattr(paddle, dtype))
-        return v.reshape(list(shape))
-    import torch
-
-    v = t if dtype == "uint8" else t.view(getattr(torch, dtype))
-    return v.view(*shape)
+    v = t if dtype == "uint8" else t.view(_dtype(_framework_of(t), dtype))
+    return v.reshape(list(shape)) if _framework_of(t) == "paddle" else v.view(*shape)
 
 
 def allocation_start(t: Any) -> int:
@@ -230,24 +223,26 @@ def allocate_caches(
     """Allocate a worker's caches for ``layout``: ``num_segments`` uint8 ``[num_blocks, segment_bytes]``
     tensors per layer slot (each its own allocation, zero-filled), scale tensors for
     ``block_wise_fp8`` attention, and FastDeploy's ``caches`` list over them. ``num_layers`` defaults
-    to the model's layer count (FastDeploy's ``num_hidden_layers``) and may not be lower (``ValueError``);
-    ``framework`` is ``"paddle"`` or ``"torch"``."""
+    to the model's decoder layer count (FastDeploy's ``num_hidden_layers``; ``layout.num_decoder_layers``)
+    and may not be lower; ``framework`` ``"paddle"`` or ``"torch"`` (K, V of different widths: torch)."""
     if not isinstance(layout, Layout):
         raise TypeError(f"allocate_caches needs a Layout, got {type(layout).__name__}")
     framework = _check_framework(framework)
     if not isinstance(device, str):
         raise TypeError(f"device must be a string such as 'cpu' or 'gpu:0', got {device!r}")
-    n = len(layout.model.layers) if num_layers is None else as_count(num_layers, "num_layers")
-    if n < len(layout.model.layers):
-        raise ValueError(f"num_layers {n} is below the model's {len(layout.model.layers)} layers")
-    kv = layout.kv_group
-    attn = _attention_spec(layout)
+    n = layout.num_decoder_layers if num_layers is None else as_count(num_layers, "num_layers")
+    if n < layout.num_decoder_layers:
+        raise ValueError(f"num_layers {n} is below the model's {layout.num_decoder_layers} layers")
+    kv, attn, seg = layout.kv_group, _attention_spec(layout), (layout.num_blocks, layout.segment_bytes)
+    runs = (layout.key_segments, layout.value_segments) if attn is not None else (1,)
+    if max(runs) > 1 and framework == "paddle":
+        raise ValueError("K and V of different widths (several segments each) are built for torch only")
     segments, scales = [], []
     for slot in range(layout.num_layer_slots):
-        segs = tuple(
-            _zeros(framework, (layout.num_blocks, layout.segment_bytes), "uint8", device)
-            for _ in range(layout.num_segments)
-        )
+        if max(runs) > 1:  # K's segments in one allocation, V's in the next: each caches entry starts one
+            segs = tuple(s for k in runs for s in _zeros(framework, (k, *seg), "uint8", device).unbind(0))
+        else:
+            segs = tuple(_zeros(framework, seg, "uint8", device) for _ in range(layout.num_segments))
         segments.append(segs)
         has_attn = kv is not None and kv.layer_ids[slot] is not None
         if has_attn and attn is not None and attn.kv_scale_dtype is not None:
@@ -272,12 +267,11 @@ def _attention_spec(layout: Layout) -> AttentionLayerSpec | None:
 
 
 def kv_cache_list(caches: FastDeployCaches) -> list[Any]:
-    """FastDeploy's ``caches`` over ``caches.segments``: for attention layer ``l`` in slot ``s``,
-    entry ``stride*l`` is K ``[num_blocks, kv_heads, block_size, head_dim]`` (the attention dtype,
-    uint8 for int8 / fp8 KV as FastDeploy stores them), ``stride*l+1`` V, and with
-    ``block_wise_fp8`` ``stride*l+2`` / ``+3`` the K / V scales ``[num_blocks, kv_heads, block_size]``.
-    Each entry starts at its own allocation's start. Layers without KV get None: FastDeploy's loops
-    over ``caches`` (``set_data_ipc``, cache transfer) skip them (docs/fastdeploy.md)."""
+    """FastDeploy's ``caches`` over ``caches.segments``, by decoder layer (``layout.decoder_layer_id``):
+    for the attention of decoder layer ``l``, ``stride*l`` is K ``[num_blocks, kv_heads, block_size,
+    head_dim]`` (uint8 for int8 / fp8 KV), ``stride*l+1`` V, with ``block_wise_fp8`` ``+2`` / ``+3`` the
+    K / V scales ``[num_blocks, kv_heads, block_size]``; K, V of different widths (MLA): see ops.pools
+    ``kv_view_shape``. Each starts its own allocation; None where no KV (docs/fastdeploy.md)."""
     layout, stride = caches.layout, caches.stride
     out: list[Any] = [None] * (stride * caches.num_layers)
     kv = layout.kv_group
@@ -288,13 +282,19 @@ def kv_cache_list(caches: FastDeployCaches) -> list[Any]:
             continue
         spec = layout.model.layers[layer_id]
         assert isinstance(spec, AttentionLayerSpec)
-        dtype = "uint8" if spec.dtype.itemsize == 1 else spec.dtype.value
-        shape = (layout.num_blocks, spec.num_kv_heads, layout.block_size, spec.head_dim)
-        k, v = caches.segments[slot][:2]
-        out[stride * layer_id] = _view(k, dtype, shape)
-        out[stride * layer_id + 1] = _view(v, dtype, shape)
+        at = stride * layout.decoder_layer_id(layer_id)
+        for v, (first, n, width) in enumerate(layout.kv_segment_runs(spec)):
+            t, seg = caches.segments[slot][first], layout.segment_bytes
+            if n == 1:
+                shape = (layout.num_blocks, spec.num_kv_heads, layout.block_size, width)
+                out[at + v] = _view(t, "uint8" if spec.dtype.itemsize == 1 else spec.dtype.value, shape)
+            else:  # torch: t's allocation holds the n segments
+                from hybridkv.ops.pools import segment_kv_view
+
+                run = t.as_strided((n, layout.num_blocks, seg), (layout.num_blocks * seg, seg, 1))
+                out[at + v] = segment_kv_view(run, spec, layout.block_size)
         if stride == 4 and caches.scales[slot] is not None:
-            out[stride * layer_id + 2], out[stride * layer_id + 3] = caches.scales[slot]  # type: ignore[misc]
+            out[at + 2], out[at + 3] = caches.scales[slot]  # type: ignore[misc]
     return out
 
 
