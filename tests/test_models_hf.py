@@ -155,6 +155,37 @@ CASES: dict[str, dict] = {
         **MOE,
     ),
     "rwkv": dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, attention_hidden_size=64, intermediate_size=64),
+    # hidden 128: xLSTMCache rounds qk / v dims up to multiples of 64 and the layer does not (see the reader)
+    "xlstm": dict(vocab_size=128, hidden_size=128, num_hidden_layers=2, num_heads=2, qk_dim_factor=0.5),
+    "zamba": dict(
+        BASE,
+        num_hidden_layers=4,
+        layers_block_type=["mamba", "hybrid", "mamba", "hybrid"],
+        mamba_d_state=8,
+        mamba_d_conv=4,
+        mamba_expand=2,
+        n_mamba_heads=2,
+    ),
+    "bailing_hybrid": dict(
+        BASE,
+        num_hidden_layers=4,
+        num_key_value_heads=4,
+        kv_lora_rank=16,
+        q_lora_rank=None,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=16,
+        v_head_dim=12,
+        head_dim=16,  # the KDA head dim (transformers' config moves it to linear_head_dim)
+        short_conv_kernel_size=4,
+        layer_group_size=2,
+        num_experts=2,
+        num_experts_per_tok=1,
+        moe_intermediate_size=32,
+        n_group=1,
+        topk_group=1,
+        first_k_dense_replace=1,
+        num_mtp_layers=0,
+    ),
 }
 
 
@@ -180,6 +211,9 @@ def _run_tiny(model_type: str, tmp: Path) -> tuple[list[dict], Path]:
             state = out.state  # five [batch, hidden, layers] tensors
             n = cfg.num_hidden_layers
             return [{"state": [(tuple(s[0, :, i].shape), s.dtype) for s in state]} for i in range(n)], tmp
+        if model_type == "xlstm":  # xLSTMCache: rnn_state[layer] = (C, n, m), each [batch, ...]
+            rnn = model(ids[:, :1], cache=out.cache, use_cache=True).cache.rnn_state
+            return [{"state": [(tuple(t.shape[1:]), t.dtype) for t in rnn[i]]} for i in sorted(rnn)], tmp
         cache = out.past_key_values
         cache = model(ids[:, :1], past_key_values=cache, use_cache=True).past_key_values
     layers = []
@@ -300,7 +334,7 @@ def test_every_hybrid_or_recurrent_model_type_reads_or_says_why():
             assert spec.recurrent_layer_ids or spec.attention_layer_ids
             read.append(mt)
     assert set(CASES) - {"lfm2_moe"} <= set(read)
-    assert {"recurrent_gemma", "xlstm", "zamba"} <= set(refused)
+    assert "recurrent_gemma" in refused and {"xlstm", "zamba", "bailing_hybrid"} <= set(read)
 
 
 @pytest.mark.parametrize("model_type", ["llama4_hybrid_next", "mamba3"])
@@ -312,3 +346,33 @@ def test_a_model_type_added_later_is_one_clear_line(model_type):
     assert len(msg.splitlines()) == 1 and f"model_type {model_type!r} is not understood" in msg
     assert "linear_attention" in msg  # it names what the config declares, never guesses a layout
     assert model_type not in READERS
+
+
+@pytest.mark.parametrize(
+    "model_type, hub",
+    [
+        # the hub's bailing_hybrid config: head_dim is the KDA head dim, no layer_types (layer_group_size)
+        ("bailing_hybrid", dict(CASES["bailing_hybrid"], layer_types=None)),
+        # Zamba v1 without layers_block_type: transformers derives it from attn_layer_period / offset
+        (
+            "zamba",
+            dict(CASES["zamba"], layers_block_type=None, num_hidden_layers=9, attn_layer_period=3, attn_layer_offset=1),
+        ),
+        # NX-AI/xLSTM-7b's config.json names embedding_dim and num_blocks only (transformers' class defaults
+        # for hidden_size / num_hidden_layers, 4096 / 32, happen to equal them)
+        ("xlstm", dict(embedding_dim=4096, num_blocks=32, num_heads=8, qk_dim_factor=0.5, v_dim_factor=1.0)),
+    ],
+)
+def test_hub_keys_read_as_transformers_derives_them(model_type, hub, tmp_path):
+    _quiet()
+    hub = {k: v for k, v in hub.items() if v is not None}
+    transformers.CONFIG_MAPPING[model_type](pad_token_id=0, **hub).save_pretrained(tmp_path)
+    ours = spec_from_hf_config({"model_type": model_type, **hub})
+    assert ours.layers == load_spec(tmp_path).layers  # the hub file and the file transformers writes agree
+
+
+def test_xlstm_dims_the_cache_and_the_layer_disagree_on_are_refused():
+    cfg = {"model_type": "xlstm", "hidden_size": 64, "num_hidden_layers": 2, "num_heads": 2}
+    with pytest.raises(SpecError, match="not a multiple of 64") as e:
+        spec_from_hf_config(cfg)
+    assert len(str(e.value).splitlines()) == 1

@@ -93,6 +93,23 @@ PUBLISHED = {
             },
         },
     ),
+    # Falcon-H1-7B-Instruct (sources in hybridkv/models/presets.py): every layer attention + Mamba2
+    "falcon-h1-7b": (
+        "falcon_h1",
+        {
+            "num_hidden_layers": 44,
+            "hidden_size": 3072,
+            "num_attention_heads": 12,
+            "num_key_value_heads": 2,
+            "head_dim": 128,
+            "mamba_d_ssm": 3072,
+            "mamba_n_heads": 24,
+            "mamba_d_head": 128,
+            "mamba_n_groups": 1,
+            "mamba_d_state": 256,
+            "mamba_d_conv": 4,
+        },
+    ),
 }
 # transformers' cache bytes per request at its own dtypes (bf16 model; SSM / delta-net float32, conv
 # bf16 with kernel_size = 4 columns, MiniMax lightning bf16), from the shapes tests/test_models_hf.py checks
@@ -105,6 +122,7 @@ HF_STATE_BYTES = {
     "qwen3.5-27b": 48 * (48 * 128 * 128 * 4 + 10240 * 4 * 2),
     "qwen3.5-35b-a3b": 30 * (32 * 128 * 128 * 4 + 8192 * 4 * 2),
     "kimi-linear-48b-a3b": 20 * (32 * 128 * 128 * 4 + 12288 * 4 * 2),
+    "falcon-h1-7b": 44 * (24 * 128 * 256 * 4 + (3072 + 2 * 256) * 4 * 2),
 }
 
 

@@ -62,6 +62,7 @@ KV_PER_TOKEN = {
     "qwen3.5-27b": 16 * 2 * 4 * 256 * 2,  # 64 KiB
     "qwen3.5-35b-a3b": 10 * 2 * 2 * 256 * 2,  # 20 KiB
     "kimi-linear-48b-a3b": 7 * (512 + 64) * 2,  # MLA latent + rotary key, one head
+    "falcon-h1-7b": 44 * 2 * 2 * 128 * 2,  # 44 KiB: K/V in every (hybrid) layer
 }
 LAYER_COUNTS = {  # (all layers, attention, recurrent)
     "minimax-m1": (80, 10, 70),
@@ -75,6 +76,7 @@ LAYER_COUNTS = {  # (all layers, attention, recurrent)
     "qwen3.5-27b": (64, 16, 48),
     "qwen3.5-35b-a3b": (40, 10, 30),
     "kimi-linear-48b-a3b": (27, 7, 20),
+    "falcon-h1-7b": (44, 44, 44),  # every layer keeps K/V and a Mamba2 state
 }
 # Default dtypes (issue 27): what transformers keeps in a bf16 model; the figures of docs/models.md
 DEFAULT_MIB = {

@@ -20,6 +20,7 @@ from hybridkv.errors import SpecError
 from hybridkv.models.spec import (
     AttentionLayerSpec,
     DType,
+    HybridLayerSpec,
     LayerSpec,
     ModelSpec,
     NoCacheLayerSpec,
@@ -72,15 +73,22 @@ def mamba1_layer(
     conv_kernel: int,
     ssm_dtype: DType | str = BF16,
     conv_dtype: DType | str = BF16,
+    num_heads: int = 1,
 ) -> RecurrentLayerSpec:
-    """Mamba (v1, Jamba): ``ssm [d_inner, d_state]`` + ``conv [d_inner, conv_kernel-1]``."""
-    return RecurrentLayerSpec(
-        "mamba",
-        (
-            StateComponent("ssm", (d_inner, d_state), ssm_dtype),
-            StateComponent("conv", (d_inner, conv_kernel - 1), conv_dtype),
-        ),
+    """Mamba (v1, Jamba): ``ssm [d_inner, d_state]`` + ``conv [d_inner, conv_kernel-1]``.
+
+    ``num_heads`` > 1: Zamba (v1)'s multi-head Mamba-1, whose ``d_inner`` channels are split into
+    independent heads: ``ssm [num_heads, d_inner / num_heads, d_state]`` (the same bytes); tensor
+    parallelism splits the channels of every head (axis 1), as it splits ``d_inner`` for Mamba-1.
+    """
+    if num_heads <= 0 or d_inner % num_heads:
+        raise SpecError(f"mamba: d_inner {d_inner} must be a multiple of the number of mamba heads {num_heads}")
+    ssm = (
+        StateComponent("ssm", (d_inner, d_state), ssm_dtype)
+        if num_heads == 1
+        else StateComponent("ssm", (num_heads, d_inner // num_heads, d_state), ssm_dtype, tp_axis=1)
     )
+    return RecurrentLayerSpec("mamba", (ssm, StateComponent("conv", (d_inner, conv_kernel - 1), conv_dtype)))
 
 
 def gdn_layer(
@@ -114,6 +122,20 @@ def kda_layer(
         (
             StateComponent("ssm", (num_heads, head_dim, head_dim), ssm_dtype),
             StateComponent("conv", (3 * num_heads * head_dim, conv_kernel - 1), conv_dtype),
+        ),
+    )
+
+
+def mlstm_layer(num_heads: int, qk_head_dim: int, v_head_dim: int, dtype: DType | str = BF16) -> RecurrentLayerSpec:
+    """xLSTM's mLSTM (transformers ``xlstm``): matrix memory ``c [num_heads, qk_head_dim, v_head_dim]``,
+    normalizer ``n [num_heads, qk_head_dim]`` and stabilizer ``m [num_heads, 1]``; heads split by
+    tensor parallelism."""
+    return RecurrentLayerSpec(
+        "mlstm",
+        (
+            StateComponent("c", (num_heads, qk_head_dim, v_head_dim), dtype),
+            StateComponent("n", (num_heads, qk_head_dim), dtype),
+            StateComponent("m", (num_heads, 1), dtype),
         ),
     )
 
@@ -312,6 +334,21 @@ def _retnet_7b(state_dtype: DType, conv_dtype: DType | None) -> ModelSpec:
     )
 
 
+def _falcon_h1_7b(state_dtype: DType, conv_dtype: DType | None) -> ModelSpec:
+    # Falcon-H1-7B (tiiuae/Falcon-H1-7B-Instruct): depth 44, dim 3072, 12 attention / 2 KV heads, 24 Mamba
+    # heads, d_head 128 / 128, d_state 256 (huggingface/transformers docs/source/en/model_doc/falcon_h1.md,
+    # FalconH1Config table); mamba_d_ssm 3072, mamba_n_groups 1, mamba_d_conv 4, head_dim 128 (its config.json
+    # as public test fixtures quote it, e.g. mlx-community/Falcon-H1-7B-Instruct-4bit). Every layer keeps K/V
+    # and a Mamba2 state.
+    rec = mamba2_layer(24, 128, 256, 1, 4, state_dtype, conv_dtype or BF16, d_inner=3072)
+    return ModelSpec(
+        "falcon-h1-7b",
+        (HybridLayerSpec(AttentionLayerSpec(2, 128, BF16, 12), rec),) * 44,
+        hidden_size=3072,
+        params_active=7e9,
+    )
+
+
 # name -> (builder, default dtype of the main state, where that default comes from)
 _PRESETS: dict[str, tuple[Callable[[DType, DType | None], ModelSpec], DType, str]] = {
     # MiniMax-M1's lightning state in the activation dtype, as transformers (MiniMaxCache), vLLM and
@@ -328,12 +365,14 @@ _PRESETS: dict[str, tuple[Callable[[DType, DType | None], ModelSpec], DType, str
     "qwen3.5-27b": (_qwen35_27b, FP32, HF_SSM),
     "qwen3.5-35b-a3b": (_qwen35_35b, FP32, HF_SSM),
     "kimi-linear-48b-a3b": (_kimi_linear_48b, FP32, HF_SSM),
+    "falcon-h1-7b": (_falcon_h1_7b, FP32, HF_SSM),
 }
 _ALIASES = {
     "minimax-text-01": "minimax-m1",
     "qwen3-next": "qwen3-next-80b-a3b",
     "nemotron-h": "nemotron-h-8b",
     "kimi-linear": "kimi-linear-48b-a3b",
+    "falcon-h1": "falcon-h1-7b",
 }
 
 PRESET_NAMES: tuple[str, ...] = tuple(_PRESETS)
@@ -413,6 +452,7 @@ PARAMS_TOTAL: dict[str, float] = {
     "qwen3.5-27b": 27e9,  # model card: 27B dense
     "qwen3.5-35b-a3b": 35e9,  # model card: 35B total, 3B active
     "kimi-linear-48b-a3b": 48e9,  # model card: 48B total, 3B active
+    "falcon-h1-7b": 7e9,  # model card / transformers docs: H1 7B (dense)
 }
 
 GPU_MEMORY_BYTES: dict[str, int] = {

@@ -59,6 +59,7 @@ _BUILDERS: dict[str, Callable[..., RecurrentLayerSpec]] = {
     "kda": P.kda_layer,
     "short_conv": P.short_conv_layer,
     "rwkv4": P.rwkv4_layer,
+    "mlstm": P.mlstm_layer,
 }
 
 

@@ -22,6 +22,7 @@ from typing import Any
 from hybridkv.errors import SpecError
 from hybridkv.models.fields import _dtype, _table, _whole
 from hybridkv.models.hf import (
+    bailing_hybrid,
     bamba,
     falcon_h1,
     granitemoehybrid,
@@ -35,6 +36,8 @@ from hybridkv.models.hf import (
     nemotron_h,
     qwen3_next,
     rwkv,
+    xlstm,
+    zamba,
     zamba2,
 )
 from hybridkv.models.hf.common import Dtypes
@@ -52,9 +55,12 @@ FAMILIES = (
     granitemoehybrid,
     falcon_h1,
     zamba2,
+    zamba,
     lfm2,
     kimi_linear,
+    bailing_hybrid,
     rwkv,
+    xlstm,
 )
 READERS: dict[str, Callable[..., tuple]] = {mt: fam.read for fam in FAMILIES for mt in fam.MODEL_TYPES}
 """model_type -> reader."""
@@ -63,10 +69,6 @@ _WINDOW = "sliding-window attention (a bounded K/V window, not a token-paged KV 
 NOT_DESCRIBED: dict[str, str] = {
     "recurrent_gemma": "RecurrentGemma's attention layers keep a ring buffer of the last attention_window_size "
     "tokens: " + _WINDOW,
-    "xlstm": "xLSTM keeps per-block mLSTM matrix memories that hybridkv has no reader for yet "
-    "(write a hybridkv spec file with its components)",
-    "zamba": "Zamba (v1) has no reader yet: its mamba layers split d_inner into n_mamba_heads "
-    "(write a hybridkv spec file); Zamba2 (zamba2) is read",
     "lara_mini": "its layer_types mix linear attention with " + _WINDOW,
     "lfm3": "its layer_types mix conv layers with " + _WINDOW,
     "dory": "its layer_types hold " + _WINDOW + " and loop layers that re-run with per-loop K/V",
@@ -86,8 +88,6 @@ NOT_DESCRIBED: dict[str, str] = {
     "describe",
     "lfm3_vl": "its text model (lfm3) mixes conv layers with " + _WINDOW,
     "lfm3_vl_vision": "a vision encoder (its conv layers run once per image), not a decoder with a per-request cache",
-    "bailing_hybrid": "Bailing hybrid's linear-attention state has no reader yet (its MLA and linear layers need "
-    "a spec file)",
 }
 """model_type -> why hybridkv does not read it (one line each)."""
 
