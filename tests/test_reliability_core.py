@@ -237,3 +237,20 @@ def test_a_fork_whose_child_cannot_fit_with_its_speculative_sets_is_refused_not_
     with pytest.raises(RequestTooLargeError):
         s.fork("p", "c", 12)
     assert "c" not in s.requests
+
+
+def test_aborting_the_last_request_between_steps_leaves_the_manager_idle():
+    """A loop that ends because its last request was aborted (between update and step) is idle too:
+    no pins, nothing pending-free (found by the lazy executor of the scheduler data test)."""
+    m = manager([ATTN, UNIFORM], num_blocks=64, prefix=PrefixCacheConfig())
+    s = Scheduler(m)
+    s.add_request("a", list(range(6)), 4)
+    s.step()
+    s.update(StepOutputs({"a": [1]}))
+    plan = s.step()
+    assert plan.scheduled
+    s.update(StepOutputs({"a": [2]}))
+    s.abort("a")
+    assert not s.has_unfinished
+    assert m.pending_free_blocks().size == 0 and not m._pin_chunks
+    m.check_integrity()

@@ -243,6 +243,8 @@ class Scheduler:
             self.manager.free(request_id)
         self._queue(req).remove(req)
         self._retire(req, RequestState.ABORTED)
+        if self._pending is None:  # (inside a step, update() is where the loop's end is decided)
+            self._release_if_idle()
 
     def pop_finished(self) -> dict[RequestId, SchedRequest]:
         out, self.finished = self.finished, {}
@@ -326,10 +328,15 @@ class Scheduler:
                 self.running.remove(req)
                 self._retire(req, RequestState.FINISHED)
                 done.append(rid)
-        if not self.requests and not len(self._carried_copies):
-            # idle: every copy handed out ran (the plan's copies before the forward), none is carried
-            self.manager.release_pins()
+        self._release_if_idle()
         return StepResult(tuple(done))
+
+    def _release_if_idle(self) -> None:
+        """Between an update and the next step with no request left and no copy carried, every copy
+        handed out has run (each plan's before its forward): the manager's pins are released, so it
+        is idle (nothing pending-free) for its next user."""
+        if not self.requests and not len(self._carried_copies):
+            self.manager.release_pins()
 
     def _check_outputs(
         self, plan: StepPlan, outputs: StepOutputs
