@@ -7,15 +7,21 @@ forwards move or write these tags exactly as the executor contract says (docs/co
 request reads its own bytes iff every tag it reads is the one its tokens predict. A copy list in
 which a block is both a source and a destination, or a destination appears twice, or the null block
 is written, is rejected (on a GPU those run in parallel and race).
+
+:class:`Ledger` is a lazy executor's books on top of it: every copy and swap a manager hands out is
+queued with the bytes its source held at hand-out and run later; no block a queued copy touches (or
+one whose pin epoch was not released) may get a new holder meanwhile; at idle nothing is in flight
+and every cached block and checkpoint holds its node's bytes.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import numpy as np
 
-from hybridkv.blockmgr.records import BlockCopies, SwapDirection, SwapPlan
+from hybridkv.blockmgr.records import BlockCopies, BlockUse, SwapDirection, SwapPlan
 
 _MASK = (1 << 62) - 1
 UNWRITTEN = -1
@@ -130,3 +136,329 @@ class Shadow:
             assert self.host_state[int(host_blocks[n_kv + i])] == state_tag(prefix_hash, g, j), (
                 f"{what}: host state group {g} block {j} differs"
             )
+
+
+# ---- a lazy executor's books: what the manager handed out and what ran -------------------------------
+class _Op:
+    """One copy pair (``src -> dst``) or one swap plan handed out, with what its source held then."""
+
+    __slots__ = ("kind", "src", "dst", "plan", "kv", "state", "epoch", "label")
+
+    def __init__(self, kind, src, dst, plan, kv, state, epoch, label):
+        self.kind, self.src, self.dst, self.plan = kind, src, dst, plan
+        self.kv, self.state, self.epoch, self.label = kv, state, epoch, label
+
+    def blocks(self) -> list[int]:
+        return [self.src, self.dst] if self.kind == "copy" else []
+
+    def __repr__(self) -> str:
+        if self.kind == "copy":
+            return f"copy {self.src}->{self.dst} ({self.label}, epoch {self.epoch})"
+        return f"swap-{self.plan.direction.value} of {self.plan.request_id!r} ({self.label})"
+
+
+_COPIERS = ("allocate", "append", "fork", "checkpoint")  # manager calls that hand out copies
+_CONTEXT = ("free", "begin_speculation", "commit_speculation", "end_speculation", "mark_computed")
+
+
+class Ledger:
+    """The books of a lazy executor: every copy and swap the manager hands out is queued (in hand-out
+    order) and run later by the test; the source bytes are recorded at hand-out and must still be there
+    when the op runs.
+
+    ``intent`` is the memory as the manager means it (every op applied the moment it is handed out);
+    ``real`` is what the executor actually ran. At hand-out the op's source is read from ``intent``; when
+    it runs, ``real`` must hold the same bytes at the source (else something wrote it in between, or it
+    read a block nobody had written yet).
+
+    HOLDER check: every ``pool.allocate`` (a new allocation, KV block, state set, swap-in target or
+    checkpoint) is checked against the blocks of copies still queued (not yet run) and against the
+    blocks of copies whose pin epoch was not released yet (``release_pins(before=...)`` says which
+    ran): the manager may not give any of them to a new holder.
+
+    The manager's methods are wrapped on the instance (``functools.wraps`` keeps their signatures).
+    """
+
+    def __init__(self, manager, real: Shadow | None = None) -> None:
+        self.m = manager
+        self.real = real if real is not None else Shadow(manager)
+        self.intent = Shadow(manager)
+        self.queue: list[_Op] = []
+        self.pins: list[tuple[int, np.ndarray, str]] = []  # (epoch, blocks, label): handed out, not released
+        self.calls: list[str] = []  # the manager calls in progress (for messages)
+        self.phase = ""  # where the caller is (a step, an update...), for messages
+        self.prefix_len: dict[int, int] = {}  # prefix hash -> its length in tokens
+        self.last_block: dict[int, tuple[int, ...]] = {}  # prefix hash at a block boundary -> that block's tokens
+        self.state_prefix: dict[int, int] = {}  # state tag -> the prefix hash it summarises
+        self.stats = {"copies": 0, "swaps": 0, "late": 0}
+        self._wrap()
+
+    # ---- wrapping the manager ---------------------------------------------------------------------
+    def _wrap(self) -> None:
+        m = self.m
+
+        def wrap(name, after):
+            orig = getattr(m, name)
+
+            @functools.wraps(orig)
+            def call(*args, **kwargs):
+                self.calls.append(f"{name}{args!r}"[:80])
+                try:
+                    out = orig(*args, **kwargs)
+                finally:
+                    self.calls.pop()
+                if after is not None:
+                    after(name, args, out)
+                return out
+
+            setattr(m, name, call)
+
+        for name in _COPIERS:
+            wrap(name, self._after_copier)
+        for name in ("swap_out", "swap_in"):
+            wrap(name, lambda name, args, plan: self.hand_out_swap(plan, f"{self.phase}: {name}{args!r}"))
+        for name in _CONTEXT:
+            if hasattr(m, name):
+                wrap(name, None)
+        if hasattr(m, "cancel_checkpoints"):
+            wrap("cancel_checkpoints", lambda name, args, ids: self._cancelled(ids))
+        if hasattr(m, "release_pins"):
+            orig_release = m.release_pins
+
+            @functools.wraps(orig_release)
+            def release_pins(before=None):
+                self.calls.append(f"release_pins({before})")
+                try:
+                    orig_release(before)
+                finally:
+                    self.calls.pop()
+                self.pins = [p for p in self.pins if before is not None and p[0] >= before]
+
+            m.release_pins = release_pins
+        orig_allocate = m.pool.allocate
+
+        def pool_allocate(n):
+            ids = orig_allocate(n)
+            if ids.size:
+                self.check_holders(ids)
+            return ids
+
+        m.pool.allocate = pool_allocate
+
+    def _after_copier(self, name, args, out) -> None:
+        copies = out.copies if name == "allocate" else out
+        if len(copies):
+            self.hand_out(copies, f"{self.phase}: {name}{args[:1]!r}")
+
+    def _cancelled(self, ids: np.ndarray) -> None:
+        """``cancel_checkpoints``: those copies will never run; their destinations are free again."""
+        if not ids.size:
+            return
+        gone = set(ids.tolist())
+        self.queue = [op for op in self.queue if not (op.kind == "copy" and op.dst in gone)]
+        self.intent.kv[ids] = self.real.kv[ids]  # never written: as the manager means them now
+        self.intent.state[ids] = self.real.state[ids]
+        self.pins = [(e, b[~np.isin(b, ids)], label) for e, b, label in self.pins]
+
+    # ---- hand-out --------------------------------------------------------------------------------
+    def _epoch(self) -> int:
+        return int(getattr(self.m, "pin_epoch", 0))
+
+    def hand_out(self, copies: BlockCopies, label: str) -> None:
+        """The manager handed out ``copies`` (one list: may run as one parallel launch)."""
+        src, dst = np.asarray(copies.src), np.asarray(copies.dst)
+        epoch = self._epoch()
+        it = self.intent
+        for s, d in zip(src.tolist(), dst.tolist(), strict=True):
+            self.queue.append(_Op("copy", s, d, None, it.kv[s].copy(), int(it.state[s]), epoch, label))
+        it.copy(copies)  # (checks the list: no block both source and destination, no destination twice)
+        if epoch:
+            self.pins.append((epoch, np.concatenate((src, dst)), label))
+        self.stats["copies"] += src.size
+
+    def hand_out_swap(self, plan: SwapPlan, label: str) -> None:
+        it = self.intent
+        if plan.direction is SwapDirection.OUT:
+            kv, state = it.kv[plan.device_blocks].copy(), it.state[plan.device_blocks].copy()
+        else:
+            kv, state = it.host_kv[plan.host_blocks].copy(), it.host_state[plan.host_blocks].copy()
+        self.queue.append(_Op("swap", -1, -1, plan, kv, state, self._epoch(), label))
+        it.swap(plan)
+        self.stats["swaps"] += 1
+
+    # ---- holders ---------------------------------------------------------------------------------
+    def check_holders(self, ids: np.ndarray) -> None:
+        """``ids`` are being handed to a new holder: no copy not yet run, nor one whose pin epoch is
+        not released, may touch them."""
+        new = set(ids.tolist())
+        where = " > ".join(self.calls) or "?"
+        for op in self.queue:
+            if op.kind == "copy" and (op.src in new or op.dst in new):
+                b = op.src if op.src in new else op.dst
+                raise AssertionError(
+                    f"HOLDER: block {b} handed to a new holder ({self.phase}: {where}) while {op} has not run"
+                )
+        for epoch, blocks, label in self.pins:
+            hit = np.isin(blocks, ids)
+            if hit.any():
+                raise AssertionError(
+                    f"HOLDER: block {int(blocks[hit][0])} handed to a new holder ({self.phase}: {where}) while a "
+                    f"copy handed out in pin epoch {epoch} ({label}) touches it and that epoch was not released "
+                    f"(release_pins(before=...) has not said the copy ran)"
+                )
+
+    # ---- running ---------------------------------------------------------------------------------
+    def _check_source(self, op: _Op, kv: np.ndarray, state, what: str) -> None:
+        if not (np.array_equal(kv, op.kv) and np.array_equal(state, op.state)):
+            raise AssertionError(
+                f"{what}: the source of {op} no longer holds what it held at hand-out "
+                f"(state {op.state!r} then, {state!r} now; KV {op.kv.tolist()} then, {kv.tolist()} now)"
+            )
+
+    def run_copies(self, copies: BlockCopies, what: str) -> None:
+        """Run a copy list of a plan (as one launch): each pair must be a copy handed out and not yet
+        run (the earliest with that destination), and its source must hold the bytes of hand-out."""
+        src, dst = np.asarray(copies.src), np.asarray(copies.dst)
+        if not src.size:
+            return
+        ran = []
+        for s, d in zip(src.tolist(), dst.tolist(), strict=True):
+            op = next((o for o in self.queue if o.kind == "copy" and o.dst == d and o not in ran), None)
+            assert op is not None, f"{what}: the plan copies {s}->{d}, a copy the manager never handed out (or ran)"
+            self._check_source(op, self.real.kv[s], int(self.real.state[s]), what)
+            ran.append(op)
+        self.real.copy(copies)
+        self.queue = [o for o in self.queue if o not in ran]
+
+    def run_swap(self, plan: SwapPlan, what: str) -> None:
+        op = next((o for o in self.queue if o.plan is plan), None)
+        assert op is not None, f"{what}: swap plan of {plan.request_id!r} was never handed out (or ran already)"
+        self._run_op(op, what)
+        self.queue.remove(op)
+
+    def _run_op(self, op: _Op, what: str) -> None:
+        r = self.real
+        if op.kind == "copy":
+            self._check_source(op, r.kv[op.src], int(r.state[op.src]), what)
+            r.kv[op.dst] = r.kv[op.src]
+            r.state[op.dst] = r.state[op.src]
+            return
+        plan = op.plan
+        if plan.direction is SwapDirection.OUT:
+            self._check_source(op, r.kv[plan.device_blocks], r.state[plan.device_blocks], what)
+        else:
+            self._check_source(op, r.host_kv[plan.host_blocks], r.host_state[plan.host_blocks], what)
+        r.swap(plan)
+
+    def run_first(self, n: int, what: str) -> None:
+        """Run the first ``n`` queued ops, in hand-out order (the manager-level executor)."""
+        ops, self.queue = self.queue[:n], self.queue[n:]
+        for op in ops:
+            self._run_op(op, what)
+
+    def run_all(self, what: str) -> None:
+        self.run_first(len(self.queue), what)
+
+    def flush_for(self, reads, writes, what: str) -> None:
+        """Run the queue up to the last op a forward must wait for: one that writes a block the forward
+        reads or writes, or reads a block it writes (reads of a block by both need no order)."""
+        last = -1
+        for i, op in enumerate(self.queue):
+            if op.kind == "copy" and (op.dst in reads or op.dst in writes or op.src in writes):
+                last = i
+        if last >= 0:
+            self.stats["late"] += 1
+            self.run_first(last + 1, what)
+
+    def oldest_queued_epoch(self) -> int | None:
+        return min((op.epoch for op in self.queue if op.kind == "copy"), default=None)
+
+    def queued_blocks(self) -> set[int]:
+        return {b for op in self.queue for b in op.blocks()}
+
+    # ---- forwards: both memories -------------------------------------------------------------------
+    def note_prefixes(self, tokens: Sequence[int], hashes: Sequence[int]) -> None:
+        bs = self.m.block_size
+        for p in range(1, len(hashes)):
+            self.prefix_len[hashes[p]] = p
+            if p % bs == 0:
+                self.last_block[hashes[p]] = tuple(int(t) for t in tokens[p - bs : p])
+
+    def write_kv(self, blocks, hashes, start, end) -> None:
+        self.real.write_kv(blocks, hashes, start, end)
+        self.intent.write_kv(blocks, hashes, start, end)
+
+    def write_state(self, sets, prefix_hash) -> None:
+        self.real.write_state(sets, prefix_hash)
+        self.intent.write_state(sets, prefix_hash)
+        for g, j, _ in self.real._sets(sets):
+            self.state_prefix[state_tag(prefix_hash, g, j)] = prefix_hash
+
+    def scribble(self, device_blocks) -> None:
+        self.real.scribble(device_blocks)
+        self.intent.scribble(device_blocks)
+
+    # ---- checks ------------------------------------------------------------------------------------
+    def check_agree(self, what: str) -> None:
+        """Every block someone holds and no queued op touches holds in ``real`` what the manager
+        means it to hold (``intent``)."""
+        m = self.m
+        use = m.use
+        held = (use != BlockUse.FREE) & (use != BlockUse.NULL) & (use != BlockUse.PENDING_FREE)
+        touched = [b for op in self.queue for b in op.blocks()]
+        for op in self.queue:
+            if op.kind == "swap":
+                touched.extend(op.plan.device_blocks.tolist())
+        held[touched] = False
+        kv = np.isin(use, (BlockUse.KV, BlockUse.CACHED_KV))  # a block's other half is stale from an earlier use
+        state = np.isin(use, (BlockUse.STATE, BlockUse.SPECULATIVE, BlockUse.CHECKPOINT))
+        bad = held & (
+            (kv & (self.real.kv != self.intent.kv).any(axis=1)) | (state & (self.real.state != self.intent.state))
+        )
+        if bad.any():
+            b = int(np.flatnonzero(bad)[0])
+            raise AssertionError(
+                f"{what}: block {b} ({BlockUse(int(use[b])).name}) holds state {int(self.real.state[b])}, "
+                f"KV {self.real.kv[b].tolist()}; the manager means state {int(self.intent.state[b])}, "
+                f"KV {self.intent.kv[b].tolist()} (a copy or swap lost, late or out of order)"
+            )
+
+    def check_cache_bytes(self, what: str) -> None:
+        """Every node of the prefix cache holds its own bytes: a cached KV block the KV of the node's
+        tokens, a checkpoint the state after exactly the node's prefix (never unwritten, never another's)."""
+        cache = getattr(self.m, "prefix_cache", None)
+        if cache is None:
+            return
+        bs, mask = self.m.block_size, self.m._state_mask
+        flat = [(g, j) for g in range(mask.shape[0]) for j in range(mask.shape[1]) if mask[g, j]]
+        queued = self.queued_blocks()
+        for key, node in cache.nodes.items():
+            p, toks = node.position, tuple(node.tokens)
+            if node.kv_block and node.kv_block not in queued and self.m._has_kv:
+                tags = self.real.kv[node.kv_block].tolist()
+                last = tags[-1]
+                ok = self.prefix_len.get(last) == p and self.last_block.get(last) == toks
+                ok = ok and all(tags[s] == hash((tags[s - 1], toks[s])) & _MASK for s in range(1, bs))
+                assert ok, f"{what}: cached KV block {node.kv_block} of node {key} (position {p}) holds {tags}"
+            if node.checkpoint is not None and not queued.intersection(node.checkpoint.tolist()):
+                ids = node.checkpoint.tolist()
+                ph = self.state_prefix.get(int(self.real.state[ids[0]]))
+                ok = ph is not None and self.prefix_len.get(ph) == p and self.last_block.get(ph) == toks
+                ok = ok and all(self.real.state[b] == state_tag(ph, g, j) for b, (g, j) in zip(ids, flat, strict=True))
+                assert ok, (
+                    f"{what}: checkpoint {ids} of node {key} (position {p}) does not hold the state after its "
+                    f"prefix (holds {self.real.state[ids].tolist()}: unwritten is {UNWRITTEN})"
+                )
+
+    def check_idle(self, what: str) -> None:
+        """Nothing in flight: every op handed out ran, no pins, nothing pending-free, every cached
+        block and checkpoint holds its bytes."""
+        m = self.m
+        assert not self.queue, f"{what}: handed out and never run: {self.queue[:6]}"
+        assert not getattr(m, "_pin_chunks", []), f"{what}: pins left: {[e for e, _ in m._pin_chunks]}"
+        assert m.pending_free_blocks().size == 0, f"{what}: pending-free blocks left: {m.pending_free_blocks()}"
+        cache = getattr(m, "prefix_cache", None)
+        assert cache is None or not cache.pinned, f"{what}: pinned checkpoints left: {cache.pinned}"
+        m.check_integrity()
+        self.check_agree(what)
+        self.check_cache_bytes(what)

@@ -1,18 +1,38 @@
 """Hypothesis stateful test: random operation sequences on random small layouts, checking data.
 
 Layouts mix attention with state groups of different sizes (``blocks_per_state`` differs between
-groups) or have no attention at all. Operations: allocate, append, free, fork (also in the middle
-of a verify step), swap plans left open while other requests change and settled later (commit, or
-abort after a transfer that scribbled over its target), verify steps opened and committed later.
-A :class:`~tests.shadow.Shadow` plays the executor: it applies every copy and swap the manager hands
-out and writes each forward's KV and state. After every step ``check_integrity()`` holds and every
-request reads exactly its own KV and state (device or host); at the end every block is back.
+groups) or have no attention at all. Operations: allocate (with a prefix cache: long shared prompts,
+prefix hits whose checkpoint is copied into the live sets), append (copy-on-write of a shared tail),
+forwards (after which the request's blocks enter the prefix cache: ``checkpoint`` or
+``mark_computed``), free (also before the forward), fork (also in the middle of a verify step), swap
+plans left open while other requests change and settled later (commit, or abort after a transfer
+that scribbled over its target), verify steps opened and committed later, checkpoints cancelled,
+pin epochs opened and released as a scheduler does.
+
+The executor is LAZY (``mode="lazy"`` or ``"tight"``): every copy and swap the manager hands out is
+queued (:class:`~tests.shadow.Ledger`) and runs later, in hand-out order: when the executor catches
+up (all or part of the queue), or when a forward needs it (a forward waits only for queued copies
+that write a block it reads or writes, or read a block it writes). ``"lazy"`` says which copies ran
+(``release_pins(before=...)``) only when it catches up, ``"tight"`` after every call (then only the
+queued copies hold pins). When an op runs its source must still hold the bytes of hand-out, and no block a queued copy
+touches, nor one of a copy whose pin epoch was not released, may be handed to a new holder (HOLDER).
+So a copy-on-write whose source is a cached block (a fork in the middle of a verify step, the
+parent's rejected drafts cut back into the shared block) is queued while the other holder fills the
+cache and leaves, and the next allocation must not evict that source. ``mode="eager"`` runs every
+copy before the next call (no pins); ``"pins"`` too, with pins on and released late.
+
+After every step ``check_integrity()`` holds, every request reads exactly its own KV and state as the
+manager means it (every op applied at hand-out) and, where nothing queued touches it, as the executor
+ran it; every held block agrees between the two. At the end every op ran, no pins are left, every
+cached KV block and checkpoint holds its node's bytes, a second user's prefix hits read them, and
+every block is back.
 
 ``MANAGER_STATEFUL_EXAMPLES`` sets the number of examples (CI runs the default).
 """
 
 import os
 import random
+import sys
 
 import numpy as np
 from hypothesis import HealthCheck, settings
@@ -22,13 +42,25 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from hybridkv.blockmgr.errors import AllocationError, LayoutError
 from hybridkv.blockmgr.layout import plan
 from hybridkv.blockmgr.manager import HybridBlockManager
+from hybridkv.blockmgr.prefix import CheckpointPolicy, EvictionPolicy, PrefixCacheConfig
 from hybridkv.blockmgr.records import RequestStatus, SwapDirection
 from hybridkv.blockmgr.spec import AttentionLayerSpec, DType, ModelSpec, RecurrentLayerSpec, StateComponent
-from tests.shadow import Shadow, prefix_hashes
+from hybridkv.blockmgr.units import cdiv
+from tests.shadow import Ledger, prefix_hashes
 
 
 def _recurrent(elems: int) -> RecurrentLayerSpec:
     return RecurrentLayerSpec("gla", (StateComponent("kv", (elems,), DType.FLOAT32),))
+
+
+prefix_on = st.builds(
+    PrefixCacheConfig,
+    st.sampled_from(CheckpointPolicy),
+    st.sampled_from(EvictionPolicy),
+    st.integers(1, 3),
+    evict_batch_fraction=st.sampled_from([0.01, 0.3]),
+    demote_tail=st.booleans(),
+)
 
 
 class ManagerMachine(RuleBasedStateMachine):
@@ -40,7 +72,9 @@ class ManagerMachine(RuleBasedStateMachine):
         num_blocks=st.integers(8, 80),
         num_host_blocks=st.integers(0, 40),
         watermark=st.sampled_from([0.0, 0.05]),
-        pins=st.booleans(),
+        mode=st.sampled_from(["lazy", "lazy", "tight", "tight", "pins", "eager"]),
+        prefix=st.one_of(st.none(), prefix_on, prefix_on.map(lambda c: c), prefix_on.filter(lambda c: True)),
+        templates=st.lists(st.integers(4, 48), min_size=1, max_size=3),
         seed=st.integers(0, 2**16),
     )
     def setup(
@@ -52,7 +86,9 @@ class ManagerMachine(RuleBasedStateMachine):
         num_blocks,
         num_host_blocks,
         watermark,
-        pins,
+        mode,
+        prefix,
+        templates,
         seed,
     ):
         attn = AttentionLayerSpec(1, 4, DType.FLOAT16)
@@ -65,24 +101,35 @@ class ManagerMachine(RuleBasedStateMachine):
             layout = plan(model, num_blocks * probe.bytes_per_block, block_size=block_size)
         except LayoutError:
             layout = plan(model, 8 * probe.bytes_per_block, block_size=block_size)
-        self.m = HybridBlockManager(layout, num_host_blocks=num_host_blocks, watermark=watermark)
-        self.pins = pins and hasattr(self.m, "begin_pin_epoch")  # (so the test also runs on older managers)
+        self.m = HybridBlockManager(layout, num_host_blocks=num_host_blocks, watermark=watermark, prefix_cache=prefix)
+        self.mode = mode
+        self.pins = mode != "eager"
         if self.pins:
             self.m.begin_pin_epoch()
-        self.shadow = Shadow(self.m)
+        self.ledger = Ledger(self.m)
+        self.shadow = self.ledger.real
         self.rng = random.Random(seed)
+        self.templates = [[1_000_000 * (t + 1) + j for j in range(n)] for t, n in enumerate(templates)]
         self.next_id = 0
         self.tokens: dict[int, list[int]] = {}  # each request's token ids (its KV content)
+        self.given: dict[int, int] = {}  # token ids the manager has (prefix cache), per request given them
+        self.kv_done: dict[int, int] = {}  # KV positions written
         self.state_pos: dict[int, int] = {}  # the prefix length its live state summarises
+        self.fwd: dict[int, tuple[int, int]] = {}  # forwards handed out (allocate, append) not yet run
         self.verify: dict[int, tuple[int, int]] = {}  # open verify steps: (tokens before, drafts)
         self.plans: dict[int, object] = {}  # open swap plans
+        self.history: list[list[int]] = []  # token lists of requests freed after a forward
 
     # ---- helpers ---------------------------------------------------------------------------------
     def _running(self):
+        """Running requests with nothing open: no swap plan, no verify step, no forward not yet run."""
         return [
             r
             for r, rec in self.m.requests.items()
-            if rec.status is RequestStatus.RUNNING and rec.pending is None and r not in self.verify
+            if rec.status is RequestStatus.RUNNING
+            and rec.pending is None
+            and r not in self.verify
+            and r not in self.fwd
         ]
 
     def _swapped(self):
@@ -94,76 +141,199 @@ class ManagerMachine(RuleBasedStateMachine):
     def _blocks(self, r):
         return self.m.requests[r].kv_blocks
 
-    def _forward(self, r, start, end):
-        """Write KV for positions [start, end) and the live state after ``end`` tokens."""
-        h = prefix_hashes(self.tokens[r])
-        self.shadow.write_kv(self._blocks(r), h, start, end)
-        self.shadow.write_state(self.m.state_table([r])[:, 0, :], h[end])
-        self.state_pos[r] = end
+    def _live_ids(self, r) -> list[int]:
+        return self.m.requests[r].state[self.m._state_mask].tolist()
+
+    def _wait_for(self, r, start, end, spec=0):
+        """The queued copies the forward of ``r`` over ``[start, end)`` must wait for run first."""
+        bs, kv = self.m.block_size, self._blocks(r)
+        live = self._live_ids(r)
+        reads = set(kv[: cdiv(end, bs)].tolist()) | set(live) if self.m._has_kv else set(live)
+        writes = set(kv[start // bs : cdiv(end, bs)].tolist()) if self.m._has_kv and end > start else set()
+        writes |= set(live)
+        for sets in self.m.speculative_table(r)[:spec]:
+            writes |= set(sets[self.m._state_mask].tolist())
+        self.ledger.flush_for(reads | writes, writes, f"forward of {r}")
+
+    def _register(self, r, data):
+        """After a forward: the request's computed blocks enter the prefix cache, with a checkpoint
+        if the policy wants one (its copy is queued) or without."""
+        if self.m.prefix_cache is None or r not in self.given:
+            return
+        if data.draw(st.booleans()):
+            self.m.checkpoint(r, final=data.draw(st.booleans()))
+        else:
+            self.m.mark_computed(r, self.m.requests[r].num_tokens)
+
+    def _end_of_rule(self):
+        if self.mode in ("pins", "eager"):  # run every copy before the next call
+            self.ledger.run_all("eager executor")
+        elif self.mode == "tight":  # say at once which copies ran: only the queued ones stay pinned
+            self._release()
 
     def _release(self):
-        if self.pins:  # the executor ran every copy handed out so far
-            self.m.release_pins(before=self.m.begin_pin_epoch())
+        """The executor says which copies ran: every epoch before the oldest one still queued."""
+        if self.pins:
+            newest = self.m.begin_pin_epoch()
+            oldest = self.ledger.oldest_queued_epoch()
+            self.m.release_pins(before=newest if oldest is None else oldest)
 
     # ---- rules -----------------------------------------------------------------------------------
-    @rule(tokens=st.integers(0, 60), k=st.integers(0, 2))
-    def allocate(self, tokens, k):
-        ok = self.m.can_allocate(tokens, k)
+    @rule(
+        data=st.data(),
+        own=st.integers(0, 20),
+        template=st.integers(0, 2),
+        shared=st.integers(0, 48),
+        k=st.integers(0, 2),
+        with_ids=st.booleans(),
+    )
+    def allocate(self, data, own, template, shared, k, with_ids):
+        t = self.templates[template % len(self.templates)]
+        tokens = t[:shared] + self._new_tokens(own)
+        n = len(tokens)
+        ids = tokens if n and (with_ids or data.draw(st.booleans())) else None
+        ok = self.m.can_allocate(n, k, ids)
         r = self.next_id = self.next_id + 1
         try:
-            self.m.allocate(r, tokens, k)
+            alloc = self.m.allocate(r, n, k, token_ids=ids)
         except AllocationError:
             assert not ok
             return
         assert ok
-        self.tokens[r] = self._new_tokens(tokens)
-        self._forward(r, 0, tokens)
+        c = alloc.num_cached_tokens
+        self.tokens[r] = tokens
+        if ids is not None and self.m.prefix_cache is not None:
+            self.given[r] = n
+        self.kv_done[r] = self.state_pos[r] = c
+        self.fwd[r] = (c, n)
+        if data.draw(st.booleans()):
+            self.forward(data, r)
+        self._end_of_rule()
+
+    @rule(data=st.data(), k=st.integers(0, 1), short=st.integers(0, 2))
+    def allocate_all(self, data, k, short):
+        """A long prompt that takes (nearly) every available block: eviction of whatever is cached."""
+        m = self.m
+        spare = m.num_available_blocks - m.watermark_blocks - (1 + k) * m.num_state_blocks - short
+        if spare < 0 or not m._has_kv:
+            return
+        n = max(spare * m.block_size, 1)
+        if not m.can_allocate(n, k):
+            return
+        r = self.next_id = self.next_id + 1
+        m.allocate(r, n, k)
+        self.tokens[r] = self._new_tokens(n)
+        self.kv_done[r] = self.state_pos[r] = 0
+        self.fwd[r] = (0, n)
+        if data.draw(st.booleans()):
+            self.forward(data, r)
+        self._end_of_rule()
+
+    @precondition(lambda self: self.fwd)
+    @rule(data=st.data())
+    def forward(self, data, r=None):
+        """Run a forward handed out earlier: check what it reads, write KV and the state after it."""
+        if r is None:
+            r = data.draw(st.sampled_from(sorted(self.fwd)))
+        start, end = self.fwd.pop(r)
+        self._wait_for(r, start, end)
+        h = prefix_hashes(self.tokens[r])
+        self.ledger.note_prefixes(self.tokens[r], h)
+        self.shadow.check_kv(f"forward of {r} reads", self._blocks(r), h, start)
+        if self.state_pos[r]:
+            self.shadow.check_state(f"forward of {r} reads", self._live_ids_sets(r), h[self.state_pos[r]])
+        self.ledger.write_kv(self._blocks(r), h, start, end)
+        self.ledger.write_state(self._live_ids_sets(r), h[end])
+        self.kv_done[r] = self.state_pos[r] = end
+        self._register(r, data)
+        self._end_of_rule()
+
+    def _live_ids_sets(self, r):
+        return self.m.requests[r].state
 
     @precondition(lambda self: self._running())
     @rule(data=st.data(), n=st.integers(0, 20))
     def append(self, data, n):
-        r = data.draw(st.sampled_from(self._running()))
+        self._append(data, data.draw(st.sampled_from(self._running())), n, None)
+
+    def _append(self, data, r, n, run_forward) -> bool:
         ok = self.m.can_append(r, n)
         before = self.m.requests[r].num_tokens
+        if before + n > len(self.tokens[r]):
+            extra = self._new_tokens(before + n - len(self.tokens[r]))
+        else:
+            extra = []
         try:
-            copies = self.m.append(r, n)
+            given = self.given.get(r)
+            copies = self.m.append(r, n, token_ids=self._peek_give(r, before + n, extra))
         except AllocationError:
             assert not ok and self.m.requests[r].num_tokens == before
-            return
+            if given is not None:
+                self.given[r] = given
+            return False
         assert ok and self.m.requests[r].num_tokens == before + n and len(copies) <= 1
-        self.shadow.copy(copies)
-        self.tokens[r] += self._new_tokens(n)
-        self._forward(r, before, before + n)
+        self.tokens[r] += extra
+        self.fwd[r] = (before, before + n)
+        if data.draw(st.booleans()) if run_forward is None else run_forward:
+            self.forward(data, r)
+        self._end_of_rule()
+        return True
+
+    def _peek_give(self, r, end, extra):
+        if r not in self.given:
+            return None
+        known = self.tokens[r] + extra
+        if self.given[r] >= end:
+            return None
+        ids = known[self.given[r] : end]
+        self.given[r] = end
+        return ids
 
     @precondition(lambda self: self.m.requests)
     @rule(data=st.data())
-    def free(self, data):
-        r = data.draw(st.sampled_from(sorted(self.m.requests)))
+    def free(self, data, r=None):
+        """Also before the forward handed out for it ran (an abort: the forward never runs)."""
+        if r is None:
+            r = data.draw(st.sampled_from(sorted(self.m.requests)))
         if self.m.requests[r].pending is None:
+            if r not in self.fwd and r not in self.verify and self.m.requests[r].status is RequestStatus.RUNNING:
+                self.history.append(self.tokens[r][: self.kv_done[r]])
             self.m.free(r)
             self.verify.pop(r, None)
+            self.fwd.pop(r, None)
+        self._end_of_rule()
 
     @precondition(
         lambda self: [
             r
             for r in self.m.requests
-            if self.m.requests[r].pending is None and self.m.requests[r].status is RequestStatus.RUNNING
+            if self.m.requests[r].pending is None
+            and self.m.requests[r].status is RequestStatus.RUNNING
+            and r not in self.fwd
         ]
     )
     @rule(data=st.data())
-    def fork(self, data):
+    def fork(self, data, parent=None):
         """Also in the middle of a verify step: the child takes the drafts' KV and the live state."""
-        live = [r for r, rec in self.m.requests.items() if rec.pending is None and rec.status is RequestStatus.RUNNING]
-        parent = data.draw(st.sampled_from(sorted(live)))
+        if parent is None:
+            live = [
+                r
+                for r, rec in self.m.requests.items()
+                if rec.pending is None and rec.status is RequestStatus.RUNNING and r not in self.fwd
+            ]
+            parent = data.draw(st.sampled_from(sorted(live)))
         child = self.next_id = self.next_id + 1
         try:
             copies = self.m.fork(parent, child)
         except AllocationError:
             return
         assert len(copies) == self.m.num_state_blocks
-        self.shadow.copy(copies)
         self.tokens[child] = list(self.tokens[parent])
         self.state_pos[child] = self.state_pos[parent]
+        self.kv_done[child] = len(self.tokens[parent])
+        if parent in self.given:
+            self.given[child] = self.given[parent]
+        self._end_of_rule()
 
     @precondition(lambda self: self._running())
     @rule(data=st.data(), settle_now=st.booleans())
@@ -174,7 +344,8 @@ class ManagerMachine(RuleBasedStateMachine):
         except AllocationError:
             return
         if settle_now:
-            self.settle(data)
+            self.settle(data, r)
+        self._end_of_rule()
 
     @precondition(lambda self: self._swapped())
     @rule(data=st.data(), settle_now=st.booleans())
@@ -188,60 +359,157 @@ class ManagerMachine(RuleBasedStateMachine):
             return
         assert ok
         if settle_now:
-            self.settle(data)
+            self.settle(data, r)
+        self._end_of_rule()
 
     @precondition(lambda self: self.plans)
     @rule(data=st.data())
-    def settle(self, data):
-        """Run an open plan's copies now (late: other requests changed meanwhile), then commit; or
-        fail half-way and abort."""
-        r = data.draw(st.sampled_from(sorted(self.plans)))
-        plan = self.plans.pop(r)
+    def settle(self, data, r=None):
+        """Run an open plan's copies now (late: other requests changed meanwhile; everything handed
+        out before it runs first), then commit; or fail half-way and abort."""
+        if r is None:
+            r = data.draw(st.sampled_from(sorted(self.plans)))
+        swap = self.plans.pop(r)
+        led = self.ledger
+        i = next((i for i, op in enumerate(led.queue) if op.plan is swap), None)
+        if i is not None:
+            led.run_first(i + 1, f"settle of {r}'s swap")
         if data.draw(st.booleans()):
-            self.shadow.swap(plan)
-            plan.commit()
+            swap.commit()
         else:
-            if plan.direction is SwapDirection.IN:
-                self.shadow.scribble(plan.device_blocks)
-            plan.abort()
+            if swap.direction is SwapDirection.IN:
+                led.scribble(swap.device_blocks)
+            swap.abort()
+        self._end_of_rule()
 
     @precondition(lambda self: self._running())
     @rule(data=st.data(), k=st.integers(1, 3))
     def begin_verify(self, data, k):
         """Speculation: the last sampled token plus k drafts run; the live set gets the state after
         the sampled token, speculative set j - 1 the state after draft j."""
-        r = data.draw(st.sampled_from(self._running()))
+        self._begin_verify(data, k, data.draw(st.sampled_from(self._running())))
+
+    def _begin_verify(self, data, k, r) -> bool:
         before = self.m.requests[r].num_tokens
+        new = self._new_tokens(1 + k)
+        given = self.given.get(r)
         try:
             self.m.begin_speculation(r, k)
-            copies = self.m.append(r, 1 + k)
+            self.m.append(r, 1 + k, token_ids=self._peek_give(r, before + 1, self.tokens[r][before:] + new))
         except AllocationError:
-            return
-        self.shadow.copy(copies)
-        self.tokens[r] += self._new_tokens(1 + k)
+            if given is not None:
+                self.given[r] = given
+            return False
+        del self.tokens[r][before:]
+        self.tokens[r] += new
+        self._wait_for(r, before, before + 1 + k, spec=k)
         h = prefix_hashes(self.tokens[r])
-        self.shadow.write_kv(self._blocks(r), h, before, before + 1 + k)
-        self.shadow.write_state(self.m.state_table([r])[:, 0, :], h[before + 1])
+        self.ledger.note_prefixes(self.tokens[r], h)
+        self.shadow.check_kv(f"verify of {r} reads", self._blocks(r), h, before)
+        self.shadow.check_state(f"verify of {r} reads", self.m.requests[r].state, h[self.state_pos[r]])
+        self.ledger.write_kv(self._blocks(r), h, before, before + 1 + k)
+        self.ledger.write_state(self.m.requests[r].state, h[before + 1])
         self.state_pos[r] = before + 1
+        self.kv_done[r] = before + 1 + k
         for j, sets in enumerate(self.m.speculative_table(r)[:k]):
-            self.shadow.write_state(sets, h[before + 2 + j])
+            self.ledger.write_state(sets, h[before + 2 + j])
         self.verify[r] = (before, k)
+        self._end_of_rule()
+        return True
 
     @precondition(lambda self: self.verify)
     @rule(data=st.data())
-    def commit_verify(self, data):
-        r = data.draw(st.sampled_from(sorted(self.verify)))
+    def commit_verify(self, data, r=None):
+        if r is None:
+            r = data.draw(st.sampled_from(sorted(self.verify)))
         before, k = self.verify.pop(r)
         accepted = data.draw(st.integers(0, k))
         self.m.commit_speculation(r, accepted, k)
         assert self.m.requests[r].num_tokens == before + 1 + accepted
         del self.tokens[r][before + 1 + accepted :]
-        self.state_pos[r] = before + 1 + accepted
+        self.state_pos[r] = self.kv_done[r] = before + 1 + accepted
+        self._register(r, data)
         if data.draw(st.booleans()):
             self.m.end_speculation(r)
+        self._end_of_rule()
+
+    @precondition(lambda self: self._running())
+    @rule(data=st.data(), k=st.integers(1, 3))
+    def fork_in_verify(self, data, k):
+        """A verify step, a fork of it (the child keeps the drafts), its commit: with rejected drafts
+        the parent's tail is again a partly filled block the child shares, and the child's tokens
+        (drafts kept) can fill it and put it in the prefix cache while the parent's copy-on-write of
+        it is still queued."""
+        r = data.draw(st.sampled_from(self._running()))
+        if self._begin_verify(data, k, r):
+            self.fork(data, r)
+            self.commit_verify(data, r)
+
+    @precondition(lambda self: self._running())
+    @rule(
+        data=st.data(),
+        in_verify=st.booleans(),
+        child_writes=st.booleans(),
+        writer_forward=st.booleans(),
+        writer_leaves=st.booleans(),
+        n=st.integers(1, 9),
+    )
+    def branch_and_leave(self, data, in_verify, child_writes, writer_forward, writer_leaves, n, m=None):
+        """Parallel sampling where one branch ends at once: a fork (in a verify step or not), one
+        branch writes (its copy-on-write of the shared tail is handed out; its forward runs or
+        waits), and one of them leaves after a forward that put its blocks in the prefix cache. The
+        block copied on write (source or destination) may now be cached and evictable while its copy
+        is queued or its pin not released: the next allocations must not take it."""
+        parent = data.draw(st.sampled_from(self._running()))
+        before = self.next_id
+        if in_verify and self._begin_verify(data, data.draw(st.integers(1, 3)), parent):
+            self.fork(data, parent)
+            self.commit_verify(data, parent)
+        else:
+            self.fork(data, parent)
+        if self.next_id == before or self.next_id not in self.m.requests:
+            return  # the fork did not fit
+        child = self.next_id
+        writer, other = (child, parent) if child_writes else (parent, child)
+        if not self._append(data, writer, n, writer_forward):
+            return
+        leaver = writer if writer_leaves else other
+        if leaver == other:
+            self._append(data, other, data.draw(st.integers(1, 9)) if m is None else m, True)
+        if leaver not in self.fwd and self.m.requests[leaver].pending is None:
+            self.free(data, leaver)
+        if data.draw(st.booleans()):  # and a new request takes what is left
+            self.allocate_all(data, 0, data.draw(st.integers(0, 2)))
+
+    @precondition(lambda self: self._running())
+    @rule(data=st.data(), n=st.integers(1, 4), m=st.integers(1, 9))
+    def verify_branch_leaves(self, data, n, m):
+        """A fork in a verify step, the parent's drafts rejected (cut back into the block the child
+        keeps whole), the parent's next tokens (its copy-on-write of that block queued, its forward
+        not run), the child's next tokens and forward (the block enters the prefix cache), the child
+        leaves, and a long prompt arrives: the source of the queued copy must not be evicted."""
+        self.branch_and_leave(data, True, False, False, False, n, m)
+
+    @precondition(lambda self: self.pins and self.m.prefix_cache is not None)
+    @rule()
+    def cancel_checkpoints(self):
+        """A scheduler's way out of a full pool: drop this epoch's checkpoints (their copies leave the queue)."""
+        self.m.cancel_checkpoints(self.m.pin_epoch)
+
+    @precondition(lambda self: self.pins)
+    @rule()
+    def new_epoch(self):
+        self.m.begin_pin_epoch()
+
+    @precondition(lambda self: self.ledger.queue)
+    @rule(n=st.integers(1, 4))
+    def executor_runs_some(self, n):
+        self.ledger.run_first(n, "executor")
+        self._release()
 
     @rule()
     def executor_caught_up(self):
+        self.ledger.run_all("executor")
         self._release()
 
     # ---- invariants ------------------------------------------------------------------------------
@@ -249,8 +517,9 @@ class ManagerMachine(RuleBasedStateMachine):
     def books_balance_and_data_follow_requests(self):
         if not hasattr(self, "m"):
             return
-        m = self.m
+        m, led = self.m, self.ledger
         m.check_integrity()
+        queued = led.queued_blocks()
         for r, rec in m.requests.items():
             if rec.pending is not None and rec.pending.direction is SwapDirection.IN:
                 continue  # its host copy is checked when the plan settles
@@ -259,8 +528,16 @@ class ManagerMachine(RuleBasedStateMachine):
                 self.shadow.check_host(f"swapped {r}", rec.host_blocks, h, rec.num_tokens, h[self.state_pos[r]])
                 continue
             assert len(self.tokens[r]) == rec.num_tokens
-            self.shadow.check_kv(f"request {r}", rec.kv_blocks, h, rec.num_tokens)
-            self.shadow.check_state(f"request {r}", rec.state, h[self.state_pos[r]])  # pending swap-outs too
+            pos = self.state_pos[r]
+            # as the manager means it (every op applied at hand-out) ...
+            led.intent.check_kv(f"request {r} (intent)", rec.kv_blocks, h, self.kv_done[r])
+            if pos or r not in self.fwd:
+                led.intent.check_state(f"request {r} (intent)", rec.state, h[pos])
+            # ... and as the executor ran it, where no queued op writes it
+            if r not in self.fwd and not queued.intersection(rec.kv_blocks.tolist() + self._live_ids(r)):
+                self.shadow.check_kv(f"request {r}", rec.kv_blocks, h, self.kv_done[r])
+                self.shadow.check_state(f"request {r}", rec.state, h[pos])  # pending swap-outs too
+        led.check_agree("after the step")
         running = [r for r, rec in m.requests.items() if rec.status is RequestStatus.RUNNING and rec.pending is None]
         owned = np.concatenate([m.state_table(running).ravel()] + [m.speculative_table(r).ravel() for r in running])
         owned = owned[owned != 0]
@@ -269,21 +546,41 @@ class ManagerMachine(RuleBasedStateMachine):
         assert u.free + u.used + u.evictable + u.null == u.total
 
     def teardown(self):
-        if not hasattr(self, "m"):
-            return
+        if not hasattr(self, "m") or sys.exc_info()[0] is not None:
+            return  # (a step failed: its error is the one to report, not what it left behind)
+        m, led = self.m, self.ledger
         for open_plan in getattr(self, "plans", {}).values():
+            led.queue = [op for op in led.queue if op.plan is not open_plan]  # never runs
             open_plan.abort()
-        for r in list(self.m.requests):
-            self.m.free(r)
-        self.m.release_pins()
-        self.m.check_integrity()
-        assert self.m.pool.free_extents() == [(1, self.m.layout.num_blocks)]
-        if self.m.host_pool is not None:
-            assert self.m.host_pool.num_free == self.m.host_pool.num_usable
+        led.run_all("executor at the end")
+        for r in list(m.requests):
+            m.free(r)
+        m.release_pins()
+        led.check_idle("idle at the end")
+        # a second user: prefix hits on what the requests computed read their bytes
+        for i, tokens in enumerate(self.history[-8:] + [t for t in self.templates]):
+            if m.prefix_cache is None or not tokens or not m.can_allocate(len(tokens), 0, tokens):
+                continue
+            alloc = m.allocate(("probe", i), len(tokens), 0, token_ids=tokens)
+            led.run_all("the probe's hit")
+            c = alloc.num_cached_tokens
+            h = prefix_hashes(tokens)
+            self.shadow.check_kv(f"probe {i} (hit of {c} tokens)", m.requests[("probe", i)].kv_blocks, h, c)
+            if c:
+                self.shadow.check_state(f"probe {i} (hit of {c} tokens)", m.requests[("probe", i)].state, h[c])
+            m.free(("probe", i))
+            m.release_pins()
+            led.check_idle(f"idle after probe {i}")
+        u = m.usage()
+        assert u.used == 0 and u.free + u.evictable == u.total - 1, u
+        if m.prefix_cache is None:
+            assert m.pool.free_extents() == [(1, m.layout.num_blocks)]
+        if m.host_pool is not None:
+            assert m.host_pool.num_free == m.host_pool.num_usable
 
 
 ManagerMachine.TestCase.settings = settings(
-    max_examples=int(os.environ.get("MANAGER_STATEFUL_EXAMPLES", "150")),
+    max_examples=int(os.environ.get("MANAGER_STATEFUL_EXAMPLES", "1000")),
     stateful_step_count=40,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
