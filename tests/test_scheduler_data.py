@@ -49,6 +49,7 @@ from hybridkv.blockmgr.prefix import CheckpointPolicy, EvictionPolicy, PrefixCac
 from hybridkv.blockmgr.spec import AttentionLayerSpec, DType, ModelSpec, RecurrentLayerSpec, StateComponent
 from hybridkv.scheduler_adapter import PreemptionMode, RequestState, Scheduler, SchedulerConfig, StepOutputs
 from tests.shadow import Ledger, Shadow, prefix_hashes
+from tests.test_scheduler_property import check_outcomes
 
 EXAMPLES = int(os.environ.get("SCHEDULER_DATA_EXAMPLES", "300"))
 
@@ -439,13 +440,7 @@ def play(s: Scheduler, ledger: Ledger, name: str, actions, step, aborted: set, m
             break
         step(None)
         try_forks(True)
-    assert not s.has_unfinished, "the scheduler stopped making progress"
-    for rid, n in wanted.items():
-        req = s.finished[rid]
-        if rid in aborted:
-            assert req.state is RequestState.ABORTED
-        else:
-            assert req.state is RequestState.FINISHED and len(req.output_token_ids) == n
+    check_outcomes(s, wanted, aborted)
     return wanted
 
 

@@ -128,6 +128,16 @@ def play(s: Scheduler, actions, step, aborted: set, give_ids: bool = True, max_s
         if not s.has_unfinished:
             break
         step(None)
+    check_outcomes(s, wanted, aborted)
+    m = s.manager if manager is None else manager
+    m.release_pins()  # the executor ran every copy handed out: pending-free blocks go back
+    m.check_integrity()
+    u = m.usage()
+    assert not m.requests and u.free + u.evictable == u.total - 1 and u.used == 0 and u.host_used == 0
+
+
+def check_outcomes(s: Scheduler, wanted: dict, aborted: set) -> None:
+    """The loop ended, and each request finished with all its ``wanted`` tokens or was aborted."""
     assert not s.has_unfinished, "the scheduler stopped making progress"
     for rid, n in wanted.items():
         req = s.finished[rid]
@@ -135,8 +145,3 @@ def play(s: Scheduler, actions, step, aborted: set, give_ids: bool = True, max_s
             assert req.state is RequestState.ABORTED
         else:
             assert req.state is RequestState.FINISHED and len(req.output_token_ids) == n
-    m = s.manager if manager is None else manager
-    m.release_pins()  # the executor ran every copy handed out: pending-free blocks go back
-    m.check_integrity()
-    u = m.usage()
-    assert not m.requests and u.free + u.evictable == u.total - 1 and u.used == 0 and u.host_used == 0

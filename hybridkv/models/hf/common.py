@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from hybridkv.errors import SpecError
+from hybridkv.models import presets as P
 from hybridkv.models.fields import MAX_LAYERS, _dtype, _field, _list, _whole
 from hybridkv.models.spec import AttentionLayerSpec, DType
 
@@ -150,3 +151,17 @@ def positive(cfg: Mapping[str, Any], key: str, where: str, default: Any = None, 
             raise SpecError(f"{where}: needs {key!r}")
         return default
     return _whole(value, where, key, minimum)
+
+
+def mamba1_of(cfg: Mapping[str, Any], where: str, dt: Any, d_inner: int, **kwargs: Any) -> Any:
+    """The Mamba-1 layer of a hybrid config that names its mixer's fields ``mamba_d_state`` and
+    ``mamba_d_conv`` (Jamba, Zamba): ``d_inner`` channels, the state and conv dtypes of ``dt``
+    (a :class:`Dtypes`); ``kwargs`` go to :func:`~hybridkv.models.presets.mamba1_layer`."""
+    return P.mamba1_layer(
+        d_inner,
+        _field(cfg, "mamba_d_state", where, default=16),
+        _field(cfg, "mamba_d_conv", where, default=4, minimum=2),
+        dt.ssm("mamba"),
+        dt.conv("mamba"),
+        **kwargs,
+    )

@@ -9,7 +9,7 @@ from typing import Any
 from hybridkv.errors import SpecError
 from hybridkv.models import presets as P
 from hybridkv.models.fields import _field
-from hybridkv.models.hf.common import Dtypes, _hf_attention, _num_layers, pattern_from
+from hybridkv.models.hf.common import Dtypes, _hf_attention, _num_layers, mamba1_of, pattern_from
 from hybridkv.models.spec import LayerSpec
 
 MODEL_TYPES = ("jamba",)
@@ -27,11 +27,5 @@ def read(cfg: Mapping[str, Any], where: str, dt: Dtypes) -> tuple[LayerSpec, ...
         pattern = "".join("A" if i % period == offset else "R" for i in range(n))
     attn = _hf_attention(cfg, where, dt)
     d_inner = _field(cfg, "mamba_expand", where, default=2) * _field(cfg, "hidden_size", where)
-    rec = P.mamba1_layer(
-        d_inner,
-        _field(cfg, "mamba_d_state", where, default=16),
-        _field(cfg, "mamba_d_conv", where, default=4, minimum=2),
-        dt.ssm("mamba"),
-        dt.conv("mamba"),
-    )
+    rec = mamba1_of(cfg, where, dt, d_inner)
     return P.layers_from_pattern(pattern, attn, rec)

@@ -17,9 +17,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from hybridkv.errors import SpecError
-from hybridkv.models import presets as P
 from hybridkv.models.fields import _field
-from hybridkv.models.hf.common import Dtypes, _hf_attention, _num_layers, pattern_from
+from hybridkv.models.hf.common import Dtypes, _hf_attention, _num_layers, mamba1_of, pattern_from
 from hybridkv.models.spec import AttentionLayerSpec, HybridLayerSpec, LayerSpec
 
 MODEL_TYPES = ("zamba",)
@@ -47,13 +46,6 @@ def read(cfg: Mapping[str, Any], where: str, dt: Dtypes) -> tuple[LayerSpec, ...
     head_dim = cfg.get("attention_head_dim") or 2 * hidden // heads
     attn = _hf_attention({**cfg, "attention_head_dim": head_dim}, where, dt, head_dim_keys=("attention_head_dim",))
     d_inner = _field(cfg, "mamba_expand", where, default=2) * hidden
-    rec = P.mamba1_layer(
-        d_inner,
-        _field(cfg, "mamba_d_state", where, default=16),
-        _field(cfg, "mamba_d_conv", where, default=4, minimum=2),
-        dt.ssm("mamba"),
-        dt.conv("mamba"),
-        num_heads=_field(cfg, "n_mamba_heads", where, default=2),
-    )
+    rec = mamba1_of(cfg, where, dt, d_inner, num_heads=_field(cfg, "n_mamba_heads", where, default=2))
     hybrid = HybridLayerSpec(AttentionLayerSpec(attn.num_kv_heads, attn.head_dim, attn.dtype, attn.num_q_heads), rec)
     return tuple(hybrid if c == "H" else rec for c in pattern)
