@@ -75,6 +75,14 @@ def _is_integer(value: object) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
+def _check_hashable(request_id: object) -> None:
+    """``TypeError`` for a request id that cannot key the scheduler's and manager's books."""
+    try:
+        hash(request_id)
+    except TypeError:
+        raise TypeError(f"request ids must be hashable, got {type(request_id).__name__}") from None
+
+
 def _token_ids(tokens: object, what: str) -> tuple[int, ...]:
     """``tokens`` as a tuple of Python ints, each an integer (numpy integers included; bools,
     floats, strings and None refused) within int64; ``TypeError`` otherwise, before any change."""
@@ -132,7 +140,6 @@ class Scheduler:
         # requests submitted with token ids are admitted with them (a prefix hit when the manager
         # caches prefixes, else a miss); with a prefix cache, checkpoints are taken after forwards
         # and chunks end where the policy wants one (ManagerInterface: no feature probing)
-        self._prefix_args = True
         self._checkpoints = manager.prefix_cache is not None
         self._carried_copies = BlockCopies.empty()  # checkpoint copies for the next plan
         # pin epochs (HybridBlockManager.begin_pin_epoch): copies handed out in update() run at the
@@ -151,10 +158,7 @@ class Scheduler:
         integer; :class:`DuplicateRequestError`, ``ValueError`` on empty prompts or outputs, and
         :class:`RequestTooLargeError` when ``prompt + max_new_tokens`` can never fit in the pool.
         """
-        try:
-            hash(request_id)
-        except TypeError:
-            raise TypeError(f"request ids must be hashable, got {type(request_id).__name__}") from None
+        _check_hashable(request_id)
         if request_id in self.requests or request_id in self.finished:
             raise DuplicateRequestError(f"request {request_id!r} was already submitted: use a new id")
         if not (_is_integer(prompt) or isinstance(prompt, Iterable)) or isinstance(prompt, bool):
@@ -194,10 +198,7 @@ class Scheduler:
         parent = self.requests.get(parent_id)
         if parent is None or parent.state is not RequestState.RUNNING:
             raise RequestStateError(f"request {parent_id!r} is not running: only a running request can be forked")
-        try:
-            hash(child_id)
-        except TypeError:
-            raise TypeError(f"request ids must be hashable, got {type(child_id).__name__}") from None
+        _check_hashable(child_id)
         if as_count(max_new_tokens, "max_new_tokens") < 1:
             raise ValueError(f"fork {child_id!r}: max_new_tokens must be >= 1, got {max_new_tokens}")
         if len(self.running) >= self.config.max_num_seqs:
@@ -321,7 +322,7 @@ class Scheduler:
                 copies = self.manager.checkpoint(rid)
                 if len(copies):
                     self._carried_copies = self._carried_copies.concat(copies)
-            elif self._prefix_args and req.token_ids_given:
+            elif req.token_ids_given:
                 self.manager.mark_computed(rid, req.num_computed_tokens)
             if len(req.output_token_ids) >= req.max_new_tokens or rid in outputs.finished:
                 self.manager.free(rid)
@@ -436,7 +437,7 @@ class Scheduler:
         while self.waiting and s.budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
             total = req.num_tokens
-            ids = req.token_ids() if self._prefix_args and req.prompt_token_ids is not None else None
+            ids = req.token_ids() if req.prompt_token_ids is not None else None
             cached = self.manager.match_prefix(ids, total) if ids is not None else 0
             n = min(total - cached, s.budget)
             if ids is not None and self.manager.plan_admission(cached + n, k, ids).num_cached_tokens != cached:
