@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import re
 
+import numpy as np
+
 _BYTE_UNITS = {
     "": 1,
     "b": 1,
@@ -84,3 +86,8 @@ def as_count(value: object, what: str, minimum: int = 0) -> int:
     if count < minimum:
         raise ValueError(f"{what} must be >= {minimum}, got {count}")
     return count
+
+
+def is_integer(value: object) -> bool:
+    """An exact integer: ``int`` or a numpy integer; bools, floats (even ``2.0``) and strings are not."""
+    return type(value) is int or isinstance(value, np.integer)

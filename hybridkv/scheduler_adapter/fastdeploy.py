@@ -47,7 +47,6 @@ from hybridkv.scheduler_adapter.fastdeploy_types import (  # noqa: F401 (public 
     HYBRID_TASK_FIELDS,
     MatchResult,
     _FreeBlocks,
-    _is_int,
     _Node,
     _Pending,
     _token_ids,
@@ -60,7 +59,7 @@ from hybridkv.scheduler_adapter.fastdeploy_worker import (
     state_layer_slots,
 )
 from hybridkv.scheduler_adapter.metadata import StepMetadata
-from hybridkv.units import as_count, cdiv
+from hybridkv.units import as_count, cdiv, is_integer
 
 
 class FastDeployBlockManager:
@@ -181,12 +180,12 @@ class FastDeployBlockManager:
             what = f"unexpected keyword {', '.join(unknown)}" if unknown else f"{len(args)} positional arguments"
             raise TypeError(f"allocate_gpu_blocks: {what}; use {ALLOCATE_FORMS}")
         first = args[0] if args else kwargs.get("request", kwargs.get("num_blocks"))
-        v1 = "request" in kwargs or (not _is_int(first) and hasattr(first, "request_id"))
+        v1 = "request" in kwargs or (not is_integer(first) and hasattr(first, "request_id"))
         if v1:
             if "req_id" in kwargs:
                 raise TypeError(f"allocate_gpu_blocks: the v1 form takes no req_id; use {ALLOCATE_FORMS}")
             names = ("request", "num_blocks")
-        elif _is_int(first):
+        elif is_integer(first):
             if "request" in kwargs:
                 raise TypeError(f"allocate_gpu_blocks: the legacy form takes no request; use {ALLOCATE_FORMS}")
             names = ("num_blocks", "req_id")
@@ -204,7 +203,7 @@ class FastDeployBlockManager:
         if "num_blocks" not in bound:
             raise TypeError(f"allocate_gpu_blocks: num_blocks missing; use {ALLOCATE_FORMS}")
         num_blocks = bound["num_blocks"]
-        if not _is_int(num_blocks):
+        if not is_integer(num_blocks):
             raise TypeError(
                 f"allocate_gpu_blocks: num_blocks must be an integer, got {num_blocks!r} "
                 f"({type(num_blocks).__name__}); use {ALLOCATE_FORMS}"

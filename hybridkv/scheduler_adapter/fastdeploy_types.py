@@ -25,10 +25,6 @@ ALLOCATE_FORMS = (
 """The two call forms :meth:`FastDeployBlockManager.allocate_gpu_blocks` accepts (named in its TypeError)."""
 
 
-def _is_int(value: object) -> bool:
-    """An exact integer: ``int`` or a numpy integer; bools, floats (even ``2.0``) and strings are not."""
-    return type(value) is int or isinstance(value, np.integer)
-
 
 class _FreeBlocks:
     """Stands in for ``gpu_free_block_list``: FastDeploy only takes its ``len``."""

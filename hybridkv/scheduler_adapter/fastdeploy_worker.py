@@ -39,7 +39,7 @@ import numpy as np
 from hybridkv.errors import HybridKVError
 from hybridkv.models.spec import AttentionLayerSpec, DType
 from hybridkv.planner.layout import NULL_BLOCK, Layout
-from hybridkv.units import as_count
+from hybridkv.units import as_count, is_integer
 
 PAD_BLOCK = -1
 """FastDeploy pads ``block_tables`` rows with -1; state tables use the same value."""
@@ -55,10 +55,6 @@ class BlockIdError(HybridKVError, ValueError):
     """A block id that names no real block of the layout (the null block, the padding -1, past the
     pool) or that repeats where each id must be distinct; nothing was written."""
 
-
-def _is_int(value: object) -> bool:
-    """An exact integer: ``int`` or a numpy integer (bools, floats and strings are not)."""
-    return type(value) is int or isinstance(value, np.integer)
 
 
 def _check_framework(framework: object) -> str:
@@ -91,7 +87,7 @@ def _host_array(values: Any, what: str) -> np.ndarray:
 
 def _check_ints(values: Any, what: str) -> None:
     for v in values:
-        if _is_int(v):
+        if is_integer(v):
             continue
         if isinstance(v, str | bytes) or not hasattr(v, "__len__"):
             raise TypeError(f"{what}: block id {v!r} ({type(v).__name__}) is not an integer")
@@ -534,7 +530,7 @@ class StateTables:
 
     def _slot(self, idx: Any, what: str) -> int:
         """``idx`` as a checked batch slot in ``[0, max_num_seqs)``."""
-        if not _is_int(idx):
+        if not is_integer(idx):
             raise TypeError(f"{what}: batch slot must be an integer (request.idx), got {idx!r} ({type(idx).__name__})")
         if not 0 <= idx < self.max_num_seqs:
             raise BatchSlotError(

@@ -21,7 +21,6 @@ next step.
 from __future__ import annotations
 
 import bisect
-import numbers
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -41,7 +40,7 @@ from hybridkv.scheduler_adapter.requests import (
     StepPlan,
     StepResult,
 )
-from hybridkv.units import as_count, cdiv
+from hybridkv.units import as_count, cdiv, is_integer
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,11 +69,6 @@ def _key(req: SchedRequest) -> tuple[int, int]:
 _INT64 = (-(1 << 63), (1 << 63) - 1)
 
 
-def _is_integer(value: object) -> bool:
-    """An integer (numpy integers included), not a bool."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
 def _check_hashable(request_id: object) -> None:
     """``TypeError`` for a request id that cannot key the scheduler's and manager's books."""
     try:
@@ -94,7 +88,7 @@ def _token_ids(tokens: object, what: str) -> tuple[int, ...]:
         out = []
         for t in tokens:  # type: ignore[attr-defined]
             if type(t) is not int:
-                if not _is_integer(t):
+                if not is_integer(t):
                     raise TypeError(f"{what} must be integer token ids, got {t!r} ({type(t).__name__})")
                 t = int(t)
             out.append(t)
@@ -161,12 +155,12 @@ class Scheduler:
         _check_hashable(request_id)
         if request_id in self.requests or request_id in self.finished:
             raise DuplicateRequestError(f"request {request_id!r} was already submitted: use a new id")
-        if not (_is_integer(prompt) or isinstance(prompt, Iterable)) or isinstance(prompt, bool):
+        if not (is_integer(prompt) or isinstance(prompt, Iterable)):
             raise TypeError(f"request {request_id!r}: prompt must be token ids or a token count, got {prompt!r}")
-        ids = None if _is_integer(prompt) else _token_ids(prompt, f"request {request_id!r}: prompt")
+        ids = None if is_integer(prompt) else _token_ids(prompt, f"request {request_id!r}: prompt")
         num_prompt = as_count(prompt, "prompt") if ids is None else len(ids)
         max_new_tokens = as_count(max_new_tokens, "max_new_tokens")
-        if not _is_integer(priority):
+        if not is_integer(priority):
             raise TypeError(f"request {request_id!r}: priority must be an integer, got {priority!r}")
         priority = int(priority)
         if num_prompt < 1 or max_new_tokens < 1:
@@ -356,7 +350,7 @@ class Scheduler:
             accepted = 0
             if row.num_drafts:
                 accepted = outputs.num_accepted.get(rid, len(tokens) - 1)
-                if not _is_integer(accepted):
+                if not is_integer(accepted):
                     raise TypeError(f"request {rid!r}: num_accepted must be an integer, got {accepted!r}")
                 accepted = int(accepted)
                 if not 0 <= accepted <= row.num_drafts or len(tokens) != accepted + 1:
