@@ -37,8 +37,11 @@ _SMALL = 24  # up to this many blocks, keys_from_hashes steps the recurrence in 
 def as_token_array(token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
     """``token_ids`` as a 1-D int64 array (no copy when it already is one).
 
-    Raises ``TypeError`` for anything that is not a sequence of integers (floats, bools, strings)
-    and ``ValueError`` for a multi-dimensional array."""
+    Raises ``TypeError`` for anything that is not a sequence of integers (floats, strings, a bool
+    array) and ``ValueError`` for a multi-dimensional array. Python bools inside a list are read as
+    0 / 1: refusing them would cost a type test per token (2.5x the conversion itself, on the prefix
+    path of every admission), so the scheduler checks first (``Scheduler.add_request`` refuses
+    bools before any work)."""
     if isinstance(token_ids, np.ndarray):
         arr = token_ids
     else:
