@@ -9,6 +9,7 @@ Skips (with the reason) when transformers or torch is not installed: ``pip insta
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from pathlib import Path
 
@@ -186,7 +187,115 @@ CASES: dict[str, dict] = {
         first_k_dense_replace=1,
         num_mtp_layers=0,
     ),
+    # sliding-window families: window 4, so after a 5-token prefill and a decode the window is full (3 tokens kept)
+    "lara_mini": dict(
+        BASE,
+        layer_types=["linear_attention", "sliding_attention", "full_attention", "sliding_attention"],
+        num_hidden_layers=4,
+        head_dim=16,
+        linear_conv_kernel_dim=4,
+        shared_expert_intermediate_size=32,
+        sliding_window=4,
+        **GDN,
+        **MOE,
+    ),
+    "lfm3": dict(
+        BASE,
+        num_hidden_layers=4,
+        layer_types=["conv", "sliding_attention", "full_attention", "conv"],
+        head_dim=16,
+        conv_L_cache=3,
+        sliding_window=4,
+    ),
+    "recurrent_gemma": dict(
+        BASE,
+        num_hidden_layers=3,
+        lru_width=48,
+        conv1d_width=4,
+        attention_window_size=4,
+        block_types=["recurrent", "attention"],
+    ),
+    # 4 layers: 1 input, 2 looped twice (per_loop: the second loop's K/V are 2 more cache layers), 1 output
+    "dory": dict(
+        BASE,
+        num_hidden_layers=4,
+        head_dim=16,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        n_input_layers=1,
+        n_output_layers=1,
+        n_recurrent_loops=2,
+        sliding_window=4,
+    ),
+    "zaya": dict(
+        BASE,
+        num_hidden_layers=3,
+        head_dim=16,
+        layer_types=["hybrid", "hybrid_sliding", "hybrid"],
+        sliding_window=4,
+        cca_time0=2,
+        cca_time1=3,
+        num_experts=2,
+        moe_intermediate_size=32,
+        router_hidden_size=16,
+    ),
+    # Inkling 1: full layers 2 x 16 K/V, sliding ones 4 x 8 (their own head shape), four float32 conv windows each
+    "inkling_text": dict(
+        BASE,
+        num_hidden_layers=3,
+        head_dim=16,
+        layer_types=["hybrid_sliding", "hybrid", "hybrid_sliding"],
+        swa_num_attention_heads=4,
+        swa_num_key_value_heads=4,
+        swa_head_dim=8,
+        sliding_window_size=4,
+        conv_kernel_size=3,
+        d_rel=4,
+        rel_extent=8,
+        n_routed_experts=2,
+        num_experts_per_tok=1,
+        n_shared_experts=1,
+        moe_intermediate_size=32,
+    ),
+    "inkling2_text": dict(
+        BASE,
+        num_hidden_layers=3,
+        head_dim=16,
+        layer_types=["hybrid_sliding", "hybrid", "hybrid_sliding"],
+        swa_num_attention_heads=4,
+        swa_num_key_value_heads=4,
+        swa_head_dim=8,
+        sliding_window_size=4,
+        conv_kernel_size=3,
+        n_layers_per_attn_res_block=1,
+        n_routed_experts=2,
+        num_experts_per_tok=1,
+        n_shared_experts=1,
+        moe_intermediate_size=32,
+    ),
+    # layers 1-2 looped 3 times: 2 x 2 more cache layers after the model's 4
+    "inkling2_loop_text": dict(
+        BASE,
+        num_hidden_layers=4,
+        head_dim=16,
+        layer_types=["hybrid_sliding", "hybrid", "hybrid_sliding", "hybrid"],
+        swa_num_attention_heads=4,
+        swa_num_key_value_heads=4,
+        swa_head_dim=8,
+        sliding_window_size=4,
+        conv_kernel_size=3,
+        n_layers_per_attn_res_block=1,
+        loop_layer_index_start=1,
+        loop_layer_index_end=3,
+        loop_num_passes=3,
+        loop_gate_rank=8,
+        n_routed_experts=2,
+        num_experts_per_tok=1,
+        n_shared_experts=1,
+        moe_intermediate_size=32,
+    ),
 }
+# components transformers keeps among a layer's conv states although their names do not start with "conv"
+HF_CONV_STATES = ("qk_window",)
 
 
 def _quiet():
@@ -205,6 +314,12 @@ def _run_tiny(model_type: str, tmp: Path) -> tuple[list[dict], Path]:
     model.config.save_pretrained(tmp)
     ids = torch.randint(1, 100, (1, 5))
     with torch.no_grad():
+        if model_type == "recurrent_gemma":  # its output carries no cache and its blocks keep their state
+            cache = transformers.DynamicCache(config=model.config)  # on the module: pass the cache in
+            for step in (ids, ids[:, :1]):
+                model(step, cache=cache, use_cache=True)
+            pairs = zip(model.model.layers, cache.layers, strict=True)
+            return [_recurrent_gemma_layer(block, layer) for block, layer in pairs], tmp
         out = model(ids, use_cache=True)
         if model_type == "rwkv":
             out = model(ids[:, :1], state=out.state, use_cache=True)
@@ -214,14 +329,17 @@ def _run_tiny(model_type: str, tmp: Path) -> tuple[list[dict], Path]:
         if model_type == "xlstm":  # xLSTMCache: rnn_state[layer] = (C, n, m), each [batch, ...]
             rnn = model(ids[:, :1], cache=out.cache, use_cache=True).cache.rnn_state
             return [{"state": [(tuple(t.shape[1:]), t.dtype) for t in rnn[i]]} for i in sorted(rnn)], tmp
-        cache = out.past_key_values
-        cache = model(ids[:, :1], past_key_values=cache, use_cache=True).past_key_values
+        # transformers 5 names the argument cache (past_key_values deprecated; some models take only cache)
+        arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        cache = model(ids[:, :1], **{arg: out.past_key_values}, use_cache=True).past_key_values
     layers = []
     linear = getattr(cache, "linear_cache", None)  # MiniMaxCache keeps lightning states beside its layers
     for i, layer in enumerate(cache.layers):
         d: dict = {}
         keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
-        if torch.is_tensor(keys):
+        sliding = getattr(layer, "is_sliding", False)
+        if torch.is_tensor(keys) and not sliding:
+            assert keys.shape[2] == 6, f"layer {i} holds {keys.shape[2]} tokens: the decode did not reuse the cache"
             d["k"] = (keys.shape[1], keys.shape[3], keys.dtype)
             d["v"] = (values.shape[1], values.shape[3], values.dtype)
         for name, attr in (("conv", "conv_states"), ("state", "recurrent_states")):
@@ -231,8 +349,18 @@ def _run_tiny(model_type: str, tmp: Path) -> tuple[list[dict], Path]:
                 d[name] = [(tuple(t.shape[1:]), t.dtype) for t in ts if torch.is_tensor(t)]
         if linear and i < len(linear) and torch.is_tensor(linear[i]):
             d["state"] = [(tuple(linear[i].shape[1:]), linear[i].dtype)]
+        if sliding:  # the window it keeps between steps: [kv heads, tokens, head dim] after the state
+            d["state"] = [*d.get("state", []), *((tuple(t.shape[1:]), t.dtype) for t in (keys, values))]
         layers.append({k: v for k, v in d.items() if v})
     return layers, tmp
+
+
+def _recurrent_gemma_layer(block, layer) -> dict:
+    temporal = block.temporal_block
+    if getattr(layer, "is_sliding", False):
+        return {"state": [(tuple(t.shape[1:]), t.dtype) for t in (layer.keys, layer.values)]}
+    conv, lru = temporal.conv1d_state, temporal.rg_lru.recurrent_states
+    return {"conv": [(tuple(conv.shape[1:]), conv.dtype)], "state": [(tuple(lru.shape[1:]), lru.dtype)]}
 
 
 def _torch(dtype) -> torch.dtype:
@@ -248,8 +376,9 @@ def _expected(layer) -> dict:
         out["k"] = (attn.num_kv_heads, attn.head_dim, _torch(attn.dtype))
         out["v"] = (attn.num_kv_heads, attn.value_head_dim, _torch(attn.dtype))
     if isinstance(rec, RecurrentLayerSpec):
-        conv = [(c.shape, _torch(c.dtype)) for c in rec.components if c.name.startswith("conv")]
-        state = [(c.shape, _torch(c.dtype)) for c in rec.components if not c.name.startswith("conv")]
+        is_conv = [c.name.startswith(("conv", *HF_CONV_STATES)) for c in rec.components]
+        conv = [(c.shape, _torch(c.dtype)) for c, k in zip(rec.components, is_conv, strict=True) if k]
+        state = [(c.shape, _torch(c.dtype)) for c, k in zip(rec.components, is_conv, strict=True) if not k]
         if conv:
             out["conv"] = conv
         if state:
@@ -262,7 +391,8 @@ def test_load_spec_matches_the_cache_transformers_keeps(model_type, tmp_path):
     hf, path = _run_tiny(model_type, tmp_path)
     spec = load_spec(path)
     assert len(spec.layers) == len(hf)
-    kernel = with_conv_columns(spec, "kernel")
+    # transformers keeps kernel conv columns, except RecurrentGemma's blocks (kernel - 1, as hybridkv)
+    kernel = spec if model_type == "recurrent_gemma" else with_conv_columns(spec, "kernel")
     for i, (ours, theirs) in enumerate(zip(kernel.layers, hf, strict=True)):
         if isinstance(ours, NoCacheLayerSpec):
             assert theirs == {}, f"layer {i}: transformers keeps {theirs}, the spec says nothing"
@@ -272,7 +402,8 @@ def test_load_spec_matches_the_cache_transformers_keeps(model_type, tmp_path):
             exp = {"state": exp["state"]}
         assert exp == theirs, f"{model_type} layer {i}"
     # hybridkv keeps one conv column fewer than transformers, and says so
-    for (_, a), (_, b) in zip(spec.recurrent_layers(), kernel.recurrent_layers(), strict=True):
+    wide = with_conv_columns(spec, "kernel")
+    for (_, a), (_, b) in zip(spec.recurrent_layers(), wide.recurrent_layers(), strict=True):
         for ca, cb in zip(a.components, b.components, strict=True):
             assert ca.shape[:-1] == cb.shape[:-1]
             assert ca.shape[-1] == cb.shape[-1] - (1 if ca.name.startswith("conv") else 0)
@@ -294,6 +425,7 @@ def _hybrid_or_recurrent_types() -> dict[str, dict]:
     _quiet()
     out = {}
     own = {"mamba", "falcon_mamba", "mamba2", "rwkv", "xlstm", "recurrent_gemma", "falcon_h1", "bamba", "zamba"}
+    own |= {"dory"}  # looped sliding-window attention: no recurrent layer, but per-loop caches
     own |= {"lfm2", "lfm2_moe", "minimax_m2", "jamba"}  # default configs that list no recurrent layer
     for mt in sorted(transformers.CONFIG_MAPPING.keys()):
         try:
@@ -334,7 +466,8 @@ def test_every_hybrid_or_recurrent_model_type_reads_or_says_why():
             assert spec.recurrent_layer_ids or spec.attention_layer_ids
             read.append(mt)
     assert set(CASES) - {"lfm2_moe"} <= set(read)
-    assert "recurrent_gemma" in refused and {"xlstm", "zamba", "bailing_hybrid"} <= set(read)
+    assert {"xlstm", "zamba", "bailing_hybrid", "recurrent_gemma", "lfm3_vl"} <= set(read)
+    assert {"glm5_next", "qwen4_exp"} <= set(refused) and {"inkling_mm_model", "inkling2", "inkling2_loop"} <= set(read)
 
 
 @pytest.mark.parametrize("model_type", ["llama4_hybrid_next", "mamba3"])

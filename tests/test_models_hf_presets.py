@@ -110,6 +110,30 @@ PUBLISHED = {
             "mamba_d_conv": 4,
         },
     ),
+    # Zamba2 (sources in hybridkv/models/presets.py): mamba layers and hybrid ones (shared block K/V + Mamba2)
+    **{
+        name: (
+            "zamba2",
+            {
+                "num_hidden_layers": layers,
+                "hidden_size": hidden,
+                "layers_block_type": ["hybrid" if i in hybrid else "mamba" for i in range(layers)],
+                "num_attention_heads": 32,
+                "num_key_value_heads": 32,
+                "n_mamba_heads": heads,
+                "mamba_headdim": 64,
+                "mamba_ngroups": groups,
+                "mamba_d_state": d_state,
+                "mamba_d_conv": 4,
+                "mamba_expand": 2,
+            },
+        )
+        for name, layers, hidden, hybrid, heads, groups, d_state in (
+            ("zamba2-7b", 81, 3584, (6, *range(11, 81, 6)), 112, 2, 64),
+            ("zamba2-2.7b", 54, 2560, (6, 12, 18, 24, 30, 36, 42, 47, 51), 80, 1, 64),
+            ("zamba2-1.2b", 38, 2048, (5, 11, 17, 23, 29, 35), 64, 1, 128),
+        )
+    },
 }
 # transformers' cache bytes per request at its own dtypes (bf16 model; SSM / delta-net float32, conv
 # bf16 with kernel_size = 4 columns, MiniMax lightning bf16), from the shapes tests/test_models_hf.py checks
@@ -123,7 +147,15 @@ HF_STATE_BYTES = {
     "qwen3.5-35b-a3b": 30 * (32 * 128 * 128 * 4 + 8192 * 4 * 2),
     "kimi-linear-48b-a3b": 20 * (32 * 128 * 128 * 4 + 12288 * 4 * 2),
     "falcon-h1-7b": 44 * (24 * 128 * 256 * 4 + (3072 + 2 * 256) * 4 * 2),
+    "zamba2-7b": 81 * (112 * 64 * 64 * 4 + (7168 + 2 * 2 * 64) * 4 * 2),
+    "zamba2-2.7b": 54 * (80 * 64 * 64 * 4 + (5120 + 2 * 64) * 4 * 2),
+    "zamba2-1.2b": 38 * (64 * 64 * 128 * 4 + (4096 + 2 * 128) * 4 * 2),
 }
+# Presets whose state no block size the planner may choose (16-128 tokens in steps of 16) keeps within the 10%
+# tail bound: a Zamba2 layer's state is 65.5 (7B, 2.7B) or 129.6 (1.2B) tokens of one layer's K/V, just over a
+# multiple of 16 (best: 22% at 80 or 16 tokens; 1.2B 11.1% at 48). hybridkv/planner (not this file) would need
+# finer block sizes or shared tail blocks; strict, so that the test says when the planner gets there.
+TAIL_OVER_BOUND = {"zamba2-7b", "zamba2-2.7b", "zamba2-1.2b"}
 
 
 def _transformers():
@@ -195,7 +227,15 @@ def test_plan_on_every_transformers_written_tiny_config(tmp_path, capsys):
         )
 
 
-@pytest.mark.parametrize("name", PRESET_NAMES)
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(n, marks=pytest.mark.xfail(strict=True, reason="no block size of 16-128 tokens fits"))
+        if n in TAIL_OVER_BOUND
+        else n
+        for n in PRESET_NAMES
+    ],
+)
 def test_state_tail_waste_stays_within_10_percent_at_the_default_block_size(name):
     for tp in sorted({1, default_tp(name)}):
         layout = plan(preset(name, tp_size=tp), 40 * GiB)

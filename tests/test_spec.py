@@ -28,6 +28,12 @@ STATE_BYTES = {
     ("qwen3.5-27b", "float32"): 48 * (48 * 128 * 128 * 4 + (2 * 16 * 128 + 48 * 128) * 3 * 2),
     ("qwen3.5-35b-a3b", "float32"): 30 * (32 * 128 * 128 * 4 + 8192 * 3 * 2),
     ("kimi-linear-48b-a3b", "float32"): 20 * (32 * 128 * 128 * 4 + 3 * 32 * 128 * 3 * 2),
+    # Zamba2: every layer a Mamba2 state (conv over d_inner + 2 x groups x d_state); 7B bf16 = the 74.3 MiB a
+    # public survey of vLLM's state shapes gives for Zamba2-7B-Instruct (docs/models.md)
+    ("zamba2-7b", "bfloat16"): 81 * (112 * 64 * 64 * 2 + (7168 + 2 * 2 * 64) * 3 * 2),
+    ("zamba2-7b", "float32"): 81 * (112 * 64 * 64 * 4 + (7168 + 2 * 2 * 64) * 3 * 2),
+    ("zamba2-2.7b", "float32"): 54 * (80 * 64 * 64 * 4 + (5120 + 2 * 64) * 3 * 2),
+    ("zamba2-1.2b", "float32"): 38 * (64 * 64 * 128 * 4 + (4096 + 2 * 128) * 3 * 2),
 }
 # The rounded figures of MODELS.md's "state per request" column, in MiB
 TABLE_MIB = {
@@ -49,6 +55,10 @@ TABLE_MIB = {
     ("qwen3.5-27b", "float32"): 146.8,
     ("qwen3.5-35b-a3b", "float32"): 61.4,
     ("kimi-linear-48b-a3b", "float32"): 41.4,
+    ("zamba2-7b", "bfloat16"): 74.3,
+    ("zamba2-7b", "float32"): 145.2,
+    ("zamba2-2.7b", "float32"): 69.1,
+    ("zamba2-1.2b", "float32"): 76.9,
 }
 KV_PER_TOKEN = {
     "minimax-m1": 40 * KiB,
@@ -63,6 +73,9 @@ KV_PER_TOKEN = {
     "qwen3.5-35b-a3b": 10 * 2 * 2 * 256 * 2,  # 20 KiB
     "kimi-linear-48b-a3b": 7 * (512 + 64) * 2,  # MLA latent + rotary key, one head
     "falcon-h1-7b": 44 * 2 * 2 * 128 * 2,  # 44 KiB: K/V in every (hybrid) layer
+    "zamba2-7b": 13 * 2 * 32 * 224 * 2,  # 364 KiB: MHA K/V of the shared block in each hybrid layer
+    "zamba2-2.7b": 9 * 2 * 32 * 160 * 2,  # 180 KiB
+    "zamba2-1.2b": 6 * 2 * 32 * 128 * 2,  # 96 KiB
 }
 LAYER_COUNTS = {  # (all layers, attention, recurrent)
     "minimax-m1": (80, 10, 70),
@@ -77,6 +90,9 @@ LAYER_COUNTS = {  # (all layers, attention, recurrent)
     "qwen3.5-35b-a3b": (40, 10, 30),
     "kimi-linear-48b-a3b": (27, 7, 20),
     "falcon-h1-7b": (44, 44, 44),  # every layer keeps K/V and a Mamba2 state
+    "zamba2-7b": (81, 13, 81),  # hybrid layers keep K/V and their Mamba2 state
+    "zamba2-2.7b": (54, 9, 54),
+    "zamba2-1.2b": (38, 6, 38),
 }
 # Default dtypes (issue 27): what transformers keeps in a bf16 model; the figures of docs/models.md
 DEFAULT_MIB = {
@@ -237,3 +253,30 @@ def test_bad_component_shapes_are_rejected():
         StateComponent("kv", (0, 4), DType.FLOAT32)
     with pytest.raises(SpecError):
         StateComponent("kv", (2, 4), DType.FLOAT32, tp_axis=2)
+
+
+def test_sliding_window_kv_splits_by_kv_heads_or_replicates_like_attention():
+    from hybridkv.models.hf.common import window_layer
+    from hybridkv.models.spec import AttentionLayerSpec, ModelSpec
+
+    window = window_layer(AttentionLayerSpec(2, 128, DType.BFLOAT16, 8), 512, "test")
+    assert [c.shape for c in window.components] == [(2, 511, 128)] * 2  # transformers keeps window - 1 tokens
+    model = ModelSpec("w", (window,))
+    assert model.shard(2).layers[0].component("k_window").shape == (1, 511, 128)
+    assert model.shard(8).layers[0].component("v_window").shape == (1, 511, 128)  # one replicated head per rank
+    assert "replicated head" in " ".join(model.shard(8).notes)
+    with pytest.raises(TensorParallelError, match="one must divide the other"):
+        model.shard(3)
+    with pytest.raises(SpecError, match="at least 2"):
+        window_layer(AttentionLayerSpec(2, 128), 1, "test")
+
+
+def test_cache_view_keeps_the_decoder_layer_of_loop_copies():
+    """A looped model (Dory, Inkling 2 Loop) lists per-pass copies after its layers; splitting hybrid
+    layers must keep naming the decoder layer each copy re-runs."""
+    from hybridkv.models.spec import AttentionLayerSpec, HybridLayerSpec, ModelSpec, RecurrentLayerSpec
+
+    rec = RecurrentLayerSpec("s", (StateComponent("x", (4,), DType.FLOAT32),))
+    hybrid = HybridLayerSpec(AttentionLayerSpec(1, 8), rec)
+    model = ModelSpec("loop", (rec, hybrid, rec, hybrid), decoder_layer_ids=(0, 1, 2, 1))  # layer 1 runs twice
+    assert model.cache_view().decoder_layer_ids == (0, 1, 1, 2, 1, 1)

@@ -349,6 +349,34 @@ def _falcon_h1_7b(state_dtype: DType, conv_dtype: DType | None) -> ModelSpec:
     )
 
 
+def _zamba2(
+    name: str, layers: int, hybrid: tuple[int, ...], hidden: int, heads: int, mamba: tuple[int, int, int], active: float
+) -> Callable[[DType, DType | None], ModelSpec]:
+    """Zamba2: Mamba2 layers (``mamba_expand`` 2, head dim 64, d_conv 4), the ``hybrid`` ones also keeping
+    the shared block's K/V (MHA, ``attention_head_dim = 2 * hidden / heads``), as the HF reader gives."""
+
+    def build(state_dtype: DType, conv_dtype: DType | None) -> ModelSpec:
+        mamba_heads, groups, d_state = mamba
+        rec = mamba2_layer(mamba_heads, 64, d_state, groups, 4, state_dtype, conv_dtype or BF16, d_inner=2 * hidden)
+        layer = HybridLayerSpec(AttentionLayerSpec(heads, 2 * hidden // heads, BF16, heads), rec)
+        spec = tuple(layer if i in hybrid else rec for i in range(layers))
+        return ModelSpec(name, spec, hidden_size=hidden, params_active=active)
+
+    return build
+
+
+# Zamba2 (sources: docs/models.md "Zamba2"). Dims (hidden, layers, mamba / hybrid counts, attention heads / KV
+# heads / head dim, mamba heads / head dim / groups, d_state): the checkpoint sweep of public config.json files
+# in dinoml's transformers audit of zamba2 (Zyphra/Zamba2-1.2B, -2.7B, -7B-Instruct). Hybrid positions:
+# 7B: the layers_block_type of its config.json as NX-AI's xLSTM benchmark vendors it (hidden 3584, 81 layers,
+# mamba_ngroups 2, state_size 64, torch_dtype bfloat16); 2.7B: layer_mapping ("g") of Zyphra/Zamba2's
+# config.json @89a404b (54 layers, hidden 2560, state_size 64, conv_dimension 4, expansion_factor 2);
+# 1.2B: layers_block_type of Zyphra/Zamba2-1.2B's config.json @6b05bf29 as a public trace report of it lists it
+# (d_state 128, 64 mamba heads x 64, 1 group, d_conv 4, 38 layers).
+_zamba2_7b = _zamba2("zamba2-7b", 81, (6, *range(11, 81, 6)), 3584, 32, (112, 2, 64), 7e9)
+_zamba2_27b = _zamba2("zamba2-2.7b", 54, (6, 12, 18, 24, 30, 36, 42, 47, 51), 2560, 32, (80, 1, 64), 2.7e9)
+_zamba2_12b = _zamba2("zamba2-1.2b", 38, tuple(range(5, 38, 6)), 2048, 32, (64, 1, 128), 1.2e9)
+
 # name -> (builder, default dtype of the main state, where that default comes from)
 _PRESETS: dict[str, tuple[Callable[[DType, DType | None], ModelSpec], DType, str]] = {
     # MiniMax-M1's lightning state in the activation dtype, as transformers (MiniMaxCache), vLLM and
@@ -366,6 +394,9 @@ _PRESETS: dict[str, tuple[Callable[[DType, DType | None], ModelSpec], DType, str
     "qwen3.5-35b-a3b": (_qwen35_35b, FP32, HF_SSM),
     "kimi-linear-48b-a3b": (_kimi_linear_48b, FP32, HF_SSM),
     "falcon-h1-7b": (_falcon_h1_7b, FP32, HF_SSM),
+    "zamba2-7b": (_zamba2_7b, FP32, HF_SSM),
+    "zamba2-2.7b": (_zamba2_27b, FP32, HF_SSM),
+    "zamba2-1.2b": (_zamba2_12b, FP32, HF_SSM),
 }
 _ALIASES = {
     "minimax-text-01": "minimax-m1",
@@ -373,6 +404,7 @@ _ALIASES = {
     "nemotron-h": "nemotron-h-8b",
     "kimi-linear": "kimi-linear-48b-a3b",
     "falcon-h1": "falcon-h1-7b",
+    "zamba2": "zamba2-7b",
 }
 
 PRESET_NAMES: tuple[str, ...] = tuple(_PRESETS)
@@ -453,6 +485,9 @@ PARAMS_TOTAL: dict[str, float] = {
     "qwen3.5-35b-a3b": 35e9,  # model card: 35B total, 3B active
     "kimi-linear-48b-a3b": 48e9,  # model card: 48B total, 3B active
     "falcon-h1-7b": 7e9,  # model card / transformers docs: H1 7B (dense)
+    "zamba2-7b": 7e9,  # the model's name (dense); no parameter count in the sources found
+    "zamba2-2.7b": 2.7e9,  # the model's name (dense)
+    "zamba2-1.2b": 1.22e9,  # the trace report of Zyphra/Zamba2-1.2B: 1.22B total (dense)
 }
 
 GPU_MEMORY_BYTES: dict[str, int] = {

@@ -105,7 +105,9 @@ class StateComponent:
     use: with ``n_groups % tp_size != 0`` the groups are replicated (vLLM's
     ``extra_groups_for_head_shards``), so Mamba2-2.7B (1 group) at TP2 keeps 2,560 + 2 x 128 = 2,816
     conv channels per rank, not 5,376 / 2. ``tp_heads``: head counts tensor parallelism must divide
-    for this tensor to split (GDN's conv spans key and value heads).
+    for this tensor to split (GDN's conv spans key and value heads). ``tp_replicate``: ``tp_axis``
+    counts KV heads, split when there are at least ``tp_size`` of them, else one replicated head per
+    rank (as attention KV: a sliding-window layer's K/V window).
     """
 
     name: str
@@ -114,6 +116,7 @@ class StateComponent:
     tp_axis: int | None = 0
     tp_groups: tuple[int, int, int] | None = None
     tp_heads: tuple[int, ...] = ()
+    tp_replicate: bool = False
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -153,7 +156,14 @@ class StateComponent:
             _divide(f"{what} heads", heads, tp_size)
         shape = list(self.shape)
         axis = shape[self.tp_axis]
-        if self.tp_groups is None:
+        if self.tp_replicate and axis < tp_size:
+            if tp_size % axis:
+                raise TensorParallelError(
+                    f"tp_size={tp_size} and {what} kv heads={axis}: one must divide the other "
+                    "(KV heads are split or replicated across ranks)"
+                )
+            shape[self.tp_axis] = 1  # fewer KV heads than ranks: each rank keeps one replicated head
+        elif self.tp_groups is None:
             shape[self.tp_axis] = _divide(f"{what} axis {self.tp_axis}", axis, tp_size)
         else:
             heads, groups, width = self.tp_groups
@@ -364,8 +374,9 @@ class ModelSpec:
     ``dtype_sources``: ``(key, where the dtype came from)`` pairs, ``key`` ``"kv"`` or
     ``"<mixer>.<component>"`` (e.g. ``("gdn.ssm", "float32: transformers keeps ...")``).
     ``conv_columns``: ``"kernel-1"`` (hybridkv's conv windows) or ``"kernel"`` (as transformers keeps
-    them, see :func:`with_conv_columns`). ``decoder_layer_ids``: for a :meth:`cache_view`, the decoder
-    layer each entry of ``layers`` comes from (None: entry ``i`` is decoder layer ``i``).
+    them, see :func:`with_conv_columns`). ``decoder_layer_ids``: the decoder layer each entry of
+    ``layers`` comes from (None: entry ``i`` is decoder layer ``i``), for a :meth:`cache_view` or a
+    model whose decoder layers keep more than one cache (Dory's looped layers: one K/V per loop).
     """
 
     name: str
@@ -440,7 +451,8 @@ class ModelSpec:
             return self
         layers: list[LayerSpec] = []
         source: list[int] = []
-        for i, layer in enumerate(self.layers):
+        ids = self.decoder_layer_ids or range(len(self.layers))
+        for i, layer in zip(ids, self.layers, strict=True):
             parts = (layer.attention, layer.recurrent) if isinstance(layer, HybridLayerSpec) else (layer,)
             layers.extend(parts)
             source.extend([i] * len(parts))
@@ -496,6 +508,11 @@ class ModelSpec:
                 notes.append(f"TP{tp_size}: {r.mixer} heads split; conv B/C {rule}")
             elif r.mixer == "mamba":
                 notes.append(f"TP{tp_size}: mamba (v1) channels d_inner split across ranks (vLLM MambaMixer)")
+            elif any(c.tp_replicate for c in r.components):
+                notes.append(
+                    f"TP{tp_size}: {r.mixer} K/V window split by KV heads (one replicated head per rank when "
+                    "fewer KV heads than ranks, vLLM)"
+                )
             elif r.mixer in ("gdn", "kda"):
                 notes.append(f"TP{tp_size}: {r.mixer} key and value heads split (conv over q, k, v split by heads)")
             else:

@@ -1,7 +1,8 @@
 """Model specs from HuggingFace ``config.json`` files: one reader module per family.
 
 Each family module has ``MODEL_TYPES`` and ``read(cfg, where, dtypes) -> layers`` (one layer spec per
-decoder layer; ``dtypes`` is a :class:`~hybridkv.models.hf.common.Dtypes` that records where each
+decoder layer, or a :class:`~hybridkv.models.hf.common.ReadOut` when a decoder layer keeps several
+caches; ``dtypes`` is a :class:`~hybridkv.models.hf.common.Dtypes` that records where each
 dtype came from). :func:`spec_from_hf_config` picks the reader by ``model_type`` (:data:`READERS`),
 reads a composite config's ``text_config`` when the outer type has no reader of its own, and builds
 the :class:`~hybridkv.models.spec.ModelSpec`. Adding a family is a new module here and its
@@ -24,8 +25,10 @@ from hybridkv.models.fields import _dtype, _table, _whole
 from hybridkv.models.hf import (
     bailing_hybrid,
     bamba,
+    dory,
     falcon_h1,
     granitemoehybrid,
+    inkling,
     jamba,
     kimi_linear,
     lfm2,
@@ -35,12 +38,14 @@ from hybridkv.models.hf import (
     minimax_m2,
     nemotron_h,
     qwen3_next,
+    recurrent_gemma,
     rwkv,
     xlstm,
     zamba,
     zamba2,
+    zaya,
 )
-from hybridkv.models.hf.common import Dtypes
+from hybridkv.models.hf.common import Dtypes, ReadOut
 from hybridkv.models.spec import DType, ModelSpec
 
 FAMILIES = (
@@ -61,32 +66,21 @@ FAMILIES = (
     bailing_hybrid,
     rwkv,
     xlstm,
+    recurrent_gemma,
+    dory,
+    zaya,
+    inkling,
 )
 READERS: dict[str, Callable[..., tuple]] = {mt: fam.read for fam in FAMILIES for mt in fam.MODEL_TYPES}
 """model_type -> reader."""
 
-_WINDOW = "sliding-window attention (a bounded K/V window, not a token-paged KV group hybridkv describes)"
+_INDEXED = (
+    "indexed (DeepSeek-sparse) attention keeps a third per-token tensor beside K/V (GLM-5 Next: index_head_dim + "
+    "index_kpool + 1 packed indexer keys, pool gates and a valid flag; Qwen4-exp: index_head_dim indexer keys and "
+    "int64 positions), which the planner's KV block (K and V segment runs only) cannot hold exactly"
+)
 NOT_DESCRIBED: dict[str, str] = {
-    "recurrent_gemma": "RecurrentGemma's attention layers keep a ring buffer of the last attention_window_size "
-    "tokens: " + _WINDOW,
-    "lara_mini": "its layer_types mix linear attention with " + _WINDOW,
-    "lfm3": "its layer_types mix conv layers with " + _WINDOW,
-    "dory": "its layer_types hold " + _WINDOW + " and loop layers that re-run with per-loop K/V",
-    "zaya": "its hybrid layers may be sliding-window: " + _WINDOW,
-    "inkling": "its hybrid layers mix a state with " + _WINDOW,
-    "inkling_text": "its hybrid layers mix a state with " + _WINDOW,
-    "inkling2": "its hybrid layers mix a state with " + _WINDOW,
-    "inkling2_text": "its hybrid layers mix a state with " + _WINDOW,
-    "inkling2_loop": "its hybrid layers mix a state with " + _WINDOW,
-    "inkling2_loop_text": "its hybrid layers mix a state with " + _WINDOW,
-    "inkling_mm_model": "its hybrid layers mix a state with " + _WINDOW,
-    "glm5_next": "indexed (DeepSeek sparse) attention keeps indexer keys beside K/V, which hybridkv does not describe",
-    "glm5_next_text": "indexed (DeepSeek sparse) attention keeps indexer keys beside K/V, which hybridkv does not "
-    "describe",
-    "qwen4_exp": "indexed (DeepSeek sparse) attention keeps indexer keys beside K/V, which hybridkv does not describe",
-    "qwen4_exp_text": "indexed (DeepSeek sparse) attention keeps indexer keys beside K/V, which hybridkv does not "
-    "describe",
-    "lfm3_vl": "its text model (lfm3) mixes conv layers with " + _WINDOW,
+    **dict.fromkeys(("glm5_next", "glm5_next_text", "qwen4_exp", "qwen4_exp_text"), _INDEXED),
     "lfm3_vl_vision": "a vision encoder (its conv layers run once per image), not a decoder with a per-request cache",
 }
 """model_type -> why hybridkv does not read it (one line each)."""
@@ -153,13 +147,15 @@ def spec_from_hf_config(
             _dtype(state_dtype, where) if state_dtype else None,
             _dtype(conv_dtype, where) if conv_dtype else None,
         )
-        layers = read(cfg, where, dt)
+        out = read(cfg, where, dt)
+        layers, ids = (out.layers, out.decoder_layer_ids) if isinstance(out, ReadOut) else (out, None)
         hidden = cfg.get("hidden_size")
         return ModelSpec(
             name,
             tuple(layers),
             hidden_size=None if hidden is None else _whole(hidden, where, "hidden_size"),
             dtype_sources=tuple(dt.sources.items()),
+            decoder_layer_ids=ids,
         )
     except SpecError as e:
         msg = str(e)

@@ -4,12 +4,12 @@ layer counts, per-layer types in every vocabulary transformers and the hub use."
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 from hybridkv.errors import SpecError
 from hybridkv.models import presets as P
 from hybridkv.models.fields import MAX_LAYERS, _dtype, _field, _list, _whole
-from hybridkv.models.spec import AttentionLayerSpec, DType
+from hybridkv.models.spec import AttentionLayerSpec, DType, LayerSpec, RecurrentLayerSpec, StateComponent
 
 HF_SSM = "transformers keeps SSM / delta-net states in float32 whatever the model dtype"
 
@@ -95,8 +95,68 @@ def _hf_types(cfg: Mapping[str, Any], key: str, n: int | None, where: str) -> li
     return types
 
 
+class ReadOut(NamedTuple):
+    """What a reader returns when its cache layers are not one per decoder layer: the cache layers and
+    the decoder layer each comes from (:attr:`~hybridkv.models.spec.ModelSpec.decoder_layer_ids`)."""
+
+    layers: tuple[LayerSpec, ...]
+    decoder_layer_ids: tuple[int, ...]
+
+
+WINDOW = "sliding_window"
+"""The mixer name of a sliding-window attention layer's K/V window (a fixed-size per-request state)."""
+
+
+def window_components(attn: AttentionLayerSpec, window: int, where: str) -> tuple[StateComponent, ...]:
+    """The K/V window a sliding-window layer of ``attn``'s shape keeps: ``k_window [kv_heads,
+    window - 1, head_dim]`` and ``v_window [kv_heads, window - 1, v_head_dim]``, in the KV dtype.
+
+    transformers' ``DynamicSlidingWindowLayer`` (the default cache) keeps the last ``window - 1``
+    tokens between steps: a step's query reads those and itself, ``window`` in all. (Its
+    ``StaticSlidingWindowLayer`` keeps ``window``: one more, overwritten every step.) Split by KV
+    heads, replicated when fewer KV heads than ranks (as vLLM does for attention).
+    """
+    if window < 2:
+        raise SpecError(f"{where}: sliding_window {window} keeps no token between steps; it must be at least 2")
+    tokens = window - 1
+    return (
+        StateComponent("k_window", (attn.num_kv_heads, tokens, attn.head_dim), attn.dtype, 0, tp_replicate=True),
+        StateComponent("v_window", (attn.num_kv_heads, tokens, attn.value_head_dim), attn.dtype, 0, tp_replicate=True),
+    )
+
+
+def window_layer(attn: AttentionLayerSpec, window: int, where: str) -> RecurrentLayerSpec:
+    """A sliding-window attention layer as the fixed-size state its K/V window is (see
+    :func:`window_components`)."""
+    return RecurrentLayerSpec(WINDOW, window_components(attn, window, where))
+
+
+def with_window(rec: RecurrentLayerSpec, attn: AttentionLayerSpec, window: int, where: str) -> RecurrentLayerSpec:
+    """One layer keeping ``rec``'s state and a sliding-window K/V window (a ``hybrid_sliding`` layer):
+    ``rec``'s components, then the window's."""
+    return RecurrentLayerSpec(f"{rec.mixer}+{WINDOW}", (*rec.components, *window_components(attn, window, where)))
+
+
+def window_of(cfg: Mapping[str, Any], where: str, dt: Dtypes, key: str = "sliding_window") -> int:
+    """The sliding window (tokens a query sees, itself included) a config names for its window layers;
+    records the window's dtype source (the KV dtype, as transformers keeps K/V)."""
+    if cfg.get(key) is None:
+        raise SpecError(f"{where}: its layer types name sliding-window layers, so it needs {key!r}")
+    dt.fixed(WINDOW, "k_window", dt.model, f"{dt.model_source}; the last {key} - 1 tokens' K/V (transformers)")
+    return _whole(cfg[key], where, key, 2)
+
+
+def expand(pattern: str, specs: Mapping[str, LayerSpec], where: str) -> tuple[LayerSpec, ...]:
+    """One layer spec per character of ``pattern`` (codes of :data:`LAYER_TYPE_CODES`)."""
+    missing = sorted(set(pattern) - set(specs))
+    if missing:
+        raise SpecError(f"{where}: layer kinds {missing} have no layer spec in this family")
+    return tuple(specs[c] for c in pattern)
+
+
 # Per-layer type names seen in transformers 5 configs and on the hub, -> A (attention), R (recurrent),
-# H (attention and state in one layer), - (no cache)
+# H (attention and state in one layer), W (sliding-window attention: a K/V window kept as a state),
+# S (a state and a K/V window in one layer), - (no cache)
 LAYER_TYPE_CODES = {
     "full_attention": "A",
     "attention": "A",
@@ -105,14 +165,12 @@ LAYER_TYPE_CODES = {
     "mamba2": "R",
     "conv": "R",
     "hybrid": "H",
+    "sliding_attention": "W",
+    "hybrid_sliding": "S",
     "mlp": "-",
     "moe": "-",
 }
 NOT_DESCRIBED = {
-    "sliding_attention": "sliding-window attention keeps a bounded window of K/V, which hybridkv's token-paged "
-    "KV group does not describe",
-    "hybrid_sliding": "sliding-window attention keeps a bounded window of K/V, which hybridkv's token-paged "
-    "KV group does not describe",
     "chunked_attention": "chunked attention keeps a bounded window of K/V, which hybridkv does not describe",
     "indexed_attention": "indexed (DeepSeek sparse) attention keeps indexer keys beside K/V, which hybridkv does "
     "not describe",
