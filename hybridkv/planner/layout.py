@@ -16,7 +16,9 @@ Tail waste (paged): a state of ``S`` bytes takes ``ceil(S / block_bytes)`` block
 size from the caller the planner keeps 64 tokens when the tails stay within
 :data:`MAX_STATE_TAIL_SHARE` (10%) of the state bytes, else takes the multiple of 16 tokens nearest to
 64 (16-128) that does (Jamba-1.5-Mini: a 560 KiB state in 256 KiB blocks wastes 37% at 64 tokens,
-2.9% at 48). The other remedy, packing the tails of several layers' states into shared blocks, would
+2.9% at 48), else the odd multiple of 8 nearest to 64 (24-248) that does, with a note that
+FlashAttention's paged kernels need multiples of 16 (Zamba2-7B: 1.79 MiB states in 28 KiB-per-token
+slots waste 22% at 80 tokens, the best multiple of 16, and 9.8% at 72). The other remedy, packing the tails of several layers' states into shared blocks, would
 give a block several owners inside one layer slot, which the allocator, the ops and the transfer
 descriptors do not model; a block size keeps every block one owner's.
 
@@ -46,6 +48,9 @@ MAX_STATE_TAIL_FRACTION = 0.01
 MAX_STATE_TAIL_SHARE = 0.10  # paged with attention: default block sizes keep state tails within this share
 BLOCK_SIZE_CHOICES = tuple(sorted(range(16, 129, 16), key=lambda b: (abs(b - DEFAULT_BLOCK_SIZE), b)))
 """Default block sizes tried in order (64, 48, 80, 32, 96, 16, 112, 128) until state tails fit."""
+FINE_BLOCK_SIZE_CHOICES = tuple(sorted(range(24, 257, 16), key=lambda b: (abs(b - DEFAULT_BLOCK_SIZE), b)))
+"""Tried next when no multiple of 16 keeps the tails within the limit: odd multiples of 8 from 24
+to 248 (paged attention in FlashInfer and Triton takes them; FlashAttention's needs multiples of 16)."""
 PADDED_BLOCK_ALIGN = 16  # vLLM rounds the inflated attention block size up to 16 tokens
 
 
@@ -375,8 +380,19 @@ def _kv_block_size(model: ModelSpec, token_bytes: int) -> tuple[int, list[str]]:
     if size == DEFAULT_BLOCK_SIZE:
         return size, []
     if not fits:
+        fine = {b: _tail_share(model, b * token_bytes) for b in FINE_BLOCK_SIZE_CHOICES}
+        fine_fits = [b for b in FINE_BLOCK_SIZE_CHOICES if fine[b] <= MAX_STATE_TAIL_SHARE]
+        if fine_fits:
+            pick = fine_fits[0]
+            return pick, [
+                f"block size {pick} tokens: no multiple of 16 from 16 to 128 keeps the states' last-block tails "
+                f"within {MAX_STATE_TAIL_SHARE:.0%} of the state bytes (at {DEFAULT_BLOCK_SIZE}: "
+                f"{shares[DEFAULT_BLOCK_SIZE]:.1%}, at best {shares[size]:.1%} at {size}); at {pick} "
+                f"{fine[pick]:.1%}. A multiple of 8, not 16: FlashInfer's and Triton's paged attention take it, "
+                f"FlashAttention's does not (--block-size {size} for that)"
+            ]
         return size, [
-            f"block size {size} tokens: no block size from 16 to 128 keeps the states' last-block tails within "
+            f"block size {size} tokens: no block size from 16 to 248 keeps the states' last-block tails within "
             f"{MAX_STATE_TAIL_SHARE:.0%} of the state bytes (these states are smaller than a block); {size} wastes "
             f"the least, {shares[size]:.1%} (--block-size to choose)"
         ]
