@@ -18,7 +18,8 @@ size from the caller the planner keeps 64 tokens when the tails stay within
 64 (16-128) that does (Jamba-1.5-Mini: a 560 KiB state in 256 KiB blocks wastes 37% at 64 tokens,
 2.9% at 48), else the odd multiple of 8 nearest to 64 (24-248) that does, with a note that
 FlashAttention's paged kernels need multiples of 16 (Zamba2-7B: 1.79 MiB states in 28 KiB-per-token
-slots waste 22% at 80 tokens, the best multiple of 16, and 9.8% at 72). The other remedy, packing the tails of several layers' states into shared blocks, would
+slots waste 22% at 80 tokens, the best multiple of 16, and 9.8% at 72). The other remedy, packing
+the tails of several layers' states into shared blocks, would
 give a block several owners inside one layer slot, which the allocator, the ops and the transfer
 descriptors do not model; a block size keeps every block one owner's.
 
