@@ -8,6 +8,20 @@ speculative decoding whose drafter is deliberately imperfect. Every logit the en
 compared with the sequential reference (one request alone, fresh state, no paging). Two deliberately
 broken engines must fail the same check: all requests sharing one state set (FastDeploy #7199), and
 a speculative commit that keeps a rejected draft's state.
+
+The oracle of each test (this file checks the project's own kernels; tests/test_hf_serving.py checks
+hybridkv's state handling against transformers' model code, with transformers as the oracle):
+
+- ``test_every_token_equals_the_sequential_reference_fp64`` / ``_fp32`` / ``test_more_seeds``:
+  ``TinyHybrid.reference_logits``, the project's own sequential reference (the token recurrence of
+  ``hybridkv.ops.lightning.lightning_recurrent_naive`` and dense causal attention, no paging), with
+  the naive (torch) paged kernels in the loop;
+- ``test_triton_kernels_in_the_loop_equal_the_sequential_reference``: the same reference, with the
+  Triton decode and prefill kernels (``TRITON_INTERPRET=1``) in the loop;
+- ``test_the_run_covers_what_the_isolation_claim_is_about``: no numerical oracle; the engine's event
+  counts (preemptions by mode, swap-ins, forks, prefix hits, checkpoint copies, drafts);
+- ``test_deliberately_broken_engines_fail_the_check``: the sequential reference again, which the two
+  broken engines must miss by more than 1e-3.
 """
 
 from __future__ import annotations

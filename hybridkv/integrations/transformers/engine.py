@@ -1,0 +1,433 @@
+"""The engine loop around an unmodified transformers model: scheduler -> copies and swaps -> forwards -> update.
+
+:class:`HFEngine` owns the manager, the scheduler, the device and host pools and a
+:class:`~.paged_cache.PagedCache`. One :meth:`HFEngine.step`:
+
+1. ``Scheduler.step()``; the plan's copies in the order of docs/contract.md: ``checkpoint_copies``,
+   every swap-out, every swap-in, then ``copies`` (copy-on-write, prefix hits' checkpoint -> live);
+2. the rows' forwards. A row is cut into *pieces* that run in rounds: a prefill chunk is one piece
+   (one token per piece for a family whose multi-token forward cannot continue a state, and for a
+   decode with drafts: token ``j`` reads the state after token ``j - 1`` and writes speculative set
+   ``j - 1``, token 0 the live set). Pieces of one round with equal length and the same
+   ``has_initial_state`` run as one batched forward of the HF model: explicit ``position_ids``, a
+   dict ``attention_mask`` (additive 4-D for full attention, None for linear attention), a fresh cache
+   built from the pools and stored back after it;
+3. sampling (:mod:`.sampling`) and draft verification; ``Scheduler.update()``; forks of requests with
+   ``n > 1`` once they decode.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+
+from hybridkv.blockmgr.manager import HybridBlockManager
+from hybridkv.blockmgr.prefix import PrefixCacheConfig
+from hybridkv.errors import HybridKVError
+from hybridkv.integrations.transformers.families import Family, UnsupportedModelError, family_of
+from hybridkv.integrations.transformers.paged_cache import PagedCache, attention_mask
+from hybridkv.integrations.transformers.sampling import Drafter, SamplingParams, sample
+from hybridkv.models.hf import spec_from_hf_config
+from hybridkv.models.spec import ModelSpec
+from hybridkv.ops import allocate_host_pools, allocate_pools, copy_blocks, swap_blocks
+from hybridkv.ops._framework import torch_dtype
+from hybridkv.planner.layout import Layout, plan
+from hybridkv.scheduler_adapter import (
+    PreemptionMode,
+    RequestState,
+    Scheduler,
+    SchedulerConfig,
+    StepMetadata,
+    StepOutputs,
+    StepPlan,
+    build_step_metadata,
+)
+
+
+def model_spec(model: torch.nn.Module) -> ModelSpec:
+    """hybridkv's description of ``model`` read from its config (``hybridkv.models.hf``), with the
+    model's active parameters counted (dense parameters + ``experts_per_token`` experts)."""
+    cfg = model.config.to_dict()
+    cfg["dtype"] = str(next(model.parameters()).dtype).removeprefix("torch.")  # what the weights are in
+    spec = spec_from_hf_config(cfg, f"{type(model).__name__}.config")
+    total = sum(p.numel() for p in model.parameters())
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    e = getattr(model.config, "num_local_experts", None) or getattr(model.config, "num_experts", None)
+    e = e or getattr(model.config, "n_routed_experts", None)
+    k = getattr(model.config, "num_experts_per_tok", None)
+    active = total - experts + (experts * k / e if experts and e and k else experts)
+    return dataclasses.replace(spec, params_active=float(active))
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Sizes and features of an :class:`HFEngine`.
+
+    ``num_blocks``: device pool blocks (null block included); ``num_host_blocks``: host pool for swap
+    (0: recompute only); ``num_speculative_tokens`` with ``drafter``; ``prefix_cache`` None disables
+    prefix caching. ``record_logits``: keep every logit computed for a real token (for comparisons).
+    """
+
+    num_blocks: int = 256
+    block_size: int = 16
+    num_host_blocks: int = 0
+    max_num_seqs: int = 8
+    max_num_batched_tokens: int = 256
+    num_speculative_tokens: int = 0
+    preemption_mode: PreemptionMode = PreemptionMode.AUTO
+    prefix_cache: PrefixCacheConfig | None = field(default_factory=PrefixCacheConfig)
+    record_logits: bool = False
+    scheduler_options: dict = field(default_factory=dict)  # more SchedulerConfig fields (e.g. admission)
+    pool_fill: str | None = "nan"  # unwritten pool bytes read as NaN, so a stray read shows in the logits
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "preemption_mode", PreemptionMode(self.preemption_mode))
+        for name in ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+
+
+@dataclass
+class Events:
+    """What happened in a run (counts)."""
+
+    steps: int = 0
+    forwards: int = 0
+    preempted_recompute: int = 0
+    preempted_swap: int = 0
+    swapped_in: int = 0
+    prefix_hit_tokens: int = 0
+    checkpoint_copies: int = 0
+    forks: int = 0
+    drafts: int = 0
+    accepted: int = 0
+    rejected: int = 0
+    aborted: int = 0
+
+
+class StepStats(NamedTuple):
+    """One step: rows, tokens, HF forwards, preempted / resumed / admitted requests."""
+
+    step: int
+    num_rows: int
+    num_tokens: int
+    num_forwards: int
+    num_preempted: int
+    num_resumed: int
+    num_admitted: int
+    num_finished: int
+
+
+class _Piece(NamedTuple):
+    row: int  # row of the plan
+    start: int  # first query token of the row this piece runs
+    length: int
+    src: np.ndarray | None  # [G, bps] the state set read (None: no initial state)
+    dst: np.ndarray  # [G, bps] the state set written
+
+
+class HFEngine:
+    """Serves ``model`` (an unmodified transformers causal LM of a family in
+    :data:`~.families.FAMILIES`) through hybridkv. Not thread-safe.
+
+    ``drafter``: proposes draft tokens when ``config.num_speculative_tokens > 0``. ``mixer_hook``:
+    optional callable ``(engine, pieces, meta, past_lens, src_tables, dst_tables, has_initial_state)
+    -> context manager`` entered around every HF forward (:mod:`.lightning` uses it to route
+    MiniMax's lightning layers to hybridkv's in-place kernels).
+    """
+
+    def __init__(self, model: torch.nn.Module, config: EngineConfig | None = None, drafter: Drafter | None = None):
+        self.config = config = config or EngineConfig()
+        model_type = getattr(getattr(model, "config", None), "model_type", None)
+        self.family: Family = family_of(model_type)
+        if config.num_speculative_tokens and drafter is None:
+            raise ValueError("num_speculative_tokens > 0 needs a drafter (NgramDrafter() or ModelDrafter(model))")
+        window = getattr(model.config, "sliding_window", None)
+        kinds = set(getattr(model.config, "layer_types", None) or ())
+        if window is not None or kinds & {"sliding_attention", "chunked_attention"}:
+            raise UnsupportedModelError(
+                f"{model_type} with sliding-window or chunked attention (sliding_window={window}): the runner builds "
+                "full causal masks only; set sliding_window=None"
+            )
+        self.model = model.eval()
+        self.spec = model_spec(model)
+        self._check_dtypes()
+        probe = plan(self.spec, 1 << 40, block_size=config.block_size)
+        self.layout: Layout = plan(self.spec, probe.bytes_per_block * config.num_blocks, block_size=config.block_size)
+        self.manager = HybridBlockManager(
+            self.layout, num_host_blocks=config.num_host_blocks, prefix_cache=config.prefix_cache
+        )
+        self.scheduler = Scheduler(
+            self.manager,
+            SchedulerConfig(
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                num_speculative_tokens=config.num_speculative_tokens,
+                preemption_mode=config.preemption_mode,
+                **config.scheduler_options,
+            ),
+        )
+        self.pools = allocate_pools(self.layout, "cpu", fill=config.pool_fill)
+        self.host = (
+            allocate_host_pools(self.layout, config.num_host_blocks, fill=config.pool_fill)
+            if config.num_host_blocks
+            else None
+        )
+        self.cache = PagedCache(self.family, model.config, self.layout, self.pools, config.max_num_seqs)
+        self.drafter = drafter
+        self.params: dict[Any, SamplingParams] = {}
+        self.tokens: dict[Any, list[int]] = {}  # prompt + outputs, kept after the request finishes
+        self.logits: dict[Any, list[tuple[int, torch.Tensor]]] = defaultdict(list)
+        self.events = Events()
+        self.stats: list[StepStats] = []
+        self.mixer_hook = None
+        self._forks: dict[Any, list[Any]] = {}  # parent -> children still to fork
+        # transformers 5.24 names the cache argument ``cache`` (``past_key_values`` before)
+        self._kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+    def _check_dtypes(self) -> None:
+        """The pool keeps K/V in the model's dtype (another one would change the logits): checked on
+        hybridkv's description before any pool is allocated."""
+        dt = next(self.model.parameters()).dtype
+        for lid in self.spec.attention_layer_ids:
+            layer = self.spec.layers[lid]
+            attn = getattr(layer, "attention", layer)
+            if torch_dtype(attn.dtype) != dt:
+                raise UnsupportedModelError(
+                    f"layer {lid}: hybridkv's description keeps K/V in {attn.dtype.value}, the model runs in {dt}"
+                )
+
+    # ---- requests --------------------------------------------------------------------------------
+    def add_request(
+        self, request_id: Any, prompt: list[int], max_new_tokens: int, params: SamplingParams | None = None
+    ) -> None:
+        """Queue a request (token ids). ``params.n > 1``: ``n - 1`` children ``(request_id, i)`` are
+        forked from it once it decodes."""
+        params = params or SamplingParams()
+        vocab = self.model.config.vocab_size
+        bad = [t for t in prompt if not 0 <= int(t) < vocab]
+        if bad:
+            raise ValueError(f"request {request_id!r}: token ids {bad[:3]} outside the vocabulary 0..{vocab - 1}")
+        self.scheduler.add_request(request_id, list(prompt), max_new_tokens)
+        self.params[request_id] = params
+        self.tokens[request_id] = list(prompt)
+        if params.n > 1:
+            self._forks[request_id] = [(request_id, i) for i in range(1, params.n)]
+
+    def fork(self, parent_id: Any, child_id: Any, max_new_tokens: int, params: SamplingParams | None = None) -> None:
+        """Fork a running request now (between steps): ``Scheduler.fork``."""
+        self.scheduler.fork(parent_id, child_id, max_new_tokens)
+        self.params[child_id] = params or self.params[parent_id]
+        self.tokens[child_id] = list(self.tokens[parent_id])
+        self.events.forks += 1
+
+    def abort(self, request_id: Any) -> None:
+        self.scheduler.abort(request_id)
+        self._forks.pop(request_id, None)
+        self.events.aborted += 1
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    # ---- one step ----------------------------------------------------------------------------------
+    def run_copies(self, plan: StepPlan) -> None:
+        """The plan's copies, in the executor order of docs/contract.md."""
+        copy_blocks(self.pools, plan.checkpoint_copies)
+        for p in plan.swap_out:
+            swap_blocks(self.pools, self.host, p).synchronize()
+        for p in plan.swap_in:
+            swap_blocks(self.pools, self.host, p).synchronize()
+        copy_blocks(self.pools, plan.copies)
+
+    @torch.no_grad()
+    def step(self) -> StepPlan:
+        sched, ev = self.scheduler, self.events
+        plan = sched.step()
+        self.run_copies(plan)
+        ev.checkpoint_copies += len(plan.checkpoint_copies)
+        for pre in plan.preempted:
+            if pre.mode is PreemptionMode.SWAP:
+                ev.preempted_swap += 1
+            else:
+                ev.preempted_recompute += 1
+        ev.swapped_in += len(plan.swap_in)
+        if plan.is_empty:
+            sched.update(StepOutputs({}))
+            ev.steps += 1
+            self.stats.append(StepStats(plan.step, 0, 0, 0, len(plan.preempted), 0, 0, 0))
+            return plan
+        meta = build_step_metadata(self.manager, plan)
+        inputs, drafts = [], {}
+        for row in plan.scheduled:
+            rid = row.request_id
+            req = sched.requests[rid]
+            known = list(req.token_ids() or [])
+            if req.num_cached_tokens and row.num_computed_tokens == req.num_cached_tokens and rid in plan.admitted:
+                ev.prefix_hit_tokens += req.num_cached_tokens
+            run = known[row.num_computed_tokens : row.num_computed_tokens + row.num_scheduled_tokens]
+            d = []
+            if row.num_drafts:
+                d = list(self.drafter.propose(rid, known, row.num_drafts))[: row.num_drafts]
+                d += [d[-1] if d else run[-1]] * (row.num_drafts - len(d))  # pad a short proposal
+            drafts[rid] = d
+            inputs.append(run + d)
+        forwards_before = ev.forwards
+        logits = self.forward(plan, meta, inputs)
+        sampled, accepted = {}, {}
+        for b, row in enumerate(plan.scheduled):
+            rid, start, n = row.request_id, row.num_computed_tokens, row.num_scheduled_tokens
+            rows = logits[b]
+            if self.config.record_logits:
+                self.logits[rid].extend((start + t, rows[t]) for t in range(n))
+            if not row.samples:
+                continue
+            params, pos = self.params[rid], start + n - 1
+            out, a = [sample(rows[n - 1], params, pos)], 0
+            for j, d in enumerate(drafts[rid]):  # draft j stands while it equals the token sampled there
+                if out[-1] != d:
+                    break
+                a += 1
+                if self.config.record_logits:
+                    self.logits[rid].append((pos + j + 1, rows[n + j]))
+                out.append(sample(rows[n + j], params, pos + j + 1))
+            sampled[rid] = out
+            if row.num_drafts:
+                accepted[rid] = a
+                ev.drafts += row.num_drafts
+                ev.accepted += a
+                ev.rejected += row.num_drafts - a
+        result = sched.update(StepOutputs(sampled, frozenset(), accepted))
+        for rid in sampled:
+            req = sched.requests.get(rid) or sched.finished.get(rid)
+            if req is not None:
+                self.tokens[rid] = list(req.token_ids() or [])
+        self._fork_ready()
+        ev.steps += 1
+        self.stats.append(
+            StepStats(
+                plan.step,
+                len(plan.scheduled),
+                int(meta.positions.shape[0]),
+                ev.forwards - forwards_before,
+                len(plan.preempted),
+                len(plan.resumed),
+                len(plan.admitted),
+                len(result.finished),
+            )
+        )
+        return plan
+
+    def _fork_ready(self) -> None:
+        """Fork the children of parents that decode now; a fork that does not fit waits a step."""
+        for parent, children in list(self._forks.items()):
+            req = self.scheduler.requests.get(parent)
+            if req is None:  # finished before it could be forked
+                del self._forks[parent]
+                continue
+            if req.state is not RequestState.RUNNING or req.is_prefilling or not req.output_token_ids:
+                continue
+            remaining = req.max_new_tokens - len(req.output_token_ids)
+            if remaining < 1:
+                continue
+            while children:
+                child = children[0]
+                try:
+                    self.fork(parent, child, remaining, self.params[parent].child(child[1]))
+                except HybridKVError:
+                    break
+                children.pop(0)
+            if not children:
+                del self._forks[parent]
+
+    def run(self, max_steps: int = 100_000, progress=None) -> None:
+        """Step until every request finished (``progress``: called with the number finished per step)."""
+        while self.scheduler.has_unfinished and self.events.steps < max_steps:
+            self.step()
+            if progress is not None:
+                progress(self.stats[-1].num_finished)
+
+    # ---- the forwards -------------------------------------------------------------------------------
+    def pieces(self, plan: StepPlan, meta: StepMetadata) -> list[list[_Piece]]:
+        """Each row's pieces in the order they must run (see the module docstring)."""
+        out = []
+        for b, row in enumerate(plan.scheduled):
+            live = meta.state_tables[:, b]
+            init = bool(meta.has_initial_state[b])
+            n, d = row.num_scheduled_tokens, row.num_drafts
+            if d:  # a decode with drafts: token j writes the state after it to speculative set j - 1
+                spec = meta.speculative_state_tables[:, :, b]
+                ps = [_Piece(b, 0, 1, live, live)]
+                ps += [_Piece(b, j, 1, live if j == 1 else spec[j - 2], spec[j - 1]) for j in range(1, d + 1)]
+            elif init and n > 1 and not self.family.continues_multi_token:
+                ps = [_Piece(b, j, 1, live, live) for j in range(n)]
+            else:
+                ps = [_Piece(b, 0, n, live if init else None, live)]
+            out.append(ps)
+        return out
+
+    def forward(self, plan: StepPlan, meta: StepMetadata, inputs: list[list[int]]) -> list[torch.Tensor]:
+        """Logits ``[len(inputs[b]), vocab]`` of every row's query tokens (scheduled tokens, then drafts)."""
+        pieces = self.pieces(plan, meta)
+        results: list[list[torch.Tensor | None]] = [[None] * len(p) for p in pieces]
+        for r in range(max(len(p) for p in pieces)):
+            groups: dict[tuple[int, bool], list[_Piece]] = defaultdict(list)
+            for ps in pieces:
+                if r < len(ps):
+                    groups[(ps[r].length, ps[r].src is not None)].append(ps[r])
+            for (length, init), group in groups.items():
+                out = self.forward_pieces(meta, inputs, group, length, init)
+                for p, lg in zip(group, out, strict=True):
+                    results[p.row][r] = lg
+        return [torch.cat(rs) for rs in results]
+
+    def forward_pieces(
+        self, meta: StepMetadata, inputs: list[list[int]], group: list[_Piece], length: int, init: bool
+    ) -> torch.Tensor:
+        """One batched HF forward of ``group`` (pieces of ``length`` tokens); returns ``[B, length, vocab]``."""
+        past = [int(meta.seq_lens_decoder[p.row]) + p.start for p in group]
+        ids = torch.tensor([inputs[p.row][p.start : p.start + length] for p in group], dtype=torch.long)
+        pos = torch.tensor([[q + t for t in range(length)] for q in past], dtype=torch.long)
+        rows = [p.row for p in group]
+        block_tables = meta.block_tables[rows]
+        src = np.stack([p.src for p in group], axis=1) if init else None  # [G, B, bps]
+        dst = np.stack([p.dst for p in group], axis=1)
+        cu = meta.cu_seqlens_q
+        slots = np.concatenate([meta.slot_mapping[cu[p.row] + p.start : cu[p.row] + p.start + length] for p in group])
+        src, dst = self.state_tables_for(src, dst)
+        cache = self.cache.build(block_tables, past, src, init)
+        mask = None
+        if self.cache.kv:
+            m = attention_mask(past, length, next(self.model.parameters()).dtype)
+            mask = {"full_attention": m, "sliding_attention": m, "linear_attention": None}
+        kwargs = {self._kwarg: cache}
+        if self.mixer_hook is not None:
+            with self.mixer_hook(self, group, meta, past, src, dst, init):
+                out = self.model(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=True, **kwargs)
+        else:
+            out = self.model(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=True, **kwargs)
+        self.events.forwards += 1
+        self.cache.store(cache, past, slots, dst)
+        return out.logits.float() if out.logits.dtype != torch.float64 else out.logits
+
+    def state_tables_for(self, src: np.ndarray | None, dst: np.ndarray) -> tuple[np.ndarray | None, np.ndarray]:
+        """The state tables a forward reads and writes (``[G, B, bps]``); an extension point."""
+        return src, dst
+
+    # ---- results -------------------------------------------------------------------------------------
+    def outputs(self) -> dict[Any, list[int]]:
+        """Generated tokens of every finished request (forks included; aborted requests left out)."""
+        return {
+            rid: list(req.output_token_ids)
+            for rid, req in self.scheduler.finished.items()
+            if req.state is RequestState.FINISHED
+        }
+
+
+__all__ = ["EngineConfig", "Events", "HFEngine", "StepStats", "model_spec"]

@@ -1,0 +1,204 @@
+"""One forward's cache: hybridkv's pools -> a fresh transformers cache -> back into the pools.
+
+Before a forward, :meth:`PagedCache.build` gathers the rows' state sets (``hybridkv.ops.gather_states``)
+into a new ``DynamicCache`` (``MiniMaxCache`` for MiniMax) and reads their past K/V through the block
+tables. Recurrent layers get ``conv_kernel_size = K - 1`` (hybridkv keeps K - 1 conv columns,
+transformers K: with K - 1 the model's causal conv sees exactly the columns it needs) and
+``has_previous_state``. After the forward, :meth:`PagedCache.store` writes the new K/V at the slot
+mapping and scatters the last K - 1 conv columns and the recurrent state into the output state sets.
+
+Rows of one forward have the same query length; their past lengths may differ: K/V are padded to the
+longest past and :func:`attention_mask` hides the padding (an additive ``[B, 1, T, P + T]`` mask).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from hybridkv.integrations.transformers.families import Family, UnsupportedModelError
+from hybridkv.models.spec import RecurrentLayerSpec
+from hybridkv.ops import BlockPools, StateBuffers, allocate_state_buffers, gather_states, kv_cache_views, scatter_states
+from hybridkv.ops._framework import torch_dtype
+from hybridkv.planner.layout import Layout
+
+
+@dataclass(frozen=True)
+class StateLayer:
+    """A recurrent decoder layer: where its state lives and which components are conv / recurrent."""
+
+    group: int
+    slot: int
+    conv: str | None  # component name of the conv state (K - 1 columns), if any
+    conv_columns: int
+    recurrent: str | None  # component name of the recurrent state, if any
+
+
+def _state_layers(layout: Layout) -> dict[int, StateLayer]:
+    out: dict[int, StateLayer] = {}
+    for g in range(layout.num_state_groups):
+        for s in range(layout.group_size):
+            entry = layout.state_layer(g, s)
+            if entry is None:
+                continue
+            cache_id, spec = entry
+            assert isinstance(spec, RecurrentLayerSpec)
+            conv = [c for c in spec.components if c.name.startswith("conv")]
+            rec = [c for c in spec.components if not c.name.startswith("conv")]
+            if len(conv) > 1 or len(rec) > 1:
+                raise UnsupportedModelError(
+                    f"layer {layout.decoder_layer_id(cache_id)} of {layout.model.name!r} keeps "
+                    f"{[c.name for c in spec.components]}: the runner maps one conv and one recurrent state"
+                )
+            out[layout.decoder_layer_id(cache_id)] = StateLayer(
+                g, s, conv[0].name if conv else None, conv[0].shape[-1] if conv else 0, rec[0].name if rec else None
+            )
+    return out
+
+
+def attention_mask(past_lens: list[int], num_tokens: int, dtype: torch.dtype) -> torch.Tensor:
+    """Additive mask ``[B, 1, T, P + T]`` (``P = max(past_lens)``): row ``b``'s query ``i`` sees its own
+    past ``0..past_lens[b]-1`` and the new tokens ``0..i``; the padded past is hidden."""
+    p = max(past_lens)
+    keys = torch.arange(p + num_tokens)
+    q = torch.arange(num_tokens)
+    past = keys[None, :] < torch.tensor(past_lens)[:, None]  # [B, P + T]
+    new = (keys[None, :] >= p) & (keys[None, :] - p <= q[:, None])  # [T, P + T]
+    allowed = past[:, None, :] | new[None, :, :]  # [B, T, P + T]
+    mask = torch.zeros(allowed.shape, dtype=dtype)
+    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+    return mask[:, None]
+
+
+def _same_dtype(state: torch.Tensor, pool: torch.Tensor, layer: int) -> torch.Tensor:
+    """``state`` as the model's code produced it, refused when the pool keeps another dtype (a silent
+    cast would change what the next forward reads)."""
+    if state.dtype != pool.dtype:
+        raise UnsupportedModelError(
+            f"layer {layer}: the model keeps its state in {state.dtype}, hybridkv's description of the model in "
+            f"{pool.dtype}: the reader (hybridkv.models.hf) and the model disagree"
+        )
+    return state
+
+
+class PagedCache:
+    """Moves K/V and recurrent states between the pools and transformers cache objects.
+
+    Owns one :class:`~hybridkv.ops.StateBuffers` of ``max_rows`` rows, reused by every forward; the
+    pools are the caller's. ``model_config``: the transformers config the caches are built from.
+    """
+
+    def __init__(self, family: Family, model_config, layout: Layout, pools: BlockPools, max_rows: int) -> None:
+        self.family, self.config, self.layout, self.pools = family, model_config, layout, pools
+        self.block_size = layout.block_size
+        self.num_layers = layout.num_decoder_layers
+        self.kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        kv = layout.kv_group
+        views = kv_cache_views(pools)
+        ids = [lid for lid in (kv.layer_ids if kv is not None else ()) if lid is not None]
+        for n, cache_id in enumerate(ids):
+            self.kv[layout.decoder_layer_id(cache_id)] = (views[2 * n], views[2 * n + 1])
+        self.states = _state_layers(layout)
+        self.buffers: StateBuffers | None = (
+            allocate_state_buffers(layout, max_rows, device=pools.device) if self.states else None
+        )
+
+    # ---- before the forward ---------------------------------------------------------------------
+    def new_cache(self):
+        if self.family.cache == "minimax":
+            from transformers.cache_utils import DynamicLayer
+            from transformers.models.minimax.modeling_minimax import MiniMaxCache
+
+            cache = MiniMaxCache()
+            cache.layers = [DynamicLayer() for _ in range(self.num_layers)]
+            cache.linear_cache = [None] * self.num_layers
+            return cache
+        from transformers import DynamicCache
+
+        return DynamicCache(config=self.config)
+
+    def build(
+        self,
+        block_tables: np.ndarray,
+        past_lens: list[int],
+        state_tables: np.ndarray | None,
+        has_initial_state: bool,
+    ):
+        """A fresh cache for ``B`` rows: past K/V of ``past_lens`` tokens through ``block_tables``
+        ``[B, W]`` and, when ``has_initial_state``, the states of ``state_tables`` ``[G, B, bps]``."""
+        cache = self.new_cache()
+        b, p = len(past_lens), max(past_lens)
+        if p and self.kv:
+            pos = torch.arange(p)
+            tables = torch.from_numpy(block_tables[:b].astype(np.int64))
+            blocks = tables[:, pos // self.block_size]  # [B, P] (past the row's length: stale, masked)
+            offs = (pos % self.block_size).expand(b, p)
+            # the padding past a row's length holds whatever the pool held (NaN in a NaN-filled pool):
+            # zero it, the mask hides it
+            pad = (pos[None, :] >= torch.tensor(past_lens)[:, None])[:, None, :, None]  # [B, 1, P, 1]
+            for lid, (k_view, v_view) in self.kv.items():
+                keys = k_view[blocks, :, offs].transpose(1, 2).masked_fill(pad, 0)  # [B, H, P, D]
+                values = v_view[blocks, :, offs].transpose(1, 2).masked_fill(pad, 0)
+                layer = cache.layers[lid]
+                layer.lazy_initialization(keys, values)
+                layer.keys, layer.values = keys, values
+                if hasattr(layer, "cumulative_length"):
+                    layer.cumulative_length = p
+        if has_initial_state and self.states:
+            bufs = self.buffers
+            gather_states(self.pools, state_tables, None, bufs)
+            for lid, sl in self.states.items():
+                comps = bufs.layer(sl.group, sl.slot)
+                if self.family.cache == "minimax":
+                    cache.linear_cache[lid] = comps[sl.recurrent][:b].clone()
+                    continue
+                layer = cache.layers[lid]
+                if sl.conv is not None:
+                    layer.conv_states[0] = comps[sl.conv][:b].clone()
+                    layer.conv_kernel_size[0] = sl.conv_columns
+                    layer.is_conv_states_initialized[0] = True
+                if sl.recurrent is not None:
+                    layer.recurrent_states[0] = comps[sl.recurrent][:b].clone()
+                    layer.is_recurrent_states_initialized[0] = True
+                layer.has_previous_state[0] = True
+                layer.device, layer.dtype = comps[sl.recurrent or sl.conv].device, comps[sl.conv or sl.recurrent].dtype
+        return cache
+
+    # ---- after the forward ----------------------------------------------------------------------
+    def store(self, cache, past_lens: list[int], slot_mapping: np.ndarray, out_tables: np.ndarray | None) -> None:
+        """Write the forward's new K/V (``[B, H, T, D]`` after the padded past) at ``slot_mapping``
+        ``[B * T]`` (row-major) and scatter each row's state into ``out_tables`` ``[G, B, bps]``."""
+        b, p = len(past_lens), max(past_lens)
+        if self.kv:
+            slots = torch.from_numpy(slot_mapping.astype(np.int64))
+            blk, off = slots // self.block_size, slots % self.block_size
+            for lid, (k_view, v_view) in self.kv.items():
+                layer = cache.layers[lid]
+                for view, new in ((k_view, layer.keys), (v_view, layer.values)):
+                    new = new[:, :, p:]  # [B, H, T, D]
+                    view[blk, :, off] = new.transpose(1, 2).reshape(-1, *new.shape[1:2], new.shape[-1]).to(view.dtype)
+        if not self.states or out_tables is None:
+            return
+        bufs = self.buffers
+        for lid, sl in self.states.items():
+            comps = bufs.layer(sl.group, sl.slot)
+            if self.family.cache == "minimax":
+                comps[sl.recurrent][:b] = _same_dtype(cache.linear_cache[lid], comps[sl.recurrent], lid)
+                continue
+            layer = cache.layers[lid]
+            if sl.conv is not None:
+                conv = layer.conv_states[0]
+                comps[sl.conv][:b] = _same_dtype(conv[..., conv.shape[-1] - sl.conv_columns :], comps[sl.conv], lid)
+            if sl.recurrent is not None:
+                comps[sl.recurrent][:b] = _same_dtype(layer.recurrent_states[0], comps[sl.recurrent], lid)
+        scatter_states(self.pools, out_tables, None, bufs)
+
+    def state_dtypes(self) -> dict[int, dict[str, torch.dtype]]:
+        """Decoder layer -> component -> the dtype the pool keeps it in (hybridkv's model description)."""
+        out = {}
+        for lid, sl in self.states.items():
+            spec = self.layout.state_layer(sl.group, sl.slot)[1]
+            out[lid] = {c.name: torch_dtype(c.dtype) for c in spec.components}
+        return out
