@@ -141,3 +141,19 @@ def test_hf_config_gives_the_preset_shapes(name, tmp_path):
 def test_unknown_hf_model_type():
     with pytest.raises(SpecError, match="model_type 'llama' is not understood"):
         spec_from_hf_config({"model_type": "llama"})
+
+
+def test_load_spec_takes_tp_size_as_preset_does(tmp_path):
+    import json
+
+    from hybridkv.models.presets import preset
+    from hybridkv.models.spec_file import load_spec
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(HF_CONFIGS["qwen3-next-80b-a3b"]))
+    whole, tp2 = load_spec(path), load_spec(path, tp_size=2)
+    assert tp2 == whole.shard(2) and tp2.state_bytes * 2 == whole.state_bytes
+    assert tp2.state_bytes == preset("qwen3-next-80b-a3b", tp_size=2).state_bytes
+    for bad in (0, 1.5, True, "2"):
+        with pytest.raises(ValueError, match="tp_size"):
+            load_spec(path, tp_size=bad)

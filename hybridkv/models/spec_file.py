@@ -47,6 +47,7 @@ from hybridkv.models.spec import (
     RecurrentLayerSpec,
     StateComponent,
 )
+from hybridkv.units import is_integer
 
 _BUILDERS: dict[str, Callable[..., RecurrentLayerSpec]] = {
     "lightning": P.lightning_layer,
@@ -223,13 +224,20 @@ def read_spec_file(path: str | Path) -> dict[str, Any]:
 
 
 def load_spec(
-    path: str | Path, state_dtype: DType | str | None = None, conv_dtype: DType | str | None = None
+    path: str | Path,
+    state_dtype: DType | str | None = None,
+    conv_dtype: DType | str | None = None,
+    tp_size: int = 1,
 ) -> ModelSpec:
     """Read a model spec from a ``.json`` or ``.toml`` file (hybridkv format or HF ``config.json``),
-    or from a model directory holding ``config.json``."""
+    or from a model directory holding ``config.json``; sharded to ``tp_size`` ranks (one rank's
+    layers, as :func:`~hybridkv.models.presets.preset` gives them; 1: the whole model)."""
+    if not is_integer(tp_size) or tp_size < 1:
+        raise ValueError(f"tp_size must be an integer >= 1, got {tp_size!r}")
     p = Path(path)
     source = str(p / "config.json") if p.is_dir() else str(p)
-    return spec_from_dict(read_spec_file(p), source, state_dtype, conv_dtype)
+    spec = spec_from_dict(read_spec_file(p), source, state_dtype, conv_dtype)
+    return spec.shard(tp_size)
 
 
 def resolve_model(
@@ -244,7 +252,7 @@ def resolve_model(
     own dtypes.
     """
     if is_spec_path(name_or_path):
-        return load_spec(name_or_path, state_dtype, conv_dtype).shard(tp_size)
+        return load_spec(name_or_path, state_dtype, conv_dtype, tp_size)
     return P.preset(name_or_path, state_dtype, tp_size, conv_dtype)
 
 
