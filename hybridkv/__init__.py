@@ -24,7 +24,7 @@ Names (imported on first use, so ``import hybridkv`` needs numpy only):
 - block manager: :class:`HybridBlockManager`, :class:`PrefixCacheConfig`, :class:`CheckpointPolicy`,
   :class:`EvictionPolicy`
 - scheduler: :class:`Scheduler`, :class:`SchedulerConfig`, :class:`StepOutputs`, :class:`StepPlan`,
-  :class:`PreemptionMode`, :func:`build_step_metadata`
+  :class:`PreemptionMode`, :class:`AdmissionPolicy`, :func:`build_step_metadata`
 - ops (need torch): :func:`allocate_pools`, :func:`gather_states`, :func:`scatter_states`,
   :func:`copy_blocks`, :func:`swap_blocks`
 - errors: :class:`HybridKVError` (every error raised on purpose), :class:`SpecError`,
@@ -66,7 +66,15 @@ _LAZY: dict[str, str] = {
         "hybridkv.errors",
     ),
     **dict.fromkeys(
-        ("Scheduler", "SchedulerConfig", "StepOutputs", "StepPlan", "PreemptionMode", "build_step_metadata"),
+        (
+            "Scheduler",
+            "SchedulerConfig",
+            "StepOutputs",
+            "StepPlan",
+            "PreemptionMode",
+            "AdmissionPolicy",
+            "build_step_metadata",
+        ),
         "hybridkv.scheduler_adapter",
     ),
 }
@@ -97,6 +105,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from hybridkv.ops import allocate_pools, copy_blocks, gather_states, scatter_states, swap_blocks  # noqa: F401
     from hybridkv.planner.layout import Layout, LayoutKind, plan  # noqa: F401
     from hybridkv.scheduler_adapter import (  # noqa: F401
+        AdmissionPolicy,
         PreemptionMode,
         Scheduler,
         SchedulerConfig,

@@ -17,7 +17,7 @@ import transformers
 from hybridkv.blockmgr.prefix import PrefixCacheConfig
 from hybridkv.integrations.transformers import EngineConfig, HFEngine, ModelDrafter, SamplingParams, model_spec
 from hybridkv.planner.layout import plan
-from hybridkv.scheduler_adapter import H200, PreemptionMode, Preemptor, SchedulerConfig
+from hybridkv.scheduler_adapter import H200, PreemptionMode, Preemptor
 
 BASE = dict(vocab_size=128, hidden_size=64, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2)
 MAMBA = dict(mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=2, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2)
@@ -170,7 +170,7 @@ def make_engine(
         prefix_cache=PrefixCacheConfig(checkpoint="branch_and_last", eviction="lru"),
         record_logits=True,
         # admit on the first chunk: the most admissions, so running requests run out of blocks and preempt
-        scheduler_options={"admission": "first_chunk"} if "admission" in SchedulerConfig.__dataclass_fields__ else {},
+        scheduler_options={"admission": "first_chunk"},
     )
     engine = engine_cls(model, config, drafter=drafter or ModelDrafter(model))
     engine.scheduler.preemptor = AlternatingPreemptor(engine.manager)

@@ -79,7 +79,10 @@ def run_workload(
     # worth of KV tokens, more than these 8-12-token shared prefixes, so it would make no prefix hits
     prefix = PrefixCacheConfig(checkpoint="branch_and_last", eviction="lru")
     manager = HybridBlockManager(layout, num_host_blocks=48, prefix_cache=prefix)
-    config = SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=24, num_speculative_tokens=2)
+    # first_chunk over-admits, so this small pool preempts by recompute and by swap, which this run must cover
+    config = SchedulerConfig(
+        max_num_seqs=6, max_num_batched_tokens=24, num_speculative_tokens=2, admission="first_chunk"
+    )
     scheduler = Scheduler(manager, config)
     scheduler.preemptor = AlternatingPreemptor(manager)
     engine = engine_cls(TinyHybrid(cfg), scheduler, num_host_blocks=48, **engine_kwargs)

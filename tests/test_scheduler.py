@@ -20,9 +20,13 @@ from hybridkv.scheduler_adapter import (
     StepOutputs,
     preemption_cost,
 )
+from hybridkv.scheduler_adapter.scheduler import AdmissionPolicy
 from hybridkv.scheduler_adapter.synthetic import SyntheticEngine
 
 RECOMPUTE, SWAP, AUTO = PreemptionMode.RECOMPUTE, PreemptionMode.SWAP, PreemptionMode.AUTO
+# the preemption scenarios fill the pool on purpose: vLLM's rule (whole prompt fits now) admits all
+# three requests, the default (which keeps room for their decode steps) would not
+FULL = AdmissionPolicy.FULL_PROMPT
 
 
 def tiny_model() -> ModelSpec:
@@ -56,13 +60,64 @@ def rows(p):
 # ---- admission ------------------------------------------------------------------------------------
 def test_admission_uses_the_managers_one_count_and_fills_the_pool():
     m = tiny_manager(19)  # 18 usable = 3 requests of 8 tokens (2 KV + 4 state blocks each)
-    s = Scheduler(m, SchedulerConfig(max_num_batched_tokens=64))
+    s = Scheduler(m, SchedulerConfig(max_num_batched_tokens=64, admission=FULL))
     for i in range(4):
         s.add_request(i, 8, 3)
     p = run_step(s)
     assert p.admitted == (0, 1, 2) and rows(p) == [(i, 0, 8, 0, True) for i in range(3)]
     assert m.blocks_to_admit(8) == 6 and m.num_available_blocks == 0
     assert [r.request_id for r in s.waiting] == [3]
+
+
+def test_default_admission_keeps_room_for_the_admitted_requests_decode_steps():
+    """The same pool and requests under the default: each admitted request keeps a block for its
+    3 outputs (tokens 9-11: a third KV block), so the third is not admitted next to the two."""
+    m = tiny_manager(19)
+    s = Scheduler(m, SchedulerConfig(max_num_batched_tokens=64))
+    assert s.config.admission is AdmissionPolicy.RESERVED
+    for i in range(4):
+        s.add_request(i, 8, 3)
+    p = run_step(s)
+    assert p.admitted == (0, 1) and m.num_available_blocks == 6
+    while s.has_unfinished:
+        assert not run_step(s).preempted
+    assert all(len(r.output_token_ids) == 3 for r in s.finished.values())
+
+
+def _churn(admission: AdmissionPolicy) -> tuple[int, int]:
+    """Four requests of 60 prompt tokens and 24 outputs, in 8-token chunks, through a pool that
+    holds one of them (21 KV + 4 state blocks; 33 usable blocks) and the first chunk of a second:
+    (preemptions, scheduled tokens)."""
+    s = Scheduler(tiny_manager(34), SchedulerConfig(max_num_batched_tokens=8, admission=admission))
+    for i in range(4):
+        s.add_request(i, 60, 24)
+    preempted = scheduled = 0
+    while s.has_unfinished:
+        p = run_step(s)
+        preempted += len(p.preempted)
+        scheduled += p.num_batched_tokens
+    assert sorted(len(r.output_token_ids) for r in s.finished.values()) == [24] * 4
+    return preempted, scheduled
+
+
+def test_admission_never_churns_mid_prefill_on_a_tight_pool():
+    """Regression (issue 29): admitting on the first chunk let a request start its prefill, run
+    the pool dry before its prompt was in, and be preempted and recomputed. The default and vLLM's
+    rule admit a request only when its whole prompt fits: every token runs once (4 x 60 prompt
+    tokens and 23 more per request; the last output is never fed back)."""
+    assert _churn(AdmissionPolicy.RESERVED) == (0, 4 * 83)
+    assert _churn(FULL) == (0, 4 * 83)
+    first_chunk_preemptions, first_chunk_tokens = _churn(AdmissionPolicy.FIRST_CHUNK)
+    assert first_chunk_preemptions > 0 and first_chunk_tokens > 4 * 83  # the churn this guards against
+
+
+def test_admission_policy_values_and_bad_reserve_are_checked():
+    assert SchedulerConfig(admission="full_prompt").admission is FULL
+    with pytest.raises(ValueError):
+        SchedulerConfig(admission="eager")
+    with pytest.raises(ValueError, match="decode_reserve_steps"):
+        SchedulerConfig(decode_reserve_steps=-1)
+    assert SchedulerConfig(decode_reserve_steps=None).decode_reserve_steps is None
 
 
 def test_request_that_can_never_fit_is_rejected_at_submission():
@@ -84,7 +139,7 @@ def test_max_num_seqs_and_priorities_order_admission():
 # ---- preemption -----------------------------------------------------------------------------------
 def _fill_three(mode: PreemptionMode, num_host_blocks: int = 0, swap_executor=None) -> Scheduler:
     m = tiny_manager(19, num_host_blocks)
-    s = Scheduler(m, SchedulerConfig(max_num_batched_tokens=64, preemption_mode=mode), swap_executor)
+    s = Scheduler(m, SchedulerConfig(max_num_batched_tokens=64, preemption_mode=mode, admission=FULL), swap_executor)
     for i in range(3):
         s.add_request(i, 8, 3)
     run_step(s)  # all three prefilled, 1 output each; the pool is full
@@ -162,7 +217,7 @@ def test_swap_falls_back_to_recompute_without_host_room_or_when_the_copy_fails()
 
 def test_the_requester_preempts_itself_when_it_is_the_newest():
     m = tiny_manager(13)  # 12 usable: two 8-token requests; the second cannot grow
-    s = Scheduler(m, SchedulerConfig(max_num_batched_tokens=64))
+    s = Scheduler(m, SchedulerConfig(max_num_batched_tokens=64, admission=FULL))
     s.add_request("a", 8, 2)
     s.add_request("b", 8, 2, priority=1)
     run_step(s)
@@ -197,7 +252,7 @@ def test_auto_picks_per_victim(victim_tokens, expected):
         preset("minimax-m1", "float32", tp_size=8), (1 + 113 + victim_blocks) * MINIMAX_BLOCK_BYTES, block_size=64
     )
     m = HybridBlockManager(layout, num_host_blocks=200)
-    s = Scheduler(m, SchedulerConfig(max_num_batched_tokens=4096, preemption_mode=AUTO))
+    s = Scheduler(m, SchedulerConfig(max_num_batched_tokens=4096, preemption_mode=AUTO, admission=FULL))
     s.add_request("first", 64, 4)
     s.add_request("victim", victim_tokens, 4)
     run_step(s)

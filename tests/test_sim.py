@@ -36,8 +36,15 @@ PRESSURE = SyntheticConfig(
 # the prefix policies these pressure tests were tuned with (the defaults now keep fewer checkpoints,
 # so the 2 GiB pool no longer needs to preempt on this workload)
 # MiniMax-M1 TP8 with its lightning state in float32 (twice the preset's bf16 default): 2 GiB is tight
+# first_chunk admission over-admits on purpose: the pool runs out mid-prefill, so preemption and
+# swap happen (the default, reserved, admits only what fits with its decode room and hardly preempts)
 TIGHT = SimConfig(
-    gpu_memory="2GiB", state_dtype="float32", integrity_every=20, prefix="flop_aware", checkpoint="branch_and_last"
+    gpu_memory="2GiB",
+    state_dtype="float32",
+    integrity_every=20,
+    prefix="flop_aware",
+    checkpoint="branch_and_last",
+    admission="first_chunk",
 )
 SMALL_FLAGS = ["--requests", "30", "--prompt-median", "2000", "--output-median", "48", "--gpu-memory", "2GiB"]
 

@@ -19,6 +19,8 @@ EXAMPLES = """\
 examples:
   hybridkv simulate                                   MiniMax-M1 TP8, H200, 14 GiB cache, synthetic workload
   hybridkv simulate --compare layout=paged,padded preemption=recompute,swap,auto
+  hybridkv simulate --engine vllm                     vLLM 0.33's policies on its own layout (emulated)
+  hybridkv simulate --compare engine=hybridkv,vllm    vLLM 0.33 (emulated), then one column per policy switched
   hybridkv simulate --trace ../shared/traces/mooncake_synthetic_trace.jsonl --trace-limit 500 --rate-scale 0.5
   hybridkv simulate --model qwen3-next --tp 2 --gpu-memory 40GiB --speculative 2 --out qwen-report
 """
@@ -83,6 +85,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     m.add_argument("--gpu-memory", default="14GiB", help="cache budget per GPU (default 14GiB)")
     m.add_argument("--host-memory", default="256GiB", help="host swap pool per GPU, 0 = none (default 256GiB)")
     s = p.add_argument_group("layout and scheduler")
+    s.add_argument("--engine", choices=["hybridkv", "vllm"], default="hybridkv",
+                   help="vllm: vLLM 0.33's policies on its own layout, emulated (fixes layout, block size, "
+                   "admission, preemption, host pool, watermark, prefix caching; see docs/simulate.md)")
+    s.add_argument("--admission", choices=["reserved", "full_prompt", "first_chunk"], default="reserved",
+                   help="when a waiting request is admitted (default reserved: its prompt and decode room fit "
+                   "next to what running prefills were promised; full_prompt: vLLM's rule)")
     s.add_argument("--block-size", type=positive_int, default=None, help="tokens per KV block (default 64)")
     s.add_argument("--layout", choices=["paged", "padded"], default="paged")
     s.add_argument("--preemption", choices=["recompute", "swap", "auto"], default="auto")
@@ -180,6 +188,8 @@ def run(args: argparse.Namespace) -> int:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_batched_tokens,
         watermark=args.watermark,
+        admission=args.admission,
+        engine=args.engine,
         integrity_every=args.integrity_every,
         seed=args.seed,
     )

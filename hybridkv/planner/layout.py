@@ -290,6 +290,41 @@ class Layout:
         )
 
 
+# ---- vLLM's block size ---------------------------------------------------------------------------
+VLLM_KERNEL_BLOCK_ALIGN = 16
+"""Smallest kernel block of vLLM's default attention backend on an H200 (FlashAttention: any
+multiple of 16 tokens); also vLLM's default ``--block-size``."""
+
+
+def vllm_block_size(
+    model: ModelSpec,
+    prefix_caching: bool = False,
+    checkpoint_alignment: int | None = None,
+    kernel_alignment: int = VLLM_KERNEL_BLOCK_ALIGN,
+) -> int:
+    """The attention block vLLM 0.33 gives a hybrid ``model`` (one TP rank), as its start-up code
+    aligns it (``Platform._align_hybrid_block_size``, ``vllm/platforms/interface.py``): the smallest
+    multiple of ``kernel_alignment`` tokens whose attention page (one layer's K and V) holds the
+    largest recurrent layer's state; with prefix caching (Mamba cache mode ``align``) the multiple is
+    of ``lcm(kernel_alignment, checkpoint_alignment)``: the recurrent layers' prefill checkpoint
+    alignment (FlashInfer's GDN prefill on Hopper exports checkpoints every 64 tokens, so
+    Qwen3-Next's 544-token blocks become 576; None: layers that export none, as MiniMax-M1's
+    lightning layers). Without recurrent layers: ``kernel_alignment``. Raises :class:`LayoutError`
+    for a model without attention (vLLM has no attention block to align then)."""
+    model = model.cache_view()
+    attn = _attention_shape(model)
+    if attn is None:
+        raise LayoutError(f"model {model.name!r} has no attention layer: vLLM's hybrid block size does not apply")
+    align = kernel_alignment
+    if prefix_caching and checkpoint_alignment:
+        align = math.lcm(align, checkpoint_alignment)
+    state = _state_bytes_max(model)
+    if not state:
+        return kernel_alignment
+    per_token = attn.kv_bytes_per_token
+    return max(kernel_alignment, align * cdiv(state, align * per_token))
+
+
 # ---- the planner -------------------------------------------------------------------------------
 def _attention_shape(model: ModelSpec) -> AttentionLayerSpec | None:
     specs = {model.layers[i] for i in model.attention_layer_ids}

@@ -18,6 +18,7 @@ from hybridkv.scheduler_adapter.fastdeploy import FastDeployBlockManager, StateL
 from hybridkv.scheduler_adapter.metadata import StepMetadata, build_step_metadata
 from hybridkv.scheduler_adapter.preemption import Preemptor, SwapExecutor
 from hybridkv.scheduler_adapter.requests import (
+    AdmissionPolicy,
     Preemption,
     RequestState,
     SchedRequest,
@@ -30,6 +31,7 @@ from hybridkv.scheduler_adapter.scheduler import Scheduler, SchedulerConfig
 
 __all__ = [
     "A100",
+    "AdmissionPolicy",
     "H100",
     "H200",
     "FastDeployBlockManager",

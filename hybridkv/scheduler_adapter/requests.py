@@ -27,6 +27,29 @@ class RequestState(enum.Enum):
     ABORTED = "aborted"
 
 
+class AdmissionPolicy(enum.Enum):
+    """When a waiting request may be admitted (its first chunk is what it allocates in every case).
+
+    - ``RESERVED`` (default): its whole known tokens (prompt, and outputs after a recompute) and
+      its next ``SchedulerConfig.decode_reserve_steps`` decode steps fit next to the blocks already
+      promised to the running requests (the rest of the prompts still prefilling, and their own
+      next decode steps), so a prefill never has to preempt another to finish and decode growth
+      rarely does;
+    - ``FULL_PROMPT``: its whole known tokens fit in the available blocks now (vLLM 0.33's
+      ``scheduler_reserve_full_isl``, its default); prefills admitted in the same or earlier steps
+      are not counted, so they can still run out mid-prefill;
+    - ``FIRST_CHUNK``: its first chunk fits (the rule before this one; it admits the most and
+      preempts mid-prefill when the rest does not fit).
+
+    The manager's one count decides in every case (KV, live and speculative state sets, prefix
+    hits, watermark).
+    """
+
+    RESERVED = "reserved"
+    FULL_PROMPT = "full_prompt"
+    FIRST_CHUNK = "first_chunk"
+
+
 @dataclass(slots=True, eq=False)
 class SchedRequest:
     """The scheduler's record of one request (the block manager holds its blocks)."""

@@ -9,7 +9,9 @@ One step, in this order (DESIGN.md "Scheduler adapter"):
 2. swapped requests resume (swap-in) before anything new is admitted;
 3. waiting requests are admitted, FCFS within a priority, by the manager's one count
    (``can_allocate`` of the first chunk: KV + live state sets + speculative sets + watermark;
-   prefix-cache hits lower it), up to ``max_num_seqs`` running. Steps that preempted admit nothing.
+   prefix-cache hits lower it) and the :class:`AdmissionPolicy` (default ``RESERVED``: the whole
+   request's known tokens and its next decode steps fit next to what running prefills were
+   promised), up to ``max_num_seqs`` running. Steps that preempted admit nothing.
 
 With a prefix cache (a manager whose ``allocate`` / ``append`` take ``token_ids``, requests
 submitted with token ids), admission takes the hit, chunks end where the checkpoint policy wants a
@@ -32,6 +34,7 @@ from hybridkv.scheduler_adapter.cost import H200, GpuSpec, PreemptionCost, Preem
 from hybridkv.scheduler_adapter.interface import ManagerInterface
 from hybridkv.scheduler_adapter.preemption import Preemptor, SwapExecutor
 from hybridkv.scheduler_adapter.requests import (
+    AdmissionPolicy,
     Preemption,
     RequestState,
     SchedRequest,
@@ -51,8 +54,16 @@ class SchedulerConfig:
     preemption_mode: PreemptionMode = PreemptionMode.RECOMPUTE
     gpu: GpuSpec = field(default=H200)  # for PreemptionMode.AUTO
     chunked_prefill: bool = True
+    admission: AdmissionPolicy = AdmissionPolicy.RESERVED  # (or its value: "reserved", ...)
+    # RESERVED: decode steps of room kept per running request (None: all its remaining outputs)
+    decode_reserve_steps: int | None = 32
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "admission", AdmissionPolicy(self.admission))
+        if self.decode_reserve_steps is not None and (
+            not is_integer(self.decode_reserve_steps) or self.decode_reserve_steps < 0
+        ):
+            raise ValueError(f"decode_reserve_steps must be an integer >= 0 or None, got {self.decode_reserve_steps!r}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.num_speculative_tokens < 0:
             raise ValueError(
                 f"max_num_seqs and max_num_batched_tokens must be >= 1 and num_speculative_tokens >= 0, got "
@@ -443,6 +454,8 @@ class Scheduler:
                 return
             if not self.config.chunked_prefill and n < total - cached:
                 return
+            if self.config.admission is not AdmissionPolicy.FIRST_CHUNK and not self._whole_fits(req, ids, k, s):
+                return
             self.waiting.pop(0)
             req.state = RequestState.RUNNING
             req.num_spec_sets = k
@@ -452,6 +465,7 @@ class Scheduler:
                 self.manager.allocate(req.request_id, n, k)
                 req.num_computed_tokens, req.num_allocated_tokens, req.num_cached_tokens = 0, n, 0
                 self._row(req, n, 0, s)
+                self._promise(req, s)
                 continue
             # with token ids: take the hit, then grow chunk by chunk, ending chunks where the
             # prefix cache wants a checkpoint
@@ -464,6 +478,39 @@ class Scheduler:
             req.token_ids_given = len(ids)
             n, drafts = self._demand(req, s.budget)
             self._run(req, n, drafts, s)
+            self._promise(req, s)
+
+    def _whole_fits(self, req: SchedRequest, ids: list[int] | None, k: int, s: _StepBuilder) -> bool:
+        """The admission policy's test beyond the first chunk (see :class:`AdmissionPolicy`): the
+        blocks of all of ``req``'s known tokens (prefix hit counted) fit in the available blocks;
+        under ``RESERVED`` with its decode reserve too, next to what the running requests were
+        promised."""
+        tokens = req.num_tokens
+        if self.config.admission is AdmissionPolicy.RESERVED:
+            tokens += self._decode_reserve(req)
+        need = self.manager.plan_admission(tokens, k, ids).num_blocks + self.manager.watermark_blocks
+        if self.config.admission is AdmissionPolicy.RESERVED:
+            if s.promised < 0:
+                s.promised = sum(self._still_needs(r) for r in self.running)
+            need += s.promised
+        return need <= self.manager.num_available_blocks
+
+    def _decode_reserve(self, req: SchedRequest) -> int:
+        """Token slots of ``req``'s next ``decode_reserve_steps`` decode steps (all its remaining
+        outputs when None), at most its remaining outputs."""
+        steps = self.config.decode_reserve_steps
+        remaining = req.num_remaining_tokens
+        return remaining if steps is None else min(remaining, steps * (1 + self.config.num_speculative_tokens))
+
+    def _still_needs(self, req: SchedRequest) -> int:
+        """KV blocks a running request still takes for its known tokens and its decode reserve."""
+        rest = req.num_tokens - req.num_allocated_tokens + self._decode_reserve(req)
+        return self._kv_growth(req.num_allocated_tokens, rest)  # (a copy-on-write block is not counted)
+
+    def _promise(self, req: SchedRequest, s: _StepBuilder) -> None:
+        """An admitted request's prompt beyond its first chunk joins the promised blocks."""
+        if s.promised >= 0:
+            s.promised += self._still_needs(req)
 
     # ---- helpers ---------------------------------------------------------------------------------
     def _demand(self, req: SchedRequest, budget: int, cut: bool = True) -> tuple[int, int]:
@@ -560,3 +607,4 @@ class _StepBuilder:
     swap_in: list[SwapPlan] = field(default_factory=list)
     copies: BlockCopies = field(default_factory=BlockCopies.empty)
     checkpoints: BlockCopies = field(default_factory=BlockCopies.empty)  # carried from the last update
+    promised: int = -1  # blocks the running prefills still need (AdmissionPolicy.RESERVED; -1: not counted yet)

@@ -1,7 +1,9 @@
 """Run several configurations on one workload: in this process, in worker processes, or on Ray.
 
 ``--compare KEY=V1,V2 [KEY=V1,V2 ...]`` builds the cartesian product of the given values over a base
-:class:`~hybridkv.sim.config.SimConfig` (:func:`expand`). :func:`run_all` runs them in parallel
+:class:`~hybridkv.sim.config.SimConfig` (:func:`expand`); ``engine=hybridkv,vllm`` becomes, per
+combination of the other keys, vLLM 0.33 (emulated) and one column per policy switched towards
+hybridkv's (:func:`~hybridkv.sim.engines.ladder`). :func:`run_all` runs them in parallel
 processes (``concurrent.futures``), or as Ray tasks when given a Ray address (``ray`` is an
 optional extra: ``pip install 'hybridkv[ray]'``). Results come back in the order of the configs.
 """
@@ -15,6 +17,7 @@ from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
 from hybridkv.sim.config import SimConfig
+from hybridkv.sim.engines import ENGINES, ladder
 from hybridkv.sim.report import summarize
 from hybridkv.sim.simulator import simulate
 from hybridkv.sim.workload import Workload
@@ -36,6 +39,8 @@ _KEYS: dict[str, tuple[str, type]] = {
     "tp": ("tp", int),
     "gpu": ("gpu", str),
     "watermark": ("watermark", float),
+    "admission": ("admission", str),
+    "engine": ("engine", str),
 }
 
 
@@ -61,7 +66,24 @@ def expand(base: SimConfig, axes: Sequence[str]) -> list[SimConfig]:
             raise ValueError(f"--compare: {key} given twice")
         fields.append(field)
         values.append(vals)
-    return [base.with_changes(**dict(zip(fields, combo, strict=True))) for combo in itertools.product(*values)]
+    engines = None
+    if "engine" in fields:  # one column per switch from vLLM's policies to hybridkv's (engines.ladder)
+        i = fields.index("engine")
+        engines = values.pop(i)
+        fields.pop(i)
+        bad = [e for e in engines if e not in ENGINES]
+        if bad:
+            raise ValueError(f"--compare engine: {bad[0]!r} is not an engine: use {', '.join(ENGINES)}")
+    out: list[SimConfig] = []
+    for combo in itertools.product(*values):
+        cfg = base.with_changes(**dict(zip(fields, combo, strict=True)))
+        if engines is None:
+            out.append(cfg)
+        elif set(engines) == set(ENGINES):
+            out += ladder(cfg.with_changes(engine="hybridkv"))
+        else:
+            out += [cfg.with_changes(engine=e) for e in engines]
+    return out
 
 
 def _one(cfg: SimConfig, workload: Workload, progress: bool, position: int) -> dict[str, Any]:

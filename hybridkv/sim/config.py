@@ -16,7 +16,8 @@ from hybridkv.blockmgr.prefix import CheckpointPolicy, EvictionPolicy, PrefixCac
 from hybridkv.models.spec_file import resolve_model
 from hybridkv.planner.layout import Layout, LayoutKind, plan
 from hybridkv.scheduler_adapter.cost import GpuSpec, PreemptionMode, StepCostModel, load_gpu
-from hybridkv.scheduler_adapter.scheduler import Scheduler, SchedulerConfig
+from hybridkv.scheduler_adapter.scheduler import AdmissionPolicy, Scheduler, SchedulerConfig
+from hybridkv.sim.engines import ENGINES, VLLM_LABEL, engine_config
 from hybridkv.units import parse_bytes
 
 PREFIX_POLICIES = ("none", "lru", "flop_aware")
@@ -49,6 +50,8 @@ class SimConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     watermark: float = 0.01
+    admission: str = "reserved"  # reserved | full_prompt | first_chunk (scheduler_adapter.AdmissionPolicy)
+    engine: str = "hybridkv"  # hybridkv | vllm: vLLM 0.33's policies on its layout (hybridkv.sim.engines)
     integrity_every: int = 500  # steps between check_integrity() calls (and one at the end)
     seed: int = 0  # speculative acceptance draws
     label: str = ""
@@ -56,6 +59,9 @@ class SimConfig:
     def __post_init__(self) -> None:
         LayoutKind(self.layout)
         PreemptionMode(self.preemption)
+        AdmissionPolicy(self.admission)
+        if self.engine not in ENGINES:
+            raise ValueError(f"engine {self.engine!r}: use one of {', '.join(ENGINES)}")
         CheckpointPolicy(self.checkpoint)
         if self.prefix not in PREFIX_POLICIES:
             raise ValueError(f"prefix policy {self.prefix!r}: use one of {', '.join(PREFIX_POLICIES)}")
@@ -67,7 +73,11 @@ class SimConfig:
             object.__setattr__(self, "label", self.default_label())
 
     def default_label(self) -> str:
+        if self.engine == "vllm":
+            return f"{VLLM_LABEL} {self.model} TP{self.tp} {self.gpu_memory}"
         parts = [self.layout, self.preemption, f"prefix={self.prefix}"]
+        if self.admission != "reserved":
+            parts.append(f"admission={self.admission}")
         if self.block_size:
             parts.append(f"bs={self.block_size}")
         if self.speculative:
@@ -91,13 +101,16 @@ class Built(NamedTuple):
 
 
 def build_layout(cfg: SimConfig) -> Layout:
+    cfg = engine_config(cfg)
     model = resolve_model(cfg.model, cfg.state_dtype, cfg.tp)
     return plan(model, parse_bytes(cfg.gpu_memory), cfg.block_size, LayoutKind(cfg.layout))
 
 
 def build(cfg: SimConfig) -> Built:
-    """The real layout, manager and scheduler of ``cfg``. Raises ``ValueError`` / ``HybridKVError``
+    """The real layout, manager and scheduler of ``cfg`` (its engine's policies applied first, see
+    :func:`~hybridkv.sim.engines.engine_config`). Raises ``ValueError`` / ``HybridKVError``
     subclasses for bad values (one line each)."""
+    cfg = engine_config(cfg)
     layout = build_layout(cfg)
     gpu = load_gpu(cfg.gpu, cfg.gpu_calibration)
     host_blocks = parse_bytes(cfg.host_memory) // layout.bytes_per_block if cfg.host_memory not in ("0", "") else 0
@@ -111,5 +124,6 @@ def build(cfg: SimConfig) -> Built:
         num_speculative_tokens=cfg.speculative,
         preemption_mode=PreemptionMode(cfg.preemption),
         gpu=gpu,
+        admission=AdmissionPolicy(cfg.admission),
     )
     return Built(layout, manager, Scheduler(manager, sched_cfg), gpu, StepCostModel(layout, gpu))

@@ -23,6 +23,7 @@ from hybridkv.errors import HybridKVError
 from hybridkv.scheduler_adapter.cost import PreemptionMode
 from hybridkv.scheduler_adapter.synthetic import SyntheticEngine
 from hybridkv.sim.config import SimConfig, build
+from hybridkv.sim.engines import engine_config
 from hybridkv.sim.executor import SimExecutor
 from hybridkv.sim.workload import SimRequest, Workload
 
@@ -90,6 +91,7 @@ def simulate(cfg: SimConfig, workload: Workload, progress: bool = False, positio
     if not isinstance(workload, Workload):
         raise TypeError(f"simulate needs a Workload, got {type(workload).__name__}")
     workload.check_runnable()
+    cfg = engine_config(cfg)  # the report states the policies the run used
     built = build(cfg)
     sched, manager = built.scheduler, built.manager
     executor = SimExecutor(manager, built.cost)

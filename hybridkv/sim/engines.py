@@ -1,0 +1,106 @@
+"""The engines ``hybridkv simulate`` can run: hybridkv's, and vLLM 0.33's behaviour on its own layout.
+
+``engine="vllm"`` ("vLLM 0.33 (emulated)") runs the real :class:`~hybridkv.scheduler_adapter.Scheduler`
+and :class:`~hybridkv.blockmgr.manager.HybridBlockManager` with vLLM 0.33.0's policies, which fix
+these fields of a :class:`~hybridkv.sim.config.SimConfig` (:data:`VLLM_POLICIES`):
+
+- layout ``padded`` at vLLM's block size (:func:`~hybridkv.planner.layout.vllm_block_size`: one
+  recurrent state per attention page, the attention backend's 16-token kernel alignment);
+- state in the model dtype (bf16) unless ``state_dtype`` is given (vLLM's ``mamba_ssm_cache_dtype``
+  ``auto``);
+- admission ``full_prompt`` (``scheduler_reserve_full_isl``, vLLM's default);
+- preemption ``recompute`` (vLLM v1 has no swap), no host pool, no watermark (vLLM's default 0);
+- prefix caching off: vLLM's ``align`` mode is not emulated here, so the vLLM engine runs without
+  prefix caching (Mamba cache mode ``none``).
+
+The victim order is the same as vLLM's (the newest running request; with one priority, admission
+order and arrival order agree). ``tests/test_vllm_scheduler.py`` replays trace requests through
+vLLM's real v1 ``Scheduler`` and ``KVCacheManager`` and through this engine and checks that they
+schedule the same rows and preempt the same requests at every step.
+
+:func:`ladder` turns ``--compare engine=hybridkv,vllm`` into one column per switch, from vLLM's
+policies to hybridkv's, so that every difference in the table has one cause.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from hybridkv.sim.config import SimConfig
+
+ENGINES = ("hybridkv", "vllm")
+VLLM_LABEL = "vLLM 0.33 (emulated)"
+VLLM_POLICIES: dict[str, Any] = {
+    "layout": "padded",
+    "admission": "full_prompt",
+    "preemption": "recompute",
+    "host_memory": "0",
+    "watermark": 0.0,
+    "prefix": "none",
+    "speculative": 0,
+}
+VLLM_STATE_DTYPE = "bfloat16"
+
+
+def engine_config(cfg: SimConfig) -> SimConfig:
+    """``cfg`` with its engine's policies applied: the vLLM engine's fields fixed (its block size
+    from the model); a hybridkv config is returned as it is. Raises what resolving the model raises."""
+    if cfg.engine == "hybridkv":
+        return cfg
+    from hybridkv.models.spec_file import resolve_model
+    from hybridkv.planner.layout import vllm_block_size
+
+    dtype = cfg.state_dtype or VLLM_STATE_DTYPE
+    block = vllm_block_size(resolve_model(cfg.model, dtype, cfg.tp))
+    label = f"{VLLM_LABEL} {cfg.model} TP{cfg.tp} {cfg.gpu_memory}"
+    return cfg.with_changes(**VLLM_POLICIES, state_dtype=dtype, block_size=block, label=label)
+
+
+_SWITCHES: tuple[tuple[str, ...], ...] = (  # the fields of one column's switch, in ladder order
+    ("admission",),
+    ("layout", "block_size"),
+    ("state_dtype",),
+    ("preemption", "host_memory", "watermark"),
+    ("prefix", "checkpoint", "speculative"),
+)
+
+
+def ladder(hybridkv: SimConfig) -> list[SimConfig]:
+    """``--compare engine=hybridkv,vllm``: vLLM 0.33 (emulated), then hybridkv's engine with one
+    policy switched from vLLM's to ``hybridkv``'s per column (admission, layout and block size,
+    state dtype, preemption with its host pool and watermark, prefix caching), skipping the ones
+    that are already equal. The last column has every field of ``hybridkv``."""
+    vllm = engine_config(hybridkv.with_changes(engine="vllm"))
+    vllm = vllm.with_changes(label=VLLM_LABEL)
+    out = [vllm]
+    cur = vllm.with_changes(engine="hybridkv", label=vllm.label)
+    for keys in _SWITCHES:
+        diff = {k: getattr(hybridkv, k) for k in keys if getattr(cur, k) != getattr(hybridkv, k)}
+        if not diff:
+            continue
+        what = " ".join(_show(k, v, hybridkv) for k, v in diff.items() if k not in ("block_size", "checkpoint") or v)
+        cur = cur.with_changes(**diff, label=f"+ {what}")
+        out.append(cur)
+    if len(out) > 1:
+        out[-1] = out[-1].with_changes(label=f"{out[-1].label} (= hybridkv)")
+    return out
+
+
+def _show(key: str, value: Any, cfg: SimConfig) -> str:
+    """One switch of a :func:`ladder` column label, e.g. ``layout paged`` or ``state float32``."""
+    if key == "state_dtype" and value is None:
+        from hybridkv.models.presets import default_state_dtype
+
+        try:
+            value = default_state_dtype(cfg.model).value
+        except Exception:  # noqa: BLE001 - a spec file or HF config: its own dtypes
+            value = "as the spec says"
+        return f"state {value}"
+    if key == "host_memory":
+        return f"host {value}"
+    if key == "block_size":
+        return f"/{value}"
+    if key == "prefix":
+        return f"prefix {value}/{cfg.checkpoint}" if value != "none" else "prefix none"
+    return f"{key.replace('_', '-')} {value}"

@@ -1,0 +1,100 @@
+"""hybridkv's vLLM engine against vLLM 0.33's real v1 ``Scheduler`` + ``KVCacheManager`` (issue 29).
+
+The same trace requests (all queued at step 0, one fake token per sampling row, 256 rows and
+8,192 tokens per step) go through vLLM's scheduler, built from per-layer KV cache specs by vLLM's own
+grouping and sizing code (``benchmarks/vllm_replay.py``), and through ``hybridkv simulate --engine
+vllm``'s scheduler (``hybridkv.sim.engines``). Prefix caching off. Checked at every step: the same
+rows (request, first position, tokens) and the same preempted requests; with vLLM's default
+admission (``scheduler_reserve_full_isl``) and with it off (hybridkv's ``first_chunk``), which
+preempts often and so checks the victim order. Then hybridkv's default scheduler on the same
+requests, in both layouts: no more preemptions than vLLM and at most 1.01x its scheduled tokens.
+
+Skips without vLLM (CI installs it, ``.ci/run``) or without the trace.
+"""
+
+import os
+
+import pytest
+
+# before vLLM is first imported: the README's test command does not set it
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+pytest.importorskip("vllm")
+
+from benchmarks.vllm_replay import (  # noqa: E402
+    GiB,
+    engine_scheduler,
+    first_difference,
+    hybridkv_scheduler,
+    model_spec,
+    replay_hybridkv,
+    replay_vllm,
+    trace_requests,
+    vllm_aligned_block_size,
+    vllm_scheduler,
+)
+from hybridkv.planner.layout import plan, vllm_block_size  # noqa: E402
+from hybridkv.sim.trace import DEFAULT_TRACE  # noqa: E402
+
+NUM_REQUESTS = 300
+
+pytestmark = pytest.mark.skipif(not DEFAULT_TRACE.is_file(), reason=f"needs the Mooncake trace at {DEFAULT_TRACE}")
+
+
+@pytest.fixture(scope="module")
+def requests():
+    return trace_requests(NUM_REQUESTS)
+
+
+@pytest.fixture(scope="module")
+def vllm_runs(requests):
+    """vLLM's replays, shared by the tests: (model, GiB, reserve_full_isl) -> (Run, KVCacheConfig)."""
+    cache = {}
+
+    def get(model, gib, reserve=True):
+        key = (model, gib, reserve)
+        if key not in cache:
+            sched, kv = vllm_scheduler(model, int(gib * GiB), reserve_full_isl=reserve)
+            cache[key] = (replay_vllm(sched, requests), kv)
+        return cache[key]
+
+    return get
+
+
+CASES = [("qwen3-next", 4, True), ("minimax-m1", 2, True), ("qwen3-next", 4, False), ("minimax-m1", 4, False)]
+
+
+@pytest.mark.parametrize("model", ["qwen3-next", "minimax-m1"])
+def test_vllm_block_size_rule_is_vllms_own(model):
+    """hybridkv's vllm_block_size against vLLM's _align_hybrid_block_size (H200 inputs: FlashAttention's
+    16-token kernel blocks; with prefix caching FlashInfer GDN's 64-token checkpoint grid)."""
+    spec = model_spec(model)
+    gdn = model == "qwen3-next"
+    assert vllm_block_size(spec) == vllm_aligned_block_size(model) == (544 if gdn else 512)
+    caching = vllm_block_size(spec, prefix_caching=True, checkpoint_alignment=64 if gdn else None)
+    assert caching == vllm_aligned_block_size(model, prefix_caching=True) == (576 if gdn else 512)
+
+
+@pytest.mark.parametrize(("model", "gib", "reserve"), CASES)
+def test_vllm_engine_schedules_as_vllm_row_for_row(requests, vllm_runs, model, gib, reserve):
+    theirs, kv = vllm_runs(model, gib, reserve)
+    sched = engine_scheduler(model, int(gib * GiB), admission=None if reserve else "first_chunk")
+    layout = sched.manager.layout
+    # vLLM's own grouping and sizing of the same memory gives the engine's layout
+    assert kv.num_blocks == layout.num_blocks
+    assert [len(g.layer_names) for g in kv.kv_cache_groups] == [layout.group_size] * len(layout.groups)
+    assert kv.kv_cache_groups[0].kv_cache_spec.block_size == layout.block_size
+    ours = replay_hybridkv(sched, requests)
+    assert first_difference(theirs, ours) is None
+    assert ours.totals() == theirs.totals()
+    if not reserve:  # the victim order was exercised
+        assert theirs.num_preemptions > 20
+
+
+@pytest.mark.parametrize(("model", "gib"), [(m, g) for m, g, r in CASES if r])
+@pytest.mark.parametrize("layout", ["padded", "paged"])
+def test_default_scheduler_never_preempts_more_than_vllm(requests, vllm_runs, model, gib, layout):
+    theirs, _ = vllm_runs(model, gib)
+    ours = replay_hybridkv(hybridkv_scheduler(plan(model_spec(model), int(gib * GiB), layout=layout)), requests)
+    assert ours.num_preemptions <= theirs.num_preemptions
+    assert ours.num_scheduled_tokens <= 1.01 * theirs.num_scheduled_tokens
+    assert sum(r.num_prompt_tokens + r.max_new_tokens - 1 for r in requests) <= ours.num_scheduled_tokens
