@@ -18,13 +18,12 @@ from hybridkv.models.presets import preset
 from hybridkv.models.spec import with_kv_dtype
 from hybridkv.planner.layout import plan
 from hybridkv.scheduler_adapter import Scheduler, SchedulerConfig, StepOutputs, attach, build_step_metadata
+from hybridkv.scheduler_adapter.fastdeploy_state import read_state_bytes, write_state_bytes
 from hybridkv.scheduler_adapter.fastdeploy_worker import (
     allocate_caches,
     allocation_start,
     is_own_allocation,
-    read_state_bytes,
     state_layer_slots,
-    write_state_bytes,
 )
 
 torch = pytest.importorskip("torch")

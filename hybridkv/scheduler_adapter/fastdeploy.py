@@ -12,13 +12,18 @@ their signatures and return shapes, both name sets ``ResourceManagerV1`` uses:
   ``request.match_result``), ``allocate_gpu_blocks(request, n)`` (``[]`` on failure),
   ``request_finish(request)``, ``can_allocate_device_blocks``, ``num_free_device_blocks``.
 
-Counting is exact: a query for ``n`` blocks is ``n`` blocks (plus the blocks pending prefix hits
-pin, each block counted once however many matches share it). A request's state sets are charged
-once, where FastDeploy charges a new request: the ``get_new_block_nums`` call of ``schedule()``'s
-WAITING branch adds :attr:`FastDeployBlockManager.num_state_blocks_per_request` (the patch in
-docs/fastdeploy.md), so the first ``allocate_gpu_blocks`` of a request takes ``n`` blocks of which
-the state sets are the first ``num_state_blocks_per_request`` and returns the
-``n - num_state_blocks_per_request`` KV ids.
+The engine and the facade agree explicitly (docs/fastdeploy.md, patch series
+:data:`PATCH_SERIES`, written against FastDeploy 7808a119): the patched ``ResourceManagerV1.__init__``
+calls :meth:`FastDeployBlockManager.bind_engine` with the series name, the cache-manager mode and the
+splitwise role. Until then every call but the count reads of ``ResourceManager.info()`` raises
+:class:`EnginePatchError` naming the patch, so an engine without the series stops at its first call.
+A request's state sets are charged once, where FastDeploy charges a new request: the patched
+``get_new_block_nums`` lines of ``schedule()``'s WAITING branch and of ``preallocate_resource_in_p`` /
+``_in_d`` add :meth:`FastDeployBlockManager.state_blocks_for` ``(request)``. That call is the
+request's ticket: its first ``allocate_gpu_blocks(n)`` takes ``n`` blocks, the state sets first, and
+returns the ``n - S`` KV ids; a first allocation without a ticket raises :class:`EnginePatchError`
+(it never returns fewer KV ids than the engine meant to ask for). Counting is exact: a query for
+``n`` blocks is ``n`` blocks (plus the blocks pending prefix hits pin, each counted once).
 
 Prefix caching goes through hybridkv's prefix cache (KV hash chain + state checkpoints): a hit
 shares cached KV blocks and fills the live state sets from a checkpoint. A match
@@ -42,9 +47,14 @@ import numpy as np
 from hybridkv.blockmgr.manager import HybridBlockManager
 from hybridkv.blockmgr.records import BlockCopies, RequestId, RequestStatus, SwapPlan
 from hybridkv.errors import NoFreeBlocksError, RequestStateError
+from hybridkv.scheduler_adapter.fastdeploy_contract import EngineContractMixin, allocation_args
+from hybridkv.scheduler_adapter.fastdeploy_splitwise import SplitwiseMixin
 from hybridkv.scheduler_adapter.fastdeploy_types import (  # noqa: F401 (public names of this module too)
     ALLOCATE_FORMS,
     HYBRID_TASK_FIELDS,
+    PATCH_SERIES,
+    SPLITWISE_ROLES,
+    EnginePatchError,
     MatchResult,
     _FreeBlocks,
     _Node,
@@ -59,17 +69,17 @@ from hybridkv.scheduler_adapter.fastdeploy_worker import (
     state_layer_slots,
 )
 from hybridkv.scheduler_adapter.metadata import StepMetadata
-from hybridkv.units import as_count, cdiv, is_integer
+from hybridkv.units import as_count, cdiv
 
 
-class FastDeployBlockManager:
+class FastDeployBlockManager(EngineContractMixin, SplitwiseMixin):
     """FastDeploy's cache manager over one :class:`HybridBlockManager` (KV and state in one pool).
 
     Block ids are the manager's; FastDeploy keeps the KV ids in ``request.block_tables`` as with its
     own heap. Ownership: the manager owns every block; a request's KV and state go back on
     ``release_block_ids`` / ``request_finish``, or once ``recycle_gpu_blocks`` got all its KV ids.
     Raises ``ValueError`` for a manager with a watermark (FastDeploy reserves decode blocks itself)
-    or without attention layers.
+    or without attention layers. Answers only an engine that bound itself (:meth:`bind_engine`).
     """
 
     def __init__(self, manager: HybridBlockManager, cache_config: Any = None) -> None:
@@ -86,11 +96,28 @@ class FastDeployBlockManager:
         self._recycled: dict[RequestId, set[int]] = {}
         self._copies: dict[RequestId, BlockCopies] = {}  # run before the request's next forward
         self._fresh: set[int] = set()  # chain keys of checkpoints reserved in this step (not yet written)
+        self._binding: tuple[bool, str] | None = None  # (cache_manager_v1, splitwise_role) of the bound engine
+        self._tickets: set[RequestId] = set()  # requests whose first allocation includes their state sets
+        self._transfers = {}  # decode role: pending import plans (SplitwiseMixin)
 
     # ---- counts ---------------------------------------------------------------------------------
     @property
     def num_gpu_blocks(self) -> int:
-        return self.manager.pool.num_usable
+        """The pool's blocks, the profiled ``total_block_num`` (``total_block_number()``); hybridkv's
+        null block 0 is one of them and is never free (it shows as used)."""
+        return self.manager.layout.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks free now: not held, not cached (``len(gpu_free_block_list)``, as FastDeploy's
+        cache managers count it: evictable cached blocks are used until evicted)."""
+        return self.manager.pool.num_free
+
+    @property
+    def num_evictable_blocks(self) -> int:
+        """Cached blocks no request holds (KV and checkpoints): taken by an allocation when needed."""
+        cache = self.manager.prefix_cache
+        return 0 if cache is None else cache.num_evictable
 
     @property
     def num_cpu_blocks(self) -> int:
@@ -135,11 +162,13 @@ class FastDeployBlockManager:
 
     @property
     def available_gpu_resource(self) -> float:
-        return self.num_free_device_blocks / self.num_gpu_blocks
+        """Free blocks over all blocks, as FastDeploy's ``CacheManager.available_gpu_resource``."""
+        return self.num_free_blocks / self.num_gpu_blocks
 
     def can_allocate_gpu_blocks(self, num_blocks: int, try_free_gpu_blocks: bool = True) -> bool:
         """True if ``num_blocks`` blocks can be taken now (evicting cached blocks as needed).
         ``TypeError`` for a count that is not an integer, ``ValueError`` below 0."""
+        self._require("can_allocate_gpu_blocks")
         return as_count(num_blocks, "can_allocate_gpu_blocks num_blocks") <= self.num_free_device_blocks
 
     can_allocate_device_blocks = can_allocate_gpu_blocks
@@ -158,68 +187,27 @@ class FastDeployBlockManager:
         both forms (:data:`ALLOCATE_FORMS`), a negative count ``ValueError``, before any change.
 
         Returns the new KV block ids for ``request.block_tables``. The first call of a request admits
-        it: ``num_blocks`` includes its state sets (:attr:`num_state_blocks_per_request`). Legacy
-        raises :class:`NoFreeBlocksError` (nothing changes); v1 returns ``[]`` on failure, as
-        FastDeploy's ``CacheManager`` does.
+        it: ``num_blocks`` includes its state sets, for which the engine took a ticket
+        (:meth:`state_blocks_for`); without one it raises :class:`EnginePatchError`. In the decode
+        role the admission is an import plan (:mod:`.fastdeploy_splitwise`). When the blocks are not
+        there, legacy raises :class:`NoFreeBlocksError` and v1 returns ``[]``, as FastDeploy's
+        ``CacheManager`` does; every other refusal raises in both forms. Nothing changes on refusal.
         """
-        v1, rid, num_blocks = self._allocation_args(args, kwargs)
+        self._require("allocate_gpu_blocks")
+        v1, rid, num_blocks = allocation_args(args, kwargs)
+        assert self._binding is not None
+        if v1 != self._binding[0]:
+            want = "allocate_gpu_blocks(request, n)" if self._binding[0] else "allocate_gpu_blocks(n, req_id)"
+            mode = ("legacy", "v1")[self._binding[0]]
+            raise TypeError(f"allocate_gpu_blocks: the engine bound in {mode} mode calls {want}")
         if v1:
             try:
                 return self._allocate(rid, num_blocks)
-            except (NoFreeBlocksError, RequestStateError):
-                return []
+            except NoFreeBlocksError:
+                return []  # what CacheManager.allocate_device_blocks returns when the blocks are not there
         return self._allocate(rid, num_blocks)
 
     allocate_device_blocks = allocate_gpu_blocks
-
-    @staticmethod
-    def _allocation_args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[bool, RequestId, int]:
-        """``(is_v1, request_id, num_blocks)`` of an ``allocate_gpu_blocks`` call; raises before any change."""
-        unknown = sorted(set(kwargs) - {"num_blocks", "req_id", "request"})
-        if unknown or len(args) > 2:
-            what = f"unexpected keyword {', '.join(unknown)}" if unknown else f"{len(args)} positional arguments"
-            raise TypeError(f"allocate_gpu_blocks: {what}; use {ALLOCATE_FORMS}")
-        first = args[0] if args else kwargs.get("request", kwargs.get("num_blocks"))
-        v1 = "request" in kwargs or (not is_integer(first) and hasattr(first, "request_id"))
-        if v1:
-            if "req_id" in kwargs:
-                raise TypeError(f"allocate_gpu_blocks: the v1 form takes no req_id; use {ALLOCATE_FORMS}")
-            names = ("request", "num_blocks")
-        elif is_integer(first):
-            if "request" in kwargs:
-                raise TypeError(f"allocate_gpu_blocks: the legacy form takes no request; use {ALLOCATE_FORMS}")
-            names = ("num_blocks", "req_id")
-        else:
-            raise TypeError(
-                f"allocate_gpu_blocks: {first!r} ({type(first).__name__}) is neither a block count nor a "
-                f"request; use {ALLOCATE_FORMS}"
-            )
-        bound = dict(zip(names, args, strict=False))
-        for name in names:
-            if name in kwargs:
-                if name in bound:
-                    raise TypeError(f"allocate_gpu_blocks: {name} given twice; use {ALLOCATE_FORMS}")
-                bound[name] = kwargs[name]
-        if "num_blocks" not in bound:
-            raise TypeError(f"allocate_gpu_blocks: num_blocks missing; use {ALLOCATE_FORMS}")
-        num_blocks = bound["num_blocks"]
-        if not is_integer(num_blocks):
-            raise TypeError(
-                f"allocate_gpu_blocks: num_blocks must be an integer, got {num_blocks!r} "
-                f"({type(num_blocks).__name__}); use {ALLOCATE_FORMS}"
-            )
-        count = as_count(num_blocks, "allocate_gpu_blocks num_blocks")
-        rid = bound["request"].request_id if v1 else bound.get("req_id")
-        if rid is None:
-            raise RequestStateError(
-                "allocate_gpu_blocks needs req_id: blocks belong to a request here. FastDeploy's "
-                "ResourceManagerV1 passes request.request_id; see docs/fastdeploy.md"
-            )
-        try:
-            hash(rid)
-        except TypeError:
-            raise TypeError(f"allocate_gpu_blocks: request id {rid!r} is not hashable") from None
-        return v1, rid, count
 
     def _allocate(self, rid: RequestId, num_blocks: int) -> list[int]:
         m, bs = self.manager, self.block_size
@@ -236,20 +224,33 @@ class FastDeployBlockManager:
             if num_blocks:
                 self._copies[rid] = self._copies.get(rid, BlockCopies.empty()).concat(m.append(rid, num_blocks * bs))
             return rec.kv_blocks[rec.num_kv_blocks - num_blocks :].tolist()
+        if rid not in self._tickets:
+            raise EnginePatchError(
+                f"first allocate_gpu_blocks of {rid!r} ({num_blocks} blocks) without its state sets: patch E2 adds "
+                "cache_manager.state_blocks_for(request) where the engine computes a new request's block need "
+                "(docs/fastdeploy.md); without it the engine would get fewer KV ids than it asked for"
+            )
         num_kv = num_blocks - m.num_state_blocks
         if num_kv < 0:
             raise RequestStateError(
-                f"first allocate_gpu_blocks of {rid!r} asks {num_blocks} blocks, fewer than its "
-                f"{m.num_state_blocks} state blocks: add num_state_blocks_per_request where the WAITING branch "
-                "computes get_new_block_nums (docs/fastdeploy.md)"
+                f"first allocate_gpu_blocks of {rid!r} asks {num_blocks} blocks, fewer than the "
+                f"{m.num_state_blocks} state blocks state_blocks_for added"
             )
         pending = self._pending.get(rid)
         shared = len(pending.block_ids) if pending else 0
         tokens = pending.token_ids if pending else None
+        if self._role() == "decode":  # the receive side: blocks held until the prefill side wrote them
+            self._transfers[rid] = m.import_request(rid, num_kv * bs)
+            self._tickets.discard(rid)
+            self._pending.pop(rid, None)
+            return m.requests[rid].kv_blocks.tolist()
         alloc = m.allocate(rid, (shared + num_kv) * bs, token_ids=tokens)
+        self._tickets.discard(rid)
         del_pending = self._pending.pop(rid, None)
         rec = m.requests[rid]
-        if del_pending is not None and rec.kv_blocks[:shared].tolist() != del_pending.block_ids:
+        if alloc.num_cached_tokens != (del_pending.num_cached_tokens if del_pending else 0) or (
+            del_pending is not None and rec.kv_blocks[:shared].tolist() != del_pending.block_ids
+        ):
             m.free(rid)  # the hit changed since request_match_blocks: refuse rather than mix blocks
             raise RequestStateError(f"prefix hit of {rid!r} changed between match and allocation: match again")
         if len(alloc.copies):
@@ -263,6 +264,7 @@ class FastDeployBlockManager:
         Ids of a request already released (``release_block_ids`` runs first under prefix caching) are
         ignored. Without ``req_id`` the owner is the request holding all the ids.
         """
+        self._require("recycle_gpu_blocks")
         ids = [int(gpu_block_ids)] if isinstance(gpu_block_ids, int | np.integer) else [int(b) for b in gpu_block_ids]
         if not ids:
             return
@@ -284,12 +286,14 @@ class FastDeployBlockManager:
 
     def release_block_ids(self, task: Any) -> None:
         """Free everything ``task`` holds (KV, state sets, a pending prefix match)."""
+        self._require("release_block_ids")
         self._free(task.request_id)
 
     release_block_ids_async = release_block_ids
 
     def request_finish(self, request: Any) -> None:
         """v1 ``CacheManager.request_finish``: cached KV blocks stay in the prefix cache, the rest is freed."""
+        self._require("request_finish")
         self._free(request.request_id)
 
     def free_block_ids(self, need_block_num: int) -> None:
@@ -298,13 +302,24 @@ class FastDeployBlockManager:
     free_block_ids_async = free_block_ids
 
     def write_cache_to_storage(self, req: Any) -> None:
-        """No storage backend behind this facade: nothing to write (FastDeploy calls it on every finish)."""
+        """No storage backend behind this facade: nothing to write (FastDeploy calls it on every finish
+        of the mixed and prefill roles, before ``_free_blocks``)."""
+        self._require("write_cache_to_storage")
+
+    def write_cache_to_storage_decode(self, req: Any) -> None:
+        """The decode role's ``write_cache_to_storage`` (``finish_requests`` calls it before
+        ``_free_blocks``; without it every finished request of a decode instance leaked): no storage
+        backend, nothing to write."""
+        self._require("write_cache_to_storage_decode")
 
     def _free(self, rid: RequestId) -> None:
         self._pending.pop(rid, None)
         self._lapsed.discard(rid)
         self._recycled.pop(rid, None)
         self._copies.pop(rid, None)
+        self._tickets.discard(rid)
+        if self._drop_transfer(rid):  # released before its bytes arrived: the import's blocks go back
+            return
         rec = self.manager.requests.get(rid)
         if rec is not None:
             self.manager.free(rid)
@@ -315,6 +330,7 @@ class FastDeployBlockManager:
         the next ``allocate_gpu_blocks`` in the same step (which shares these blocks and copies the
         checkpoint). The match replaces an earlier one of the request and lapses at the next
         :meth:`begin_step`."""
+        self._require("request_match_blocks")
         block_size = as_count(block_size, "request_match_blocks block_size", minimum=1)
         if block_size != self.block_size:
             raise ValueError(f"block_size {block_size} differs from the layout's {self.block_size}")
@@ -339,6 +355,7 @@ class FastDeployBlockManager:
         """v1 match: sets ``request.match_result`` (device nodes = the hit's KV blocks). Pending like
         :meth:`request_match_blocks`' match: taken by the next ``allocate_gpu_blocks(request, n)``,
         replaced by a new match, dropped by ``request_finish``, lapsed at the next :meth:`begin_step`."""
+        self._require("match_prefix")
         p = self._match(request)
         result = MatchResult([_Node(b) for b in p.block_ids])
         request._match_result = result
@@ -367,8 +384,11 @@ class FastDeployBlockManager:
             while hit.checkpoint_key is not None and hit.checkpoint_key in self._fresh:
                 tokens = tokens[: hit.num_tokens]
                 hit = cache.match(tokens, need)
-            plan = m.plan_admission(need, token_ids=tokens)
-            if plan.num_cached_tokens and hit.num_tokens == plan.num_cached_tokens:
+            # hit or miss as the manager decides it for the smallest admission through the hit (its own
+            # tokens): it admits a hit as a miss only when the hit pins more than it saves and does not
+            # fit, which a larger first chunk does not change; _allocate refuses a hit that changed
+            plan = m.plan_admission(hit.num_tokens, token_ids=tokens) if hit.num_tokens else None
+            if plan is not None and plan.num_cached_tokens == hit.num_tokens:
                 blocks = hit.kv_blocks.tolist()
                 p = _Pending(tokens, hit.num_tokens, blocks, hit.checkpoint_key, branch)
             else:
@@ -380,12 +400,17 @@ class FastDeployBlockManager:
         """After a prefill chunk is scheduled (``task`` is the prefill ``Request``, already prepared):
         set ``num_cached_blocks``, and if the chunk ends where the checkpoint policy wants the state,
         reserve a checkpoint and add its live -> checkpoint copy to ``task.checkpoint_copies``: the
-        worker runs it right after this chunk's forward, when the live state is at that position."""
+        worker runs it right after this chunk's forward, when the live state is at that position.
+        Only a chunk scheduled in this call's step checkpoints (``task.num_computed_tokens`` is the
+        chunk's end): ``preallocate_resource_in_p`` calls it before any chunk ran."""
+        self._require("update_cache_blocks")
         task.num_cached_blocks = task.cached_block_num = num_computed_tokens // self.block_size
         rid = task.request_id
         rec = self.manager.requests.get(rid)
         if rec is None or self.manager.prefix_cache is None or rec.num_tokens != num_computed_tokens:
             return  # a speculative look-ahead block or a chunk ending mid-block: no exact state position
+        if getattr(task, "num_computed_tokens", num_computed_tokens) != num_computed_tokens:
+            return  # no chunk ends here in this step (the state is not at this position after the forward)
         copies = self.manager.checkpoint(rid)
         if len(copies):
             self._fresh.add(rec.block_keys[num_computed_tokens // self.block_size - 1])
@@ -395,6 +420,7 @@ class FastDeployBlockManager:
     def next_checkpoint_position(self, request: Any) -> int | None:
         """Input position where the next prefill chunk of ``request`` should end so that the state
         there can be checkpointed (``_get_num_new_tokens`` caps the chunk at it), or None."""
+        self._require("next_checkpoint_position")
         cache, rid = self.manager.prefix_cache, request.request_id
         rec = self.manager.requests.get(rid)
         if cache is None:
@@ -420,7 +446,10 @@ class FastDeployBlockManager:
         Matches of the previous step that no allocation took lapse here: FastDeploy matches and
         allocates a request within one ``schedule()`` (and releases it when the allocation fails), so
         such a match was abandoned. It stops pinning blocks, and a later ``allocate_gpu_blocks`` of
-        that request refuses (``RequestStateError``; ``[]`` in the v1 form) until it is matched again."""
+        that request refuses (``RequestStateError`` in both forms) until it is matched again. Tickets
+        (:meth:`state_blocks_for`) of requests not admitted lapse too."""
+        self._require("begin_step")
+        self._tickets.clear()
         self.manager.release_pins()
         self._fresh.clear()
         for rid in self._pending:
@@ -434,6 +463,7 @@ class FastDeployBlockManager:
         computes ``total_block_num`` from the hybrid layout (``plan(...).num_blocks``); if it differs
         from the pool's, the (idle) manager is rebuilt with that many blocks of the same layout.
         Raises ``RequestStateError`` if requests hold blocks then."""
+        self._require("update_cache_config")
         self.cache_config = cache_config
         total = getattr(cache_config, "total_block_num", None)
         m = self.manager
@@ -446,8 +476,18 @@ class FastDeployBlockManager:
         config = m.prefix_cache.config if m.prefix_cache is not None else None
         self.manager = HybridBlockManager(layout, num_host_blocks=host, prefix_cache=config)
 
+    # ---- v1 CacheManager's host backups (write_through_selective): no host tier behind the facade ----
     def issue_pending_backup_to_batch_request(self) -> None:
+        """``schedule()`` (v1 mode, a non-empty batch) attaches what this returns as evict metadata: no
+        host cache here, so no backup is pending: None, as ``CacheManager`` returns without one."""
+        self._require("issue_pending_backup_to_batch_request")
         return None
+
+    def check_and_add_pending_backup(self) -> None:
+        """The last call of every v1 ``schedule()``: ``CacheManager`` queues device->host backups of hot
+        nodes when it has a host cache; this facade has none (``num_cpu_blocks`` 0), so nothing is
+        queued, as ``CacheManager`` does without one."""
+        self._require("check_and_add_pending_backup")
 
     def get_pending_backup_count(self) -> int:
         return 0
@@ -486,6 +526,7 @@ class FastDeployBlockManager:
         the forward (prefix-hit checkpoint -> live, copy-on-write) and after it (live -> checkpoint;
         empty here, filled by :meth:`update_cache_blocks` on the prefill task). Taking them clears
         the pending copies."""
+        self._require("task_fields")
         pre = self._copies.pop(request_id, BlockCopies.empty())
         return {
             "state_block_tables": self.state_block_table(request_id),
@@ -528,6 +569,8 @@ def attach(forward_meta: Any, metadata: StepMetadata, caches: FastDeployCaches, 
 __all__ = [
     "ALLOCATE_FORMS",
     "HYBRID_TASK_FIELDS",
+    "PATCH_SERIES",
+    "EnginePatchError",
     "FastDeployBlockManager",
     "FastDeployCaches",
     "MatchResult",

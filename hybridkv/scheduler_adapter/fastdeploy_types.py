@@ -9,10 +9,25 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from hybridkv.errors import RequestStateError
+
 
 class _FreeCount(Protocol):
     @property
-    def num_free_device_blocks(self) -> int: ...
+    def num_free_blocks(self) -> int: ...
+
+
+PATCH_SERIES = "hybridkv-fastdeploy-7808a119/2"
+"""The engine patch series this facade answers (docs/fastdeploy.md). The patched
+``ResourceManagerV1.__init__`` passes it to :meth:`FastDeployBlockManager.bind_engine`; an engine
+that does not (or passes another series) gets :class:`EnginePatchError` at its first call."""
+
+SPLITWISE_ROLES = ("mixed", "prefill", "decode")
+
+
+class EnginePatchError(RequestStateError):
+    """FastDeploy called the facade without the engine patch the call needs; the message names the
+    patch (E0 ``bind_engine``, E2 ``state_blocks_for``) and docs/fastdeploy.md. Nothing changed."""
 
 
 HYBRID_TASK_FIELDS = ("state_block_tables", "state_copies", "checkpoint_copies")
@@ -25,9 +40,10 @@ ALLOCATE_FORMS = (
 """The two call forms :meth:`FastDeployBlockManager.allocate_gpu_blocks` accepts (named in its TypeError)."""
 
 
-
 class _FreeBlocks:
-    """Stands in for ``gpu_free_block_list``: FastDeploy only takes its ``len``."""
+    """Stands in for ``gpu_free_block_list``: FastDeploy only takes its ``len``, the blocks that are
+    free now. Like FastDeploy's own cache managers, evictable cached blocks are not free (they are
+    used until evicted), and neither are state blocks nor hybridkv's null block 0."""
 
     __slots__ = ("_owner",)
 
@@ -35,7 +51,7 @@ class _FreeBlocks:
         self._owner = owner
 
     def __len__(self) -> int:
-        return self._owner.num_free_device_blocks
+        return self._owner.num_free_blocks
 
 
 @dataclass(frozen=True)

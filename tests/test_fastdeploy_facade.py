@@ -1,0 +1,301 @@
+"""The facade's own surface: the engine contract (bind_engine, tickets), exact counts and the metrics
+an operator reads, v1's ``[]``, the calls 7808a119 added, pending prefix matches, and the two
+``allocate_gpu_blocks`` forms. The call order of FastDeploy's scheduler is in
+``tests/test_fastdeploy_conformance.py``."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from hybridkv.blockmgr.manager import HybridBlockManager
+from hybridkv.blockmgr.prefix import PrefixCacheConfig
+from hybridkv.errors import NoFreeBlocksError, RequestStateError
+from hybridkv.scheduler_adapter.fastdeploy import PATCH_SERIES, EnginePatchError, FastDeployBlockManager
+from tests.test_fastdeploy_world import BLOCK_SIZE, STATE_BLOCKS, Request, tiny_layout
+
+
+def bound(num_blocks: int = 17, v1: bool = False, prefix: PrefixCacheConfig | None = None, role: str = "mixed"):
+    fd = FastDeployBlockManager(HybridBlockManager(tiny_layout(num_blocks), prefix_cache=prefix))
+    fd.bind_engine(PATCH_SERIES, cache_manager_v1=v1, splitwise_role=role)
+    return fd
+
+
+def admit(fd: FastDeployBlockManager, rid: str, n: int, v1: bool = False) -> list[int]:
+    """What the patched WAITING branch does: take the ticket, then allocate n (state sets included)."""
+    req = SimpleNamespace(request_id=rid)
+    assert fd.state_blocks_for(req) == STATE_BLOCKS
+    return fd.allocate_gpu_blocks(req, n) if v1 else fd.allocate_gpu_blocks(n, rid)
+
+
+# ---- the contract -----------------------------------------------------------------------------------
+GUARDED = [
+    ("can_allocate_gpu_blocks", (1,)),
+    ("allocate_gpu_blocks", (5, "a")),
+    ("recycle_gpu_blocks", ([1], "a")),
+    ("release_block_ids", (Request("a", [1, 2], 1),)),
+    ("request_finish", (Request("a", [1, 2], 1),)),
+    ("request_match_blocks", (Request("a", [1, 2], 1), BLOCK_SIZE)),
+    ("match_prefix", (Request("a", [1, 2], 1),)),
+    ("update_cache_blocks", (Request("a", [1, 2], 1), BLOCK_SIZE, 0)),
+    ("write_cache_to_storage", (Request("a", [1, 2], 1),)),
+    ("write_cache_to_storage_decode", (Request("a", [1, 2], 1),)),
+    ("issue_pending_backup_to_batch_request", ()),
+    ("check_and_add_pending_backup", ()),
+    ("begin_step", ()),
+    ("next_checkpoint_position", (Request("a", [1, 2], 1),)),
+    ("task_fields", ("a",)),
+    ("state_blocks_for", (Request("a", [1, 2], 1),)),
+    ("update_cache_config", (SimpleNamespace(total_block_num=30),)),
+]
+
+
+@pytest.mark.parametrize(("name", "args"), GUARDED, ids=[g[0] for g in GUARDED])
+def test_an_engine_that_did_not_bind_gets_a_typed_error_naming_the_patch_and_nothing_changes(name, args):
+    fd = FastDeployBlockManager(HybridBlockManager(tiny_layout(17)))
+    assert fd.num_gpu_blocks == 17 and len(fd.gpu_free_block_list) == 16  # ResourceManager.info() reads
+    with pytest.raises(EnginePatchError, match=rf"{name}: no engine bound.*{PATCH_SERIES}.*bind_engine"):
+        getattr(fd, name)(*args)
+    assert not fd.manager.requests and fd.manager.pool.num_free == 16
+
+
+def test_bind_engine_checks_the_series_the_mode_and_the_role_and_binds_once():
+    fd = FastDeployBlockManager(HybridBlockManager(tiny_layout(17)))
+    with pytest.raises(EnginePatchError, match="patch series 'hybridkv-fastdeploy-0fe1d25/1'"):
+        fd.bind_engine("hybridkv-fastdeploy-0fe1d25/1", cache_manager_v1=False)
+    with pytest.raises(TypeError, match="cache_manager_v1 must be a bool"):
+        fd.bind_engine(PATCH_SERIES, cache_manager_v1=1)
+    with pytest.raises(ValueError, match="splitwise_role"):
+        fd.bind_engine(PATCH_SERIES, cache_manager_v1=False, splitwise_role="both")
+    fd.bind_engine(PATCH_SERIES, cache_manager_v1=True)
+    with pytest.raises(RequestStateError, match="bound to this facade already"):
+        fd.bind_engine(PATCH_SERIES, cache_manager_v1=False)
+    with pytest.raises(TypeError, match="v1 mode calls allocate_gpu_blocks\\(request, n\\)"):
+        fd.allocate_gpu_blocks(5, "a")  # the legacy form from an engine bound in v1 mode
+
+
+@pytest.mark.parametrize("n", [3, 4, 5, 16])
+def test_a_first_allocation_without_its_ticket_raises_whatever_it_asks(n):
+    """Patch E2 missing: the facade never reads a count as 'includes the state sets'. A prompt longer
+    than the state (n >= S) used to return n - S KV ids, so FastDeploy scheduled tokens past them."""
+    fd = bound()
+    with pytest.raises(EnginePatchError, match="state_blocks_for"):
+        fd.allocate_gpu_blocks(n, "a")
+    v1 = bound(v1=True)
+    with pytest.raises(EnginePatchError, match="state_blocks_for"):
+        v1.allocate_gpu_blocks(SimpleNamespace(request_id="a"), n)
+    assert not fd.manager.requests and not v1.manager.requests and fd.manager.pool.num_free == 16
+
+
+def test_tickets_lapse_at_begin_step_and_on_release():
+    fd = bound()
+    req = SimpleNamespace(request_id="a")
+    assert fd.state_blocks_for(req) == STATE_BLOCKS
+    fd.begin_step()
+    with pytest.raises(EnginePatchError):
+        fd.allocate_gpu_blocks(6, "a")
+    assert fd.state_blocks_for(req) == STATE_BLOCKS and len(fd.allocate_gpu_blocks(6, "a")) == 2
+    assert fd.state_blocks_for(req) == 0  # admitted: nothing more to charge
+    fd.release_block_ids(req)
+    with pytest.raises(EnginePatchError):
+        fd.allocate_gpu_blocks(6, "a")
+
+
+# ---- counts and metrics -----------------------------------------------------------------------------
+def test_counting_is_exact_and_metrics_count_state_and_cached_blocks_as_used():
+    fd = bound(17)  # 16 usable: block 0 is hybridkv's null block
+    assert fd.num_gpu_blocks == 17 and fd.num_state_blocks_per_request == STATE_BLOCKS  # total_block_number()
+    assert fd.can_allocate_gpu_blocks(16) and not fd.can_allocate_gpu_blocks(17)
+    ids = admit(fd, "a", 6)  # 4 state blocks + 2 KV blocks
+    assert len(ids) == 2 and fd.num_free_device_blocks == 10 and len(fd.gpu_free_block_list) == 10
+    assert fd.available_gpu_resource == 10 / 17  # get_gpu_cache_usage_perc: the state blocks count as used
+    assert len(fd.allocate_gpu_blocks(10, "a")) == 10 and fd.can_allocate_gpu_blocks(0)
+    fd.recycle_gpu_blocks(ids, "a")  # part of its blocks: nothing is freed yet
+    assert "a" in fd.manager.requests
+    fd.recycle_gpu_blocks(fd.manager.requests["a"].kv_blocks.tolist()[2:], "a")
+    assert not fd.manager.requests and len(fd.gpu_free_block_list) == 16
+    fd.update_cache_config(SimpleNamespace(total_block_num=99))  # the profiled size, while idle
+    assert fd.num_gpu_blocks == 99 and fd.manager.pool.num_usable == 98
+    admit(fd, "d", 5)
+    with pytest.raises(RequestStateError, match="while requests hold blocks"):
+        fd.update_cache_config(SimpleNamespace(total_block_num=50))
+
+
+def test_cached_blocks_are_used_until_evicted_as_fastdeploys_cache_managers_count_them():
+    cfg = PrefixCacheConfig(checkpoint="every_n_blocks", every_n=1)
+    fd = bound(33, prefix=cfg)
+    seed = Request("s", list(range(16)), max_tokens=1)
+    fd.request_match_blocks(seed, BLOCK_SIZE)
+    admit(fd, "s", 4 + STATE_BLOCKS)
+    seed.num_computed_tokens = 16
+    fd.update_cache_blocks(seed, BLOCK_SIZE, 16)  # a checkpoint at 16 (4 more blocks)
+    fd.begin_step()
+    fd.release_block_ids(seed)
+    fd.begin_step()
+    cached = fd.num_evictable_blocks
+    assert cached == 4 + STATE_BLOCKS  # the KV chain and its checkpoint, no request holds them
+    assert len(fd.gpu_free_block_list) == 32 - cached  # not free: FastDeploy shows them used
+    assert fd.num_free_device_blocks == 32 and fd.can_allocate_gpu_blocks(32)  # yet an allocation may take them
+
+
+# ---- v1 CacheManager and the calls 7808a119 makes ---------------------------------------------------------
+def test_v1_allocate_returns_empty_only_when_the_blocks_are_not_there_and_changes_nothing():
+    fd = bound(17, v1=True)
+    req = SimpleNamespace(request_id="c")
+    fd.state_blocks_for(req)
+    assert fd.allocate_gpu_blocks(req, 17) == [] and not fd.manager.requests  # 16 usable: what CacheManager does
+    assert fd.num_free_device_blocks == 16
+    with pytest.raises(EnginePatchError):  # no ticket: an error in the v1 form too, never []
+        fd.allocate_gpu_blocks(SimpleNamespace(request_id="d"), 5)
+    assert fd.state_blocks_for(req) == STATE_BLOCKS and len(fd.allocate_gpu_blocks(req, 5)) == 1
+    legacy = bound(17)
+    legacy.state_blocks_for(req)
+    with pytest.raises(NoFreeBlocksError):
+        legacy.allocate_gpu_blocks(17, "c")
+
+
+def test_the_storage_and_backup_calls_of_7808a119_answer_as_cachemanager_does_without_a_host_tier():
+    fd = bound(17, v1=True)
+    ids = admit(fd, "a", 6, v1=True)
+    req = Request("a", [1] * 8, 1)
+    req.block_tables = ids
+    assert fd.issue_pending_backup_to_batch_request() is None and fd.get_pending_backup_count() == 0
+    assert fd.check_and_add_pending_backup() is None and fd.num_cpu_blocks == 0
+    assert fd.write_cache_to_storage_decode(req) is None and fd.write_cache_to_storage(req) is None
+    assert "a" in fd.manager.requests  # writing to storage frees nothing; _free_blocks does
+    fd.request_finish(req)
+    assert not fd.manager.requests
+
+
+# ---- pending matches: each pinned block counted once, a defined lifetime ------------------------------
+PREFIX = list(range(40))  # 10 blocks; its checkpoint at 40 holds 4 state blocks: a hit pins 14 blocks
+
+
+def _facade_with_cached_prefix(num_blocks: int = 64, v1: bool = False) -> FastDeployBlockManager:
+    fd = bound(num_blocks, v1=v1, prefix=PrefixCacheConfig(checkpoint="every_n_blocks", every_n=1))
+    seed = Request("seed", list(PREFIX), max_tokens=1)
+    fd.request_match_blocks(seed, BLOCK_SIZE)
+    fd.state_blocks_for(seed)
+    fd.allocate_gpu_blocks(seed, 10 + STATE_BLOCKS) if v1 else fd.allocate_gpu_blocks(10 + STATE_BLOCKS, "seed")
+    seed.num_computed_tokens = len(PREFIX)
+    fd.update_cache_blocks(seed, BLOCK_SIZE, len(PREFIX))  # the checkpoint at 40
+    fd.begin_step()
+    fd.release_block_ids(seed)
+    fd.begin_step()
+    assert fd.num_free_device_blocks == fd.manager.pool.num_usable  # everything cached is evictable
+    return fd
+
+
+def _follower(i: int) -> Request:
+    return Request(f"b{i}", [*PREFIX, 900 + i], max_tokens=1)
+
+
+def test_matches_of_one_cached_prefix_count_their_pinned_blocks_once():
+    fd = _facade_with_cached_prefix()
+    free = fd.num_free_device_blocks
+    ids, hit, _ = fd.request_match_blocks(_follower(0), BLOCK_SIZE)
+    assert hit == 40 and len(ids) == 10
+    assert fd.num_free_device_blocks == free - 14  # the 10 KV blocks and the checkpoint's 4
+    followers = [_follower(i) for i in range(5)]
+    for r in followers:
+        assert fd.request_match_blocks(r, BLOCK_SIZE)[1] == 40
+    assert fd.num_free_device_blocks == free - 14  # 5 matches of one hit pin the same 14 blocks
+    assert fd.can_allocate_gpu_blocks(free - 14) and not fd.can_allocate_gpu_blocks(free - 13)
+    for r in followers:  # each admission takes exactly what it asks (1 KV block + the state sets)
+        before = fd.num_free_device_blocks
+        fd.state_blocks_for(r)
+        assert fd.allocate_gpu_blocks(1 + STATE_BLOCKS, r.request_id)
+        assert before - fd.num_free_device_blocks == 1 + STATE_BLOCKS, r.request_id
+        assert fd.manager.requests[r.request_id].kv_blocks[:10].tolist() == ids
+    fd.manager.check_integrity()
+
+
+def test_an_abandoned_match_lapses_at_the_next_step_and_a_new_match_replaces_the_old():
+    fd = _facade_with_cached_prefix(v1=True)
+    free = fd.num_free_device_blocks
+    r = _follower(0)
+    for _ in range(3):
+        fd.match_prefix(r)
+    assert fd.num_free_device_blocks == free - 14
+    fd.match_prefix(Request("b0", [7] * 41, max_tokens=1))  # the same request, a miss now: it pins nothing
+    assert fd.num_free_device_blocks == free
+    fd.match_prefix(r)  # the hit again, never allocated nor released
+    fd.begin_step()  # the next schedule(): the abandoned match lapses
+    assert fd.num_free_device_blocks == free == fd.manager.pool.num_usable
+    fd.state_blocks_for(r)
+    with pytest.raises(RequestStateError, match="lapsed at begin_step"):  # its block_tables name the hit
+        fd.allocate_gpu_blocks(r, 1 + STATE_BLOCKS)  # an error in the v1 form too: CacheManager never sees this
+    assert not fd.manager.requests and fd.num_free_device_blocks == free
+    fd.match_prefix(r)  # matched again and allocated in the same step: exactly what it asks
+    before = fd.num_free_device_blocks
+    fd.state_blocks_for(r)
+    assert before == free - 14 and fd.allocate_gpu_blocks(r, 1 + STATE_BLOCKS)
+    assert before - fd.num_free_device_blocks == 1 + STATE_BLOCKS
+    fd.request_finish(r)
+    fd.begin_step()
+    assert fd.num_free_device_blocks == free
+    fd.manager.check_integrity()
+
+
+def test_update_cache_blocks_checkpoints_only_where_a_chunk_of_this_step_ends():
+    """``preallocate_resource_in_p`` calls update_cache_blocks(request, bs, need_prefill_tokens) before
+    any chunk ran: no checkpoint copy may be queued then (it would run after the wrong forward)."""
+    fd = bound(64, prefix=PrefixCacheConfig(checkpoint="every_n_blocks", every_n=1), role="prefill")
+    req = Request("p", list(range(16)), max_tokens=1)
+    fd.request_match_blocks(req, BLOCK_SIZE)
+    fd.state_blocks_for(req)
+    req.block_tables = fd.allocate_gpu_blocks(4 + STATE_BLOCKS, "p")
+    fd.update_cache_blocks(req, BLOCK_SIZE, 16)  # num_computed_tokens is 0: nothing ran yet
+    assert not getattr(req, "checkpoint_copies", None)
+    req.num_computed_tokens = 16  # the chunk [0, 16) was scheduled this step
+    fd.update_cache_blocks(req, BLOCK_SIZE, 16)
+    assert req.checkpoint_copies[0]
+
+
+# ---- allocate_gpu_blocks: the form is chosen on exact types -----------------------------------------
+@pytest.mark.parametrize("first", [2.5, 2.0, True, "3", None, [3], b"3"])
+def test_allocate_gpu_blocks_refuses_a_first_argument_of_neither_form(first):
+    fd = bound()
+    both_forms = r"allocate_gpu_blocks\(num_blocks: int, req_id\).*allocate_gpu_blocks\(request, num_blocks: int\)"
+    with pytest.raises(TypeError, match=both_forms):
+        fd.allocate_gpu_blocks(first, "B")
+    assert not fd.manager.requests and fd.num_free_device_blocks == 16
+
+
+@pytest.mark.parametrize("count", [2.5, 6.0, True, "6", None])
+def test_allocate_gpu_blocks_refuses_a_count_that_is_not_an_integer(count):
+    fd = bound(v1=True)
+    with pytest.raises(TypeError, match="num_blocks must be an integer"):
+        fd.allocate_gpu_blocks(SimpleNamespace(request_id="c"), count)  # v1: a TypeError, not []
+    with pytest.raises(TypeError):
+        fd.can_allocate_gpu_blocks(count)
+    assert not fd.manager.requests and fd.num_free_device_blocks == 16
+
+
+def test_allocate_gpu_blocks_takes_both_forms_positionally_and_by_keyword():
+    fd = bound()
+    for rid in "ab":
+        fd.state_blocks_for(SimpleNamespace(request_id=rid))
+    assert len(fd.allocate_gpu_blocks(np.int64(5), "a")) == 1
+    assert len(fd.allocate_gpu_blocks(num_blocks=5, req_id="b")) == 1
+    v1 = bound(v1=True)
+    for rid in "cd":
+        v1.state_blocks_for(SimpleNamespace(request_id=rid))
+    assert len(v1.allocate_gpu_blocks(SimpleNamespace(request_id="c"), num_blocks=5)) == 1
+    assert len(v1.allocate_gpu_blocks(request=SimpleNamespace(request_id="d"), num_blocks=5)) == 1
+    for args, kwargs in (
+        ((5, "d"), {"request": SimpleNamespace(request_id="d")}),
+        ((SimpleNamespace(request_id="d"), 1), {"req_id": "d"}),
+        ((1, "d", 3), {}),
+        ((1,), {"req_id": "d", "blocks": 1}),
+        ((SimpleNamespace(request_id="d"), 1), {"num_blocks": 1}),
+        ((SimpleNamespace(request_id="d"),), {}),
+    ):
+        with pytest.raises(TypeError, match="allocate_gpu_blocks"):
+            fd.allocate_gpu_blocks(*args, **kwargs)
+    with pytest.raises(ValueError, match=">= 0"):
+        v1.allocate_gpu_blocks(SimpleNamespace(request_id="c"), -1)
+    assert sorted(fd.manager.requests) == ["a", "b"] and sorted(v1.manager.requests) == ["c", "d"]
+    fd.manager.check_integrity()
