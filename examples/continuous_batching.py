@@ -28,7 +28,9 @@ from hybridkv.blockmgr.prefix import PrefixCacheConfig  # noqa: E402
 from hybridkv.scheduler_adapter import H200, GpuSpec, PreemptionMode, Scheduler, SchedulerConfig  # noqa: E402
 from hybridkv.scheduler_adapter.cost import preemption_cost  # noqa: E402
 
-NUM_REQUESTS = 14
+NUM_REQUESTS = 20
+NUM_SHARING = 6  # requests 0-5 share the system prompt
+BURST_STEP = 16
 HOST_BLOCKS = 40
 CROSSOVER_TOKENS = 12
 
@@ -38,18 +40,19 @@ def _row(r) -> str:
     return f"{r.request_id}:{kind}" + (f"+{r.num_drafts}" if r.num_drafts else "")
 
 
-def main() -> None:
+def main() -> dict[str, int]:
+    """Run the demo; returns what happened (event counts) for a caller to check."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny matmuls: threads cost more than they save
     try:
-        _demo()
+        return _demo()
     finally:
         torch.set_num_threads(threads)
 
 
-def _demo() -> None:
+def _demo() -> dict[str, int]:
     cfg = TinyConfig(lightning_head_dim=8)
-    layout = tiny_layout(cfg, num_blocks=96, block_size=4)
+    layout = tiny_layout(cfg, num_blocks=80, block_size=4)
     manager = HybridBlockManager(layout, num_host_blocks=HOST_BLOCKS, prefix_cache=PrefixCacheConfig())
     # AUTO preemption weighs recompute FLOPs against swap bytes. On an H200 this tiny model always
     # recomputes; a toy GPU, slower by the factor that puts the crossover at CROSSOVER_TOKENS tokens,
@@ -63,6 +66,9 @@ def _demo() -> None:
         num_speculative_tokens=2,
         preemption_mode=PreemptionMode.AUTO,
         gpu=toy,
+        # admit on the first chunk (not the default, which reserves the whole prompt and decode room and so
+        # hardly preempts): the burst then runs out of blocks mid-prefill and is preempted both ways
+        admission="first_chunk",
     )
     scheduler = Scheduler(manager, config)
     engine = Engine(TinyHybrid(cfg), scheduler, num_host_blocks=HOST_BLOCKS)
@@ -75,9 +81,15 @@ def _demo() -> None:
     rng = random.Random(0)
     system = [rng.randrange(cfg.vocab_size) for _ in range(12)]
     stream = []  # (arrival step, id, prompt, max new tokens)
-    for i in range(NUM_REQUESTS):
-        prompt = (system if i % 2 else []) + [rng.randrange(cfg.vocab_size) for _ in range(rng.randint(2, 10))]
-        stream.append((i, f"r{i}", prompt, rng.randint(3, 8)))
+    # first a trickle of requests that share the system prompt (the later ones restore its checkpoint),
+    # then a burst that outgrows the pool as it decodes (preemptions: the short victims recomputed, the
+    # long ones swapped)
+    for i in range(NUM_SHARING):
+        prompt = system + [rng.randrange(cfg.vocab_size) for _ in range(rng.randint(2, 6))]
+        stream.append((3 * i, f"r{i}", prompt, rng.randint(3, 6)))
+    for i in range(NUM_SHARING, NUM_REQUESTS):
+        prompt = [rng.randrange(cfg.vocab_size) for _ in range(rng.randint(4, 14))]
+        stream.append((BURST_STEP, f"r{i}", prompt, rng.randint(6, 16)))
     forked, start, shown, clock = False, time.perf_counter(), 0, 0
     while stream or scheduler.has_unfinished:
         while stream and stream[0][0] <= clock:
@@ -112,6 +124,15 @@ def _demo() -> None:
     print(f"every logit vs the request computed alone: max |difference| = {err:.1e} (request {rid}, position {pos})")
     if not err <= 1e-9:
         raise SystemExit("isolation broken: a request's logits differ from its sequential reference")
+    return {
+        "steps": ev.steps,
+        "preempted_recompute": ev.preempted_recompute,
+        "preempted_swap": ev.preempted_swap,
+        "prefix_hit_tokens": ev.prefix_hit_tokens,
+        "forks": ev.forks,
+        "drafts": ev.drafts,
+        "accepted": ev.accepted,
+    }
 
 
 if __name__ == "__main__":

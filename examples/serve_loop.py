@@ -1,7 +1,8 @@
 """An engine loop on the CPU: scheduler -> block copies and swaps (ops) -> forward -> update.
 
-Qwen3-Next-80B-A3B at TP8 (fp32 ssm state) in a deliberately small pool (96 MiB), so requests are preempted and
-swapped; 12 requests share a 256-token system prompt, so later ones hit the prefix cache. The
+Qwen3-Next-80B-A3B at TP8 (fp32 ssm state) in a deliberately small pool (72 MiB), admitting on the first
+chunk (not the default, which reserves a whole prompt and decode room and so hardly preempts), so requests
+are preempted and swapped; 12 requests share a 256-token system prompt, so later ones hit the prefix cache. The
 "forward" is a stand-in: it gathers each running request's recurrent state through the state
 table, adds the number of tokens it processed, and scatters it back. Every state therefore holds
 the count of tokens its request has seen, which the loop checks after swaps, prefix hits and
@@ -38,11 +39,14 @@ MiB = 1024**2
 SYSTEM_PROMPT = list(range(256))
 
 
-def main() -> None:
-    layout = plan(preset("qwen3-next-80b-a3b", "float32", tp_size=8), 96 * MiB, block_size=64)
+def main() -> dict[str, int]:
+    """Run the loop; returns what happened (event counts) for a caller to check."""
+    layout = plan(preset("qwen3-next-80b-a3b", "float32", tp_size=8), 72 * MiB, block_size=64)
     manager = HybridBlockManager(layout, num_host_blocks=96, prefix_cache=PrefixCacheConfig())
     pools, host = allocate_pools(layout, "cpu"), allocate_host_pools(layout, 96)
-    config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=512, preemption_mode=PreemptionMode.SWAP)
+    config = SchedulerConfig(
+        max_num_seqs=8, max_num_batched_tokens=512, preemption_mode=PreemptionMode.SWAP, admission="first_chunk"
+    )
     scheduler, engine = Scheduler(manager, config), SyntheticEngine(seed=0)
     bufs = allocate_state_buffers(layout, config.max_num_seqs, device="cpu")  # reused by every step
     layer = next(iter(bufs.tensors.values()))["ssm"]  # [max_num_seqs, heads, k, v] of one layer
@@ -90,6 +94,7 @@ def main() -> None:
     progress.close()
     print(f"{steps} steps, {preempted} preemptions ({swapped} swapped out), {hit_tokens} prompt tokens from the cache")
     print(f"at the end: {u.free} free, {u.kv_cached} cached KV and {u.checkpoints} checkpoint blocks")
+    return {"steps": steps, "preempted": preempted, "swapped": swapped, "prefix_hit_tokens": hit_tokens}
 
 
 if __name__ == "__main__":
