@@ -37,6 +37,8 @@ def test_plan_single_layout(capsys):
                 "qwen3-next-80b-a3b",
                 "--tp",
                 "1",
+                "--gpu-memory",  # its weights alone exceed the default GPU at TP1
+                "80GiB",
                 "--state-dtype",
                 "bfloat16",
                 "--layout",
@@ -340,3 +342,25 @@ def test_console_script_with_no_arguments_prints_help():
     assert "Traceback" not in proc.stderr
     version = subprocess.run([script, "--version"], capture_output=True, text=True)
     assert version.returncode == 0 and version.stdout.startswith("hybridkv ")
+
+
+def test_plan_without_memory_flags_assumes_a_named_gpu_and_says_so_first(capsys, tmp_path):
+    # no deployment has an 80 GiB cache for MiniMax-M1 TP8: 0.9 of an H200 less 106 GiB of weights per GPU
+    assert main(["plan", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["gpu"]["assumed"] and data["gpu"]["name"] == "h200" and data["tp_size"] == 8
+    assert data["budget_bytes"] == int(0.9 * data["gpu"]["memory_bytes"]) - data["gpu"]["weights_bytes"]
+    assert 20 * 2**30 < data["budget_bytes"] < 21 * 2**30
+    assert main(["plan"]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert "20.2 GiB" in first and "assumed: one H200" in first and "--gpu-memory" in first
+    # a spec file's weights are unknown: the assumed GPU's whole 0.9, said on the budget line
+    spec = tmp_path / "m.json"
+    spec.write_text(json.dumps({"name": "m", "layers": [{"kind": "attention", "num_kv_heads": 2, "head_dim": 64}]}))
+    assert main(["plan", "--model", str(spec)]) == 0
+    assert "weights unknown, not subtracted" in capsys.readouterr().out
+    # an explicit cache budget is the cache: GPU facts with it are an error, before any work
+    assert main(["plan", "--gpu-memory", "40GiB", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["gpu"] is None
+    assert main(["plan", "--gpu-memory", "40GiB", "--weights", "10GiB"]) == 2
+    assert "--weights needs --gpu" in capsys.readouterr().err

@@ -34,13 +34,13 @@ from hybridkv.units import format_bytes, parse_bytes, parse_tokens
 # Re-exported: the formatting lives in plan_output, these names stay importable from here.
 __all__ = ["build_plan", "cmd_plan", "engine_dtype_note", "longest_context", "model_dtypes", "plot_capacity"]
 
-DEFAULT_BUDGET = "80GiB"
+DEFAULT_GPU = "h200"  # without --gpu / --gpu-memory: one of these per rank, at DEFAULT_UTILIZATION
 DEFAULT_CONTEXT = "32k"
 DEFAULT_UTILIZATION = 0.9
 
 EXAMPLES = """\
 examples:
-  hybridkv plan                                         MiniMax-M1 at its default TP, 80 GiB cache, 32k context
+  hybridkv plan                                         MiniMax-M1 at its default TP on H200s (0.9 of each), 32k context
   hybridkv plan --model gla-1.3b                        any preset; its default TP and dtypes are shown
   hybridkv plan --model qwen3-next-80b-a3b --gpu h200 --gpu-memory-utilization 0.9 --max-requests 64
                                                         the longest context 64 requests can have
@@ -75,18 +75,21 @@ def longest_context(layout: Layout, num_requests: int) -> int | None:
 
 # ---- the plan command ----------------------------------------------------------------------------
 def _budget(args: argparse.Namespace, model: ModelSpec, preset_name: str | None) -> tuple[int, dict | None, list]:
-    """Cache budget per GPU, the GPU facts (with ``--gpu``) and the lines that explain them."""
-    if args.gpu is None:
+    """Cache budget per GPU, the GPU facts (with ``--gpu``, or the default GPU when neither ``--gpu``
+    nor ``--gpu-memory`` is given) and the lines that explain them."""
+    if args.gpu_memory is not None:
+        if args.gpu is not None:
+            raise UserError("give either --gpu NAME (a fraction of its memory) or --gpu-memory SIZE (the cache), not both")
         for flag in ("gpu_memory_utilization", "weights", "reserve"):
             if getattr(args, flag) is not None:
-                raise UserError(f"--{flag.replace('_', '-')} needs --gpu NAME (or give the cache as --gpu-memory SIZE)")
-        return _size(args.gpu_memory or DEFAULT_BUDGET, "--gpu-memory"), None, []
-    if args.gpu_memory is not None:
-        raise UserError("give either --gpu NAME (a fraction of its memory) or --gpu-memory SIZE (the cache), not both")
+                raise UserError(f"--{flag.replace('_', '-')} needs --gpu NAME (--gpu-memory SIZE is the cache itself)")
+        return _size(args.gpu_memory, "--gpu-memory"), None, []
+    assumed = args.gpu is None
+    gpu_name = DEFAULT_GPU if assumed else args.gpu
     util = DEFAULT_UTILIZATION if args.gpu_memory_utilization is None else args.gpu_memory_utilization
     if not 0.0 < util <= 1.0:
         raise UserError(f"--gpu-memory-utilization must be in (0, 1], got {util:g}")
-    total = P.gpu_memory_bytes(args.gpu)
+    total = P.gpu_memory_bytes(gpu_name)
     if args.weights is not None:
         weights = _size(args.weights, "--weights", allow_zero=True)
         how = f"weights {format_bytes(weights)} (--weights)"
@@ -97,23 +100,28 @@ def _budget(args: argparse.Namespace, model: ModelSpec, preset_name: str | None)
             f"weights {format_bytes(weights)} ({P.params_total(preset_name) / 1e9:g} B params x {per:g} bytes "
             f"{args.weight_dtype} / TP{model.tp_size})"
         )
+    elif assumed:
+        weights = 0
+        how = "weights unknown, not subtracted (--weights SIZE per GPU, or the cache as --gpu-memory SIZE)"
     else:
         raise UserError(f"the weights of {model.name!r} are unknown: give --weights SIZE (per GPU) with --gpu")
     reserve = _size(args.reserve, "--reserve", allow_zero=True) if args.reserve is not None else 0
     budget = int(util * total) - weights - reserve
     line = (
-        f"cache budget = {args.gpu.upper()} {format_bytes(total)} x {util:g} - {how} - reserve {format_bytes(reserve)}"
+        f"cache budget = {gpu_name.upper()} {format_bytes(total)} x {util:g} - {how} - reserve {format_bytes(reserve)}"
     )
     if budget <= 0:
         raise UserError(f"no memory left for the cache: {line} = {format_bytes(budget)}; raise --tp or the utilization")
     gpu = {
-        "name": args.gpu.lower(),
+        "name": gpu_name.lower(),
+        "assumed": assumed,
         "memory_bytes": total,
         "utilization": util,
         "weights_bytes": weights,
         "reserve_bytes": reserve,
     }
-    return budget, gpu, [line + " (activations and CUDA graphs are not subtracted: --reserve SIZE)"]
+    lines = [line + " (activations and CUDA graphs are not subtracted: --reserve SIZE)"]
+    return budget, gpu, lines
 
 
 def _size(text: str, flag: str, allow_zero: bool = False) -> int:
@@ -324,7 +332,8 @@ def add_plan_parser(sub: Any) -> argparse.ArgumentParser:
         "--kv-cache-memory",
         dest="gpu_memory",
         default=None,
-        help=f"cache budget per GPU, e.g. 80GiB, 141GB (default {DEFAULT_BUDGET} when --gpu is not given)",
+        help=f"cache budget per GPU, e.g. 80GiB, 141GB (default: {DEFAULT_UTILIZATION:g} of one "
+        f"{DEFAULT_GPU.upper()} less the weights)",
     )
     b.add_argument(
         "--gpu",

@@ -182,8 +182,15 @@ def _rows(out: dict[str, Any]) -> list[list[str]]:
 def _header(out: dict[str, Any]) -> list[str]:
     ctx = out["context_tokens"]
     what = f"context {ctx:,} tokens" if ctx is not None else f"{out['num_requests']} requests"
+    gpu = out.get("gpu") or {}
+    where = (
+        f" (assumed: one {gpu['name'].upper()} per rank at {gpu['utilization']:g}, less the weights; "
+        "--gpu NAME or --gpu-memory SIZE to change)"
+        if gpu.get("assumed")
+        else ""
+    )
     lines = [
-        f"{out['model']}, TP{out['tp_size']}, cache budget {format_bytes(out['budget_bytes'])} per GPU, {what}",
+        f"{out['model']}, TP{out['tp_size']}, cache budget {format_bytes(out['budget_bytes'])} per GPU{where}, {what}",
         _dtype_line(out["dtypes"], out["dtypes_source"]),
     ]
     lines += [f"  {k}: {v}" for k, v in out.get("dtype_sources", {}).items()]
