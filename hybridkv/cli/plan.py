@@ -79,7 +79,9 @@ def _budget(args: argparse.Namespace, model: ModelSpec, preset_name: str | None)
     nor ``--gpu-memory`` is given) and the lines that explain them."""
     if args.gpu_memory is not None:
         if args.gpu is not None:
-            raise UserError("give either --gpu NAME (a fraction of its memory) or --gpu-memory SIZE (the cache), not both")
+            raise UserError(
+                "give either --gpu NAME (a fraction of its memory) or --gpu-memory SIZE (the cache), not both"
+            )
         for flag in ("gpu_memory_utilization", "weights", "reserve"):
             if getattr(args, flag) is not None:
                 raise UserError(f"--{flag.replace('_', '-')} needs --gpu NAME (--gpu-memory SIZE is the cache itself)")
