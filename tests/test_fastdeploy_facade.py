@@ -20,6 +20,7 @@ from tests.test_fastdeploy_world import BLOCK_SIZE, STATE_BLOCKS, Request, tiny_
 def bound(num_blocks: int = 17, v1: bool = False, prefix: PrefixCacheConfig | None = None, role: str = "mixed"):
     fd = FastDeployBlockManager(HybridBlockManager(tiny_layout(num_blocks), prefix_cache=prefix))
     fd.bind_engine(PATCH_SERIES, cache_manager_v1=v1, splitwise_role=role)
+    fd.begin_step()  # E4: the patched engine's first schedule() starts with it
     return fd
 
 
@@ -252,6 +253,35 @@ def test_update_cache_blocks_checkpoints_only_where_a_chunk_of_this_step_ends():
     req.num_computed_tokens = 16  # the chunk [0, 16) was scheduled this step
     fd.update_cache_blocks(req, BLOCK_SIZE, 16)
     assert req.checkpoint_copies[0]
+
+
+def test_a_checkpoint_reserved_by_an_engine_that_never_ran_begin_step_raises_naming_e4():
+    """Found by running FastDeploy 7808a119's own ResourceManagerV1 over the facade with the series but
+    without E4: checkpoint pins are released only at begin_step, so each reserved checkpoint stayed
+    pinned (56 blocks per checkpoint for MiniMax-M1), never came back and never served a hit, silently.
+    The facade refuses the first reservation instead, before it changes anything."""
+    fd = FastDeployBlockManager(
+        HybridBlockManager(tiny_layout(64), prefix_cache=PrefixCacheConfig(checkpoint="every_n_blocks", every_n=1))
+    )
+    fd.bind_engine(PATCH_SERIES, cache_manager_v1=False, splitwise_role="mixed")  # E0, but no begin_step (E4)
+    req = Request("p", list(range(16)), max_tokens=1)
+    fd.request_match_blocks(req, BLOCK_SIZE)
+    fd.state_blocks_for(req)
+    req.block_tables = fd.allocate_gpu_blocks(4 + STATE_BLOCKS, "p")
+    req.num_computed_tokens = 16  # the chunk [0, 16) was scheduled this step: a checkpoint position
+    free, held = fd.num_free_device_blocks, fd.manager.pool.num_free
+    with pytest.raises(EnginePatchError, match=r"update_cache_blocks: .*begin_step.* patch E4"):
+        fd.update_cache_blocks(req, BLOCK_SIZE, 16)
+    assert not getattr(req, "checkpoint_copies", None)  # nothing reserved, nothing pinned
+    assert (fd.num_free_device_blocks, fd.manager.pool.num_free) == (free, held)
+    fd.manager.check_integrity()
+    fd.begin_step()  # the patched schedule()'s first line: the same call reserves the checkpoint
+    fd.update_cache_blocks(req, BLOCK_SIZE, 16)
+    assert req.checkpoint_copies[0]
+    fd.begin_step()
+    fd.release_block_ids(req)
+    fd.begin_step()
+    assert fd.num_free_device_blocks == fd.manager.pool.num_usable  # the checkpoint is evictable: it came back
 
 
 # ---- allocate_gpu_blocks: the form is chosen on exact types -----------------------------------------

@@ -98,6 +98,7 @@ class FastDeployBlockManager(EngineContractMixin, SplitwiseMixin):
         self._fresh: set[int] = set()  # chain keys of checkpoints reserved in this step (not yet written)
         self._binding: tuple[bool, str] | None = None  # (cache_manager_v1, splitwise_role) of the bound engine
         self._tickets: set[RequestId] = set()  # requests whose first allocation includes their state sets
+        self._stepped = False  # begin_step (patch E4) ran at least once: checkpoint pins get released
         self._transfers = {}  # decode role: pending import plans (SplitwiseMixin)
 
     # ---- counts ---------------------------------------------------------------------------------
@@ -402,7 +403,9 @@ class FastDeployBlockManager(EngineContractMixin, SplitwiseMixin):
         reserve a checkpoint and add its live -> checkpoint copy to ``task.checkpoint_copies``: the
         worker runs it right after this chunk's forward, when the live state is at that position.
         Only a chunk scheduled in this call's step checkpoints (``task.num_computed_tokens`` is the
-        chunk's end): ``preallocate_resource_in_p`` calls it before any chunk ran."""
+        chunk's end): ``preallocate_resource_in_p`` calls it before any chunk ran. Raises
+        :class:`EnginePatchError` (patch E4), before reserving, if :meth:`begin_step` never ran: the
+        checkpoint's pins would never be released."""
         self._require("update_cache_blocks")
         task.num_cached_blocks = task.cached_block_num = num_computed_tokens // self.block_size
         rid = task.request_id
@@ -411,6 +414,12 @@ class FastDeployBlockManager(EngineContractMixin, SplitwiseMixin):
             return  # a speculative look-ahead block or a chunk ending mid-block: no exact state position
         if getattr(task, "num_computed_tokens", num_computed_tokens) != num_computed_tokens:
             return  # no chunk ends here in this step (the state is not at this position after the forward)
+        if not self._stepped:  # its pins would never be released: the blocks would never come back
+            raise EnginePatchError(
+                f"update_cache_blocks: a checkpoint of {rid!r} would be reserved, but begin_step() never ran: "
+                "patch E4 (self.cache_manager.begin_step() as the first line of schedule()) is missing; without it "
+                "no checkpoint pin is released, so its blocks never come back and no prefix hit can read it"
+            )
         copies = self.manager.checkpoint(rid)
         if len(copies):
             self._fresh.add(rec.block_keys[num_computed_tokens // self.block_size - 1])
@@ -449,6 +458,7 @@ class FastDeployBlockManager(EngineContractMixin, SplitwiseMixin):
         that request refuses (``RequestStateError`` in both forms) until it is matched again. Tickets
         (:meth:`state_blocks_for`) of requests not admitted lapse too."""
         self._require("begin_step")
+        self._stepped = True
         self._tickets.clear()
         self.manager.release_pins()
         self._fresh.clear()
