@@ -22,7 +22,11 @@ from hybridkv.transfer.testing import happy_worker
 
 def _verdict(src: dict, dst: dict) -> list[str]:
     problems = [f"{side}: {out['error']}" for side, out in (("src", src), ("dst", dst)) if "error" in out]
-    for key in sorted(set(src) & set(dst)):
+    # one dict per transfer on each side; a side that failed before transferring reports only "error"
+    transfers = sorted(k for k in set(src) & set(dst) if isinstance(src[k], dict) and isinstance(dst[k], dict))
+    if not problems and not transfers:
+        problems.append("no transfer was reported by either side")
+    for key in transfers:
         s, d = src[key], dst[key]
         checks = {
             "sha256 equal": s["sha256"] == d["sha256"],
@@ -36,6 +40,21 @@ def _verdict(src: dict, dst: dict) -> list[str]:
     return problems
 
 
+def _missing_device(*devices: str) -> str | None:
+    """Why the check cannot run here (torch without CUDA, a device index the machine lacks), or None."""
+    try:
+        import torch
+    except ImportError:
+        return "needs torch with CUDA (pip install torch) and NIXL (see hybridkv's pyproject 'transfer' extra)"
+    if not torch.cuda.is_available():
+        return "needs a CUDA device: torch.cuda.is_available() is False on this machine"
+    for dev in devices:
+        index = torch.device(dev).index or 0
+        if torch.device(dev).type != "cuda" or index >= torch.cuda.device_count():
+            return f"device {dev!r} is not one of this machine's {torch.cuda.device_count()} CUDA devices"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device-src", default="cuda:0")
@@ -43,6 +62,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=60.0)
     ap.add_argument("--tokens", type=int, default=39)
     args = ap.parse_args(argv)
+    missing = _missing_device(args.device_src, args.device_dst)
+    if missing:
+        print(f"hybridkv.transfer.gpu_check: {missing}", file=sys.stderr)
+        return 2
     ctx = mp.get_context("spawn")
     a, b = ctx.Pipe()
     (src_in, src_out), (dst_in, dst_out) = ctx.Pipe(duplex=False), ctx.Pipe(duplex=False)
