@@ -150,3 +150,29 @@ def test_planner_bytes_add_up_and_groups_never_collide(model, block_size, budget
     used = cap.max_requests * fp.num_blocks + cap.free_blocks + 1
     assert used == layout.num_blocks
     assert cap.free_blocks < fp.num_blocks or fp.num_blocks == 0
+
+
+def _two_state_sizes(with_attention: bool) -> ModelSpec:
+    big = RecurrentLayerSpec("big", (StateComponent("s", (8, 64, 64), DType.FLOAT32),))  # 128 KiB
+    small = RecurrentLayerSpec("small", (StateComponent("s", (8, 64, 4), DType.FLOAT32),))  # 8 KiB
+    attn = AttentionLayerSpec(num_kv_heads=2, head_dim=64, dtype=DType.BFLOAT16)
+    layers = [big, small, small] * 4  # 4 big and 8 small states, interleaved as a model lays them out
+    return ModelSpec("two-sizes", (*(attn, attn, attn, attn)[: 4 if with_attention else 0], *layers))
+
+
+@pytest.mark.parametrize("with_attention", [True, False])
+def test_states_of_one_size_share_a_group(with_attention):
+    # a group gives every slot its largest state's blocks: interleaved sizes in one group would give each
+    # 8 KiB state the blocks of a 128 KiB one
+    model = _two_state_sizes(with_attention)
+    block = {} if with_attention else {"state_block_bytes": 8 * KiB}  # a big state spans 16 blocks, a small one 1
+    layout = plan(model, 1 * GiB, **block)
+    for g in layout.groups:
+        if g.kind is GroupKind.STATE:
+            assert len({model.layers[i].state_bytes for i in g.layer_ids if i is not None}) == 1, g
+            size = next(model.layers[i].state_bytes for i in g.layer_ids if i is not None)
+            assert g.blocks_per_state == -(-size // layout.block_bytes)  # its own size, not the largest's
+    if not with_attention:  # one group of all 12 would give each small state a big one's bytes
+        assert layout.group_size in (4, 8)
+        one_group = plan(model, 1 * GiB, group_size=12, **block)  # every slot 16 blocks: 12 x 128 KiB a request
+        assert layout.capacity(1).max_requests > 2.5 * one_group.capacity(1).max_requests  # (16 + 1 + 1) x 4 x 8 KiB

@@ -336,14 +336,31 @@ def _attention_shape(model: ModelSpec) -> AttentionLayerSpec | None:
     return next(iter(specs), None)
 
 
+def _state_group_size(model: ModelSpec, rec: list[int]) -> int:
+    """Group size of a model without attention: all its layers in one group unless its states come in
+    several sizes, then the size (all layers, or the layer count of one state size) whose groups
+    hold the fewest state bytes per request, every slot counted at its group's largest state
+    (``rec`` sorted by state size; ties: the larger group, fewer block tables)."""
+    sizes = [model.layers[i].state_bytes for i in rec]  # type: ignore[union-attr]
+    candidates = {len(rec), *(sizes.count(b) for b in set(sizes))}
+
+    def held(gs: int) -> int:
+        return sum(gs * max(sizes[start : start + gs]) for start in range(0, len(sizes), gs))
+
+    return min(candidates, key=lambda gs: (held(gs), -gs))
+
+
 def _build_groups(
     model: ModelSpec, group_size: int | None
 ) -> tuple[int, list[list[int | None]], list[list[int | None]]]:
     attn, rec = list(model.attention_layer_ids), list(model.recurrent_layer_ids)
+    # a state group gives every slot its largest state's blocks: group states of one size together
+    # (stable: a model whose states are all one size keeps its layer order)
+    rec.sort(key=lambda i: model.layers[i].state_bytes)  # type: ignore[union-attr]
     if group_size is None:
         # One KV group holding every attention layer keeps one block table per request (what
         # FastDeploy and vLLM attention kernels take); recurrent layers fill groups of that size.
-        group_size = len(attn) if attn else len(rec)
+        group_size = len(attn) if attn else _state_group_size(model, rec)
     if group_size <= 0:
         raise LayoutError(f"group_size must be positive, got {group_size}")
     if attn and group_size < len(attn):
