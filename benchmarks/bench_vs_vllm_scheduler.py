@@ -17,8 +17,9 @@ GPU, MiniMax-M1 TP8 and Qwen3-Next TP2):
 vLLM in its ``align`` mode at its block size (576 tokens for Qwen3-Next, whose FlashInfer GDN
 prefill exports checkpoints on a 64-token grid; 512 for MiniMax-M1) against hybridkv's default
 (``reserved``, paged, ``branch_spaced`` + ``lru``) and its padded layout; prefix-hit tokens are
-summed over admissions (a request readmitted after a recompute is counted again). This is not an
-emulation check: ``--engine vllm`` runs without prefix caching (align mode is not emulated).
+summed over admissions (a request readmitted after a recompute is counted again). ``emulated``:
+``hybridkv simulate --engine vllm`` with prefix caching (``vllm_align``), and the first step where
+it schedules differently from ``vllm``.
 
     VLLM_TARGET_DEVICE=cpu python benchmarks/bench_vs_vllm_scheduler.py     # about 2 minutes
     VLLM_TARGET_DEVICE=cpu python benchmarks/bench_vs_vllm_scheduler.py --prefix-caching
@@ -87,6 +88,10 @@ def one_prefix(model: str, gib: float, requests: list, with_vllm: bool) -> dict:
         block = kv.kv_cache_groups[0].kv_cache_spec.block_size
         out["vllm"] = real.totals() | {"prefix_hit_tokens": real.prefix_hit_tokens, "block_size": block,
                                       "num_blocks": kv.num_blocks, "seconds": time.perf_counter() - t1}
+    emulated = replay_hybridkv(engine_scheduler(model, budget, prefix_caching=True), requests)
+    out["emulated"] = emulated.totals() | {"prefix_hit_tokens": emulated.prefix_hit_tokens}
+    if with_vllm:
+        out["emulated_first_difference"] = first_difference(real, emulated)
     for kind in ("padded", "paged"):
         layout = plan(model_spec(model), budget, layout=kind)
         run = replay_hybridkv(hybridkv_scheduler(layout, prefix=PrefixCacheConfig()), requests)
@@ -121,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     cols = ["vllm", "emulated", "hybridkv padded", "hybridkv paged", "first_chunk padded", "first_chunk paged"]
     if args.prefix_caching:
-        cols = ["vllm", "hybridkv padded", "hybridkv paged"]
+        cols = ["vllm", "emulated", "hybridkv padded", "hybridkv paged"]
     print(f"{'run (steps / preemptions / scheduled tokens)':32s}" + "".join(f"{c:>26s}" for c in cols))
     for spec in args.runs:
         model, gib = spec.split(":")
@@ -133,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.prefix_caching:
             hits = ", ".join(f"{c} {r[c]['prefix_hit_tokens']:,}" for c in cols if c in r)
             print(f"  prefix-hit tokens: {hits}", flush=True)
+            if "emulated_first_difference" in r:
+                print(f"  emulation vs vLLM: first difference {r['emulated_first_difference']}", flush=True)
         elif version is not None:
             same = r["emulated_first_difference"]
             print(f"  emulation vs vLLM: {'identical at every step' if same is None else same}", flush=True)

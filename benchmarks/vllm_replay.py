@@ -121,14 +121,18 @@ def padded_layout(model: str, budget_bytes: int) -> Layout:
     return plan(model_spec(model), budget_bytes, layout=LayoutKind.PADDED)
 
 
-def engine_scheduler(model: str, budget_bytes: int, admission: str | None = None, **changes: Any) -> Scheduler:
+def engine_scheduler(
+    model: str, budget_bytes: int, admission: str | None = None, prefix_caching: bool = False, **changes: Any
+) -> Scheduler:
     """The scheduler of ``hybridkv simulate --engine vllm`` (``hybridkv.sim.engines``: vLLM 0.33's
     policies on its layout) for ``model``; ``admission``: another admission rule on that engine's
-    layout and policies (``first_chunk`` is vLLM with ``scheduler_reserve_full_isl`` off)."""
+    layout and policies (``first_chunk`` is vLLM with ``scheduler_reserve_full_isl`` off);
+    ``prefix_caching``: vLLM's Mamba cache mode ``align`` (else ``none``)."""
     from hybridkv.sim.config import SimConfig, build
     from hybridkv.sim.engines import engine_config
 
     name, tp = MODELS[model]
+    changes.setdefault("prefix", "lru" if prefix_caching else "none")
     cfg = engine_config(SimConfig(model=name, tp=tp, gpu_memory=str(budget_bytes), engine="vllm", **changes))
     if admission is not None:
         cfg = cfg.with_changes(engine="hybridkv", admission=admission)

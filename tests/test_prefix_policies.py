@@ -5,7 +5,12 @@ import pytest
 
 from hybridkv.blockmgr.manager import HybridBlockManager
 from hybridkv.blockmgr.prefix import CheckpointPolicy, EvictionPolicy, PrefixCacheConfig
-from hybridkv.blockmgr.prefix.placement_rules import aligned_end, branch_last_aligned
+from hybridkv.blockmgr.prefix.placement_rules import (
+    aligned_end,
+    branch_last_aligned,
+    vllm_align_stops,
+    vllm_exported_checkpoint,
+)
 from hybridkv.planner.layout import plan
 from hybridkv.sim.trace import MOONCAKE_BLOCK_TOKENS, TraceRequest
 
@@ -130,3 +135,46 @@ def test_multiturn_workload_repeats_prompt_and_reply():
             n = len(ids)
             assert nxt[0][n : n + it.output_length] == it.output_ids
     assert later == len(items) - 12  # every turn but each session's last
+
+
+def test_vllm_align_stops_and_export():
+    """vLLM 0.33's align mode (Scheduler._mamba_block_aligned_split): a chunk stops at the next block
+    boundary when it starts mid-block, at the branch point floored to a block, and at the input's
+    last block boundary before its last token; a kernel that exports checkpoints keeps that last
+    one from inside a chunk that reaches the input's end and starts a block or more below it."""
+    assert vllm_align_stops(0, 100, 0, 16) == [96]
+    assert vllm_align_stops(0, 96, 0, 16) == [80]  # (the last token is recomputed: never at the end)
+    assert vllm_align_stops(5, 100, 40, 16) == [16, 37, 96]  # mid-block; branch 40 floored from 5
+    assert vllm_align_stops(96, 100, 0, 16) == []
+    assert vllm_exported_checkpoint(0, 100, 100, 16, 16) == 96
+    assert vllm_exported_checkpoint(0, 90, 100, 16, 16) is None  # the chunk stops short of the end
+    assert vllm_exported_checkpoint(88, 100, 100, 16, 16) is None  # starts mid-block
+    assert vllm_exported_checkpoint(80, 100, 100, 16, 16) == 96
+    assert vllm_exported_checkpoint(96, 100, 100, 16, 16) is None  # no block between start and it
+    assert vllm_exported_checkpoint(16, 100, 100, 16, 64) is None  # off the kernel's grid
+    with pytest.raises(ValueError):
+        PrefixCacheConfig(export_alignment=0)
+
+
+def test_vllm_align_keeps_state_where_forwards_end():
+    """The scheduler ends chunks on block boundaries and stops at the prompt's last block; the state
+    is kept at every block boundary a forward ends on, and a second identical prompt hits there."""
+    from hybridkv.scheduler_adapter import Scheduler, SchedulerConfig, StepOutputs
+
+    layout = plan(tiny_model(), 400 * 256, block_size=4)
+    prompt = list(range(1, 31))  # 30 tokens: last block boundary before the last token: 28
+    for export in (None, 4):
+        mgr = HybridBlockManager(layout, prefix_cache=PrefixCacheConfig("vllm_align", export_alignment=export))
+        sched = Scheduler(mgr, SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=11))
+        sched.add_request("a", prompt, 2)
+        chunks = []
+        while sched.has_unfinished:
+            p = sched.step()
+            chunks += [(x.num_computed_tokens, x.num_scheduled_tokens) for x in p.scheduled if x.is_prefill]
+            sched.update(StepOutputs({x.request_id: [7] for x in p.scheduled if x.samples}))
+        # budget 11 floored to 8-token chunks; without an export the last block splits off at 28
+        tail = [(24, 4), (28, 2)] if export is None else [(24, 6)]
+        assert chunks == [(0, 8), (8, 8), (16, 8), *tail]
+        sched.add_request("b", prompt, 2)
+        sched.step()
+        assert sched.requests["b"].num_cached_tokens == 28

@@ -32,7 +32,7 @@ def test_vllm_block_size_rule():
 
 
 def test_vllm_engine_fixes_vllm_policies_and_keeps_the_rest():
-    base = SimConfig(model="qwen3-next-80b-a3b", tp=2, gpu_memory="4GiB", max_num_seqs=64, engine="vllm")
+    base = SimConfig(model="qwen3-next-80b-a3b", tp=2, gpu_memory="4GiB", max_num_seqs=64, engine="vllm", prefix="none")
     cfg = engine_config(base)
     assert {k: getattr(cfg, k) for k in VLLM_POLICIES} == VLLM_POLICIES
     assert (cfg.state_dtype, cfg.block_size, cfg.max_num_seqs, cfg.gpu_memory) == ("bfloat16", 544, 64, "4GiB")
@@ -44,6 +44,14 @@ def test_vllm_engine_fixes_vllm_policies_and_keeps_the_rest():
     assert built.manager.prefix_cache is None
     assert built.scheduler.config.admission.value == "full_prompt"
     assert engine_config(SimConfig()) == SimConfig()  # the hybridkv engine: as it is
+    # prefix caching on: vLLM's mode align (vllm_align + LRU) at its caching block size, with
+    # FlashInfer GDN's in-chunk checkpoint export; MiniMax's lightning layers export none
+    cached = build(base.with_changes(prefix="flop_aware"))
+    config = cached.manager.prefix_cache.config
+    assert (config.checkpoint.value, config.eviction.value, config.export_alignment) == ("vllm_align", "lru", 64)
+    assert cached.layout.block_size == 576
+    minimax = engine_config(SimConfig(model="minimax-m1", tp=8, gpu_memory="4GiB", engine="vllm"))
+    assert (minimax.checkpoint, minimax.checkpoint_export, minimax.block_size) == ("vllm_align", 0, 512)
     with pytest.raises(ValueError, match="engine"):
         SimConfig(engine="sglang")
 
@@ -66,7 +74,7 @@ def test_compare_engine_is_one_switch_per_column():
     for a, b in zip(effective[1:], effective[2:], strict=False):  # each column switches one policy
         changed = {k for k in fields if getattr(a, k) != getattr(b, k)}
         assert changed and changed <= {"layout", "block_size", "state_dtype", "preemption", "host_memory",
-                                       "watermark", "prefix", "checkpoint", "speculative"}
+                                       "watermark", "prefix", "checkpoint", "checkpoint_export", "speculative"}
     # other keys still multiply: two memories, a ladder each
     assert len(expand(base, ["engine=hybridkv,vllm", "gpu-memory=4GiB,8GiB"])) == 2 * len(cols)
     with pytest.raises(ValueError, match="not an engine"):

@@ -27,7 +27,18 @@ class CheckpointMixin(ManagerCore):
         below = self._checkpoint_below(rec, done + self.block_size)
         return cache.next_checkpoint(done, len(rec.token_ids), rec.branch_tokens, below)
 
-    def checkpoint(self, request_id: RequestId, final: bool = False) -> BlockCopies:
+    def exported_checkpoint_position(self, request_id: RequestId, start: int, end: int) -> int | None:
+        """The position inside the prefill chunk ``[start, end)`` of the request whose state the
+        prefill kernel exports (``vllm_align`` with ``export_alignment``: the input's last block
+        boundary, when the chunk reaches the input's end), or None. A scheduler does not end the
+        chunk there, and passes the position to :meth:`checkpoint` after the forward."""
+        rec = self._running(request_id)
+        cache = self.prefix_cache
+        if cache is None or rec.token_ids is None:
+            return None
+        return cache.exported_checkpoint(start, end, len(rec.token_ids))
+
+    def checkpoint(self, request_id: RequestId, final: bool = False, exported: int | None = None) -> BlockCopies:
         """Save the live state at the request's current position if the policy wants it there.
 
         Call right after the forward that brought the request to ``num_tokens`` (its live sets
@@ -37,7 +48,10 @@ class CheckpointMixin(ManagerCore):
         blocks are available (checkpoints are best effort). ``final``: the request is at the last
         block boundary of its tokens before it finishes (prompt and reply: the caller knows the
         reply's length, e.g. a replay, and calls this at that decode position): policies that keep
-        the end of finished requests for the next turn take it.
+        the end of finished requests for the next turn take it. ``exported``: a block-aligned
+        position inside the forward's chunk whose state the prefill kernel exported
+        (:meth:`exported_checkpoint_position`): kept as well; its copy's source is the request's live
+        sets, standing for the kernel's export (which an executor writes in its place).
         """
         rec = self._running(request_id)
         cache, pos, bs = self.prefix_cache, rec.num_tokens, self.block_size
@@ -45,8 +59,42 @@ class CheckpointMixin(ManagerCore):
             return _NO_COPIES
         if pos // bs > len(rec.block_keys):  # mark_computed(request_id, pos), on the record
             cache.register(rec.token_ids, rec.block_keys, rec.kv_blocks, pos)
+        copies = _NO_COPIES
+        if exported is not None and 0 < exported < pos and not exported % bs:
+            copies = self._keep_state(rec, exported, final=False)
         if pos % bs or pos // bs > len(rec.block_keys):
-            return _NO_COPIES
+            return copies
+        here = self._keep_state(rec, pos, final)
+        return here if not len(copies) else copies.concat(here)
+
+    def raise_branch(self, request_id: RequestId, num_tokens: int) -> None:
+        """The request's input shares its first ``num_tokens`` with tokens another request is
+        scheduled to compute in this step (not in the cache until computed; vLLM caches a block when
+        it schedules it): its branch point, where policies keep state, is at least there."""
+        rec = self._running(request_id)
+        rec.branch_tokens = max(rec.branch_tokens, as_count(num_tokens, "num_tokens"))
+
+    def checkpoint_blocks_due(self, request_id: RequestId) -> int:
+        """Blocks that :meth:`checkpoint` at the request's current position would need available
+        now (its state sets, and what the eviction making room must keep), or 0 when no checkpoint
+        is due there (not on a block boundary, not wanted, not computed yet, or held already). A
+        scheduler that keeps checkpoints as a must (``vllm_align``: vLLM allocates the block its
+        state lands in) makes this room, preempting, before it calls :meth:`checkpoint`."""
+        rec = self._running(request_id)
+        cache, pos, bs = self.prefix_cache, rec.num_tokens, self.block_size
+        if cache is None or rec.token_ids is None or not pos or pos % bs or pos // bs > len(rec.block_keys):
+            return 0
+        below = self._checkpoint_below(rec, pos)
+        if not cache.wants_checkpoint(pos, len(rec.token_ids), rec.branch_tokens, False, below):
+            return 0
+        found = cache.checkpoint_protect(rec.block_keys[pos // bs - 1])
+        return 0 if found is None else self.num_state_blocks + cache.num_protected(found[1])
+
+    def _keep_state(self, rec: RequestRecord, pos: int, final: bool) -> BlockCopies:
+        """The checkpoint of :meth:`checkpoint` at ``pos`` (block-aligned, registered), if the
+        policy wants it and blocks are available: the pinned copies live -> checkpoint, or none."""
+        cache, bs = self.prefix_cache, self.block_size
+        assert cache is not None and rec.token_ids is not None
         below = self._checkpoint_below(rec, pos)
         if not cache.wants_checkpoint(pos, len(rec.token_ids), rec.branch_tokens, final, below):
             return _NO_COPIES

@@ -96,7 +96,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     s.add_argument("--preemption", choices=["recompute", "swap", "auto"], default="auto")
     s.add_argument("--prefix", choices=["none", "lru", "flop_aware"], default="lru", help="prefix cache eviction")
     s.add_argument("--checkpoint", default="branch_spaced", help="checkpoint policy",
-                   choices=["none", "every_n_blocks", "branch_and_last", "branch_last_aligned", "branch_spaced"])
+                   choices=["none", "every_n_blocks", "branch_and_last", "branch_last_aligned", "branch_spaced",
+                            "vllm_align"])
     s.add_argument("--speculative", type=_nonneg_int, default=0, help="draft tokens per decode step")
     s.add_argument("--accept-rate", type=_fraction, default=0.7, help="draft acceptance probability")
     s.add_argument("--max-num-seqs", type=positive_int, default=256)

@@ -13,11 +13,10 @@ One step, in this order (DESIGN.md "Scheduler adapter"):
    request's known tokens and its next decode steps fit next to what running prefills were
    promised), up to ``max_num_seqs`` running. Steps that preempted admit nothing.
 
-With a prefix cache (a manager whose ``allocate`` / ``append`` take ``token_ids``, requests
-submitted with token ids), admission takes the hit, chunks end where the checkpoint policy wants a
-checkpoint, and ``checkpoint`` runs after every forward. :meth:`Scheduler.step` returns a
-:class:`StepPlan`; :meth:`Scheduler.update` takes the :class:`StepOutputs` of that plan before the
-next step.
+With a prefix cache (requests submitted with token ids), admission takes the hit, chunks end where
+the checkpoint policy wants a checkpoint (``vllm_align``: :mod:`.align`), and ``checkpoint`` runs
+after every forward. :meth:`Scheduler.step` returns a :class:`StepPlan`; :meth:`Scheduler.update`
+takes the :class:`StepOutputs` of that plan before the next step.
 """
 
 from __future__ import annotations
@@ -30,7 +29,8 @@ import numpy as np
 
 from hybridkv.blockmgr.records import BlockCopies, RequestId, SwapPlan
 from hybridkv.errors import DuplicateRequestError, RequestStateError, UnknownRequestError
-from hybridkv.scheduler_adapter.cost import H200, GpuSpec, PreemptionCost, PreemptionMode
+from hybridkv.scheduler_adapter.align import aligned_chunk, export_blocks, same_step_branch
+from hybridkv.scheduler_adapter.cost import PreemptionCost, PreemptionMode
 from hybridkv.scheduler_adapter.interface import ManagerInterface
 from hybridkv.scheduler_adapter.preemption import Preemptor, SwapExecutor
 from hybridkv.scheduler_adapter.requests import (
@@ -43,70 +43,8 @@ from hybridkv.scheduler_adapter.requests import (
     StepPlan,
     StepResult,
 )
+from hybridkv.scheduler_adapter.scheduler_config import SchedulerConfig, check_hashable, request_key, token_ids
 from hybridkv.units import as_count, cdiv, is_integer
-
-
-@dataclass(frozen=True, slots=True)
-class SchedulerConfig:
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
-    num_speculative_tokens: int = 0  # k drafts per decoding request and step
-    preemption_mode: PreemptionMode = PreemptionMode.RECOMPUTE
-    gpu: GpuSpec = field(default=H200)  # for PreemptionMode.AUTO
-    chunked_prefill: bool = True
-    admission: AdmissionPolicy = AdmissionPolicy.RESERVED  # (or its value: "reserved", ...)
-    # RESERVED: decode steps of room kept per running request (None: all its remaining outputs)
-    decode_reserve_steps: int | None = 32
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "admission", AdmissionPolicy(self.admission))
-        if self.decode_reserve_steps is not None and (
-            not is_integer(self.decode_reserve_steps) or self.decode_reserve_steps < 0
-        ):
-            raise ValueError(f"decode_reserve_steps must be an integer >= 0 or None, got {self.decode_reserve_steps!r}")
-        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.num_speculative_tokens < 0:
-            raise ValueError(
-                f"max_num_seqs and max_num_batched_tokens must be >= 1 and num_speculative_tokens >= 0, got "
-                f"{self.max_num_seqs}, {self.max_num_batched_tokens}, {self.num_speculative_tokens}"
-            )
-        if self.max_num_batched_tokens <= self.num_speculative_tokens:
-            raise ValueError("max_num_batched_tokens must exceed num_speculative_tokens: a decode runs 1 + k tokens")
-
-
-def _key(req: SchedRequest) -> tuple[int, int]:
-    return req.sort_key
-
-
-_INT64 = (-(1 << 63), (1 << 63) - 1)
-
-
-def _check_hashable(request_id: object) -> None:
-    """``TypeError`` for a request id that cannot key the scheduler's and manager's books."""
-    try:
-        hash(request_id)
-    except TypeError:
-        raise TypeError(f"request ids must be hashable, got {type(request_id).__name__}") from None
-
-
-def _token_ids(tokens: object, what: str) -> tuple[int, ...]:
-    """``tokens`` as a tuple of Python ints, each an integer (numpy integers included; bools,
-    floats, strings and None refused) within int64; ``TypeError`` otherwise, before any change."""
-    if isinstance(tokens, (str, bytes, bytearray, memoryview)) or not isinstance(tokens, Iterable):
-        raise TypeError(f"{what} must be a sequence of integer token ids, got {type(tokens).__name__}")
-    if isinstance(tokens, np.ndarray) and tokens.dtype.kind in "iu" and tokens.ndim == 1:
-        out = tuple(tokens.tolist())  # (uint64 beyond int64 is caught below)
-    else:
-        out = []
-        for t in tokens:  # type: ignore[attr-defined]
-            if type(t) is not int:
-                if not is_integer(t):
-                    raise TypeError(f"{what} must be integer token ids, got {t!r} ({type(t).__name__})")
-                t = int(t)
-            out.append(t)
-        out = tuple(out)
-    if out and not (_INT64[0] <= min(out) and max(out) <= _INT64[1]):
-        raise TypeError(f"{what} must fit int64, got {min(out)}..{max(out)}")
-    return out
 
 
 class Scheduler:
@@ -146,6 +84,15 @@ class Scheduler:
         # caches prefixes, else a miss); with a prefix cache, checkpoints are taken after forwards
         # and chunks end where the policy wants one (ManagerInterface: no feature probing)
         self._checkpoints = manager.prefix_cache is not None
+        cache = manager.prefix_cache  # (_exports: vllm_align, a kernel exporting inside the last chunk)
+        self._exports = cache is not None and cache.config.export_alignment is not None
+        # vllm_align: vLLM writes the state of a chunk's end into a block it allocated for it, so
+        # a checkpoint is a must (made room for by preempting, never dropped), and the last
+        # checkpoints' pins end with the forward that ran their copies (vLLM frees the block two
+        # chunks back as it allocates the next); _owed: running requests whose checkpoint at their
+        # position found no room in update(): made at their turn in the next step
+        self._in_place = cache is not None and cache.aligns_chunks
+        self._owed: set[RequestId] = set()
         self._carried_copies = BlockCopies.empty()  # checkpoint copies for the next plan
         # pin epochs (HybridBlockManager.begin_pin_epoch): copies handed out in update() run at the
         # start of the next plan, so their blocks stay pinned one step longer than the step's own
@@ -163,12 +110,12 @@ class Scheduler:
         integer; :class:`DuplicateRequestError`, ``ValueError`` on empty prompts or outputs, and
         :class:`RequestTooLargeError` when ``prompt + max_new_tokens`` can never fit in the pool.
         """
-        _check_hashable(request_id)
+        check_hashable(request_id)
         if request_id in self.requests or request_id in self.finished:
             raise DuplicateRequestError(f"request {request_id!r} was already submitted: use a new id")
         if not (is_integer(prompt) or isinstance(prompt, Iterable)):
             raise TypeError(f"request {request_id!r}: prompt must be token ids or a token count, got {prompt!r}")
-        ids = None if is_integer(prompt) else _token_ids(prompt, f"request {request_id!r}: prompt")
+        ids = None if is_integer(prompt) else token_ids(prompt, f"request {request_id!r}: prompt")
         num_prompt = as_count(prompt, "prompt") if ids is None else len(ids)
         max_new_tokens = as_count(max_new_tokens, "max_new_tokens")
         if not is_integer(priority):
@@ -185,7 +132,7 @@ class Scheduler:
         req = SchedRequest(request_id, num_prompt, max_new_tokens, priority, self._arrivals, ids)
         self._arrivals += 1
         self.requests[request_id] = req
-        bisect.insort(self.waiting, req, key=_key)
+        bisect.insort(self.waiting, req, key=request_key)
         return req
 
     def fork(self, parent_id: RequestId, child_id: RequestId, max_new_tokens: int) -> SchedRequest:
@@ -203,15 +150,16 @@ class Scheduler:
         parent = self.requests.get(parent_id)
         if parent is None or parent.state is not RequestState.RUNNING:
             raise RequestStateError(f"request {parent_id!r} is not running: only a running request can be forked")
-        _check_hashable(child_id)
+        check_hashable(child_id)
         if as_count(max_new_tokens, "max_new_tokens") < 1:
             raise ValueError(f"fork {child_id!r}: max_new_tokens must be >= 1, got {max_new_tokens}")
         if len(self.running) >= self.config.max_num_seqs:
             raise RequestStateError(f"fork {child_id!r}: max_num_seqs={self.config.max_num_seqs} requests run already")
         outputs = list(parent.output_token_ids)
         # as add_request: the child drafts too, so its speculative sets must fit next to its tokens
-        self.manager.check_fits(parent.num_prompt_tokens + len(outputs) + max_new_tokens,
-                                self.config.num_speculative_tokens)
+        self.manager.check_fits(
+            parent.num_prompt_tokens + len(outputs) + max_new_tokens, self.config.num_speculative_tokens
+        )
         copies = self.manager.fork(parent_id, child_id)  # raises before any change when it does not fit
         child = SchedRequest(
             request_id=child_id,
@@ -229,7 +177,7 @@ class Scheduler:
         )
         self._arrivals += 1
         self.requests[child_id] = child
-        bisect.insort(self.running, child, key=_key)
+        bisect.insort(self.running, child, key=request_key)
         carried = self._carried_copies
         if len(carried):  # a parent whose own state is still being copied in (a fork of a fork):
             pending = dict(zip(carried.dst.tolist(), carried.src.tolist(), strict=True))  # copy from the source
@@ -309,6 +257,8 @@ class Scheduler:
         rows = self._check_outputs(plan, outputs)  # raises before anything changes
         self._pending = None
         self._update_epoch = self.manager.begin_pin_epoch()
+        if self._in_place:  # the plan's copies ran with its forward
+            self.manager.release_pins(before=self._update_epoch)
         done: list[RequestId] = []
         for row, req, tokens, accepted in rows:
             rid = row.request_id
@@ -324,9 +274,15 @@ class Scheduler:
             if self._checkpoints and req.token_ids_given:
                 # KV and live sets now hold num_computed_tokens: their full blocks enter the cache
                 # (mark_computed) and the policy may keep the state (pinned until the copy ran)
-                copies = self.manager.checkpoint(rid)
+                exported = None
+                if self._exports and row.num_scheduled_tokens > 1:
+                    start, end = row.num_computed_tokens, row.num_computed_tokens + row.num_scheduled_tokens
+                    exported = self.manager.exported_checkpoint_position(rid, start, end)
+                copies = self.manager.checkpoint(rid, exported=exported)
                 if len(copies):
                     self._carried_copies = self._carried_copies.concat(copies)
+                elif self._in_place and self.manager.checkpoint_blocks_due(rid):
+                    self._owed.add(rid)
             elif req.token_ids_given:
                 self.manager.mark_computed(rid, req.num_computed_tokens)
             if len(req.output_token_ids) >= req.max_new_tokens or rid in outputs.finished:
@@ -357,7 +313,7 @@ class Scheduler:
                 continue  # aborted after the step was planned
             tokens = outputs.sampled.get(rid, ())
             if tokens:
-                tokens = _token_ids(tokens, f"request {rid!r}: sampled tokens")
+                tokens = token_ids(tokens, f"request {rid!r}: sampled tokens")
             accepted = 0
             if row.num_drafts:
                 accepted = outputs.num_accepted.get(rid, len(tokens) - 1)
@@ -376,23 +332,39 @@ class Scheduler:
 
     # ---- phases ----------------------------------------------------------------------------------
     def _schedule_running(self, s: _StepBuilder) -> None:
-        exact = not self._all_fit(s.budget)
+        exact = self._in_place or not self._all_fit(s.budget)
         for req in list(self.running):
             if s.budget <= 0:
                 break
             if req.state is not RequestState.RUNNING:
                 continue  # preempted earlier in this step
             n, drafts = self._demand(req, s.budget)
-            if exact:
-                while not self._can_grow(req, n + drafts, drafts):
-                    if len(s.checkpoints) and self._cancel_checkpoints(s):
+            if not n:
+                continue  # vllm_align: the budget holds no block-aligned chunk (vLLM skips it too)
+            owed = self.manager.checkpoint_blocks_due(req.request_id) if req.request_id in self._owed else 0
+            export = export_blocks(self.manager, self._exports, req, n)
+            if exact or owed or export:
+                while not self._can_grow(req, n + drafts, drafts, owed + export, s.reserved):
+                    if not self._in_place and len(s.checkpoints) and self._cancel_checkpoints(s):
                         continue  # the last update's checkpoints (not handed out yet) gave way
                     victim = self.preemptor.choose_victim(self.running, req)
+                    # alone, it would preempt itself for nothing: its checkpoints, then the last
+                    # update's, give way (vLLM preempts itself, and can so livelock)
+                    alone = victim is req and len(self.running) == 1
+                    if alone and owed + export:
+                        owed = export = 0
+                        continue
+                    if alone and self._in_place and len(s.checkpoints) and self._cancel_checkpoints(s):
+                        continue
                     self._preempt(victim, s)
                     if victim is req:
                         break
                 if req.state is not RequestState.RUNNING:
                     break  # it preempted itself: everything after it is gone too
+            if owed:  # its copy runs with this plan's copies, before the forward moves the state
+                s.copies = s.copies.concat(self.manager.checkpoint(req.request_id))
+            self._owed.discard(req.request_id)
+            s.reserved += export
             self._run(req, n, drafts, s)
 
     def _cancel_checkpoints(self, s: _StepBuilder) -> bool:
@@ -433,7 +405,7 @@ class Scheduler:
             s.resumed.append(req.request_id)
             self.swapped.remove(req)
             req.state = RequestState.RUNNING
-            bisect.insort(self.running, req, key=_key)
+            bisect.insort(self.running, req, key=request_key)
             n, drafts = self._demand(req, s.budget)
             self._run(req, n, drafts, s)
 
@@ -445,6 +417,8 @@ class Scheduler:
             ids = req.token_ids() if req.prompt_token_ids is not None else None
             cached = self.manager.match_prefix(ids, total) if ids is not None else 0
             n = min(total - cached, s.budget)
+            if ids is not None and not aligned_chunk(self.manager, self.config, req, cached, n):
+                return  # vllm_align: no block-aligned first chunk fits this step's budget
             if ids is not None and self.manager.plan_admission(cached + n, k, ids).num_cached_tokens != cached:
                 # the manager would admit it as a miss (the hit pins more than it saves): do so
                 # without token ids, so the first chunk is one allocation
@@ -459,7 +433,7 @@ class Scheduler:
             self.waiting.pop(0)
             req.state = RequestState.RUNNING
             req.num_spec_sets = k
-            bisect.insort(self.running, req, key=_key)
+            bisect.insort(self.running, req, key=request_key)
             s.admitted.append(req.request_id)
             if ids is None:  # admit with the first chunk in one call
                 self.manager.allocate(req.request_id, n, k)
@@ -476,7 +450,10 @@ class Scheduler:
                 s.copies = s.copies.concat(alloc.copies)
             req.num_computed_tokens = req.num_allocated_tokens = req.num_cached_tokens = cached
             req.token_ids_given = len(ids)
+            if self._in_place:
+                same_step_branch(self.manager, self.requests, req, ids, s.scheduled)
             n, drafts = self._demand(req, s.budget)
+            s.reserved += export_blocks(self.manager, self._exports, req, n)
             self._run(req, n, drafts, s)
             self._promise(req, s)
 
@@ -489,6 +466,12 @@ class Scheduler:
         if self.config.admission is AdmissionPolicy.RESERVED:
             tokens += self._decode_reserve(req)
         need = self.manager.plan_admission(tokens, k, ids).num_blocks + self.manager.watermark_blocks
+        cache = self.manager.prefix_cache
+        if self._exports and cache is not None and ids is not None:  # vLLM reserves the exported checkpoint's block
+            cached = self.manager.match_prefix(ids, req.num_tokens)
+            if cache.exported_checkpoint(cached, req.num_tokens, len(ids)) is not None:
+                need += self.manager.num_state_blocks
+        need += s.reserved
         if self.config.admission is AdmissionPolicy.RESERVED:
             if s.promised < 0:
                 s.promised = sum(self._still_needs(r) for r in self.running)
@@ -525,17 +508,21 @@ class Scheduler:
         n = min(to_compute, budget)
         if cut and self._checkpoints and req.token_ids_given and self.config.chunked_prefill:
             # (without chunked prefill a prompt runs whole: the policy's positions inside it are lost)
+            n = aligned_chunk(self.manager, self.config, req, req.num_computed_tokens, n)
+            start = req.num_computed_tokens
             pos = self.manager.next_checkpoint_position(req.request_id)
-            if pos is not None and req.num_computed_tokens < pos < req.num_computed_tokens + n:
-                n = pos - req.num_computed_tokens
+            if pos is not None and start < pos < start + n:
+                exported = self._exports and self.manager.exported_checkpoint_position(req.request_id, start, start + n)
+                if exported != pos:  # (a position the kernel exports from inside the chunk: no cut)
+                    n = pos - start
         return n, 0
 
     def _kv_growth(self, num_tokens: int, n: int) -> int:
         bs = self.manager.block_size
         return cdiv(num_tokens + n, bs) - cdiv(num_tokens, bs) if self._has_kv else 0
 
-    def _can_grow(self, req: SchedRequest, n: int, drafts: int) -> bool:
-        need = self.manager.num_new_kv_blocks(req.request_id, n)
+    def _can_grow(self, req: SchedRequest, n: int, drafts: int, extra: int = 0, reserved: int = 0) -> bool:
+        need = extra + reserved + self.manager.num_new_kv_blocks(req.request_id, n)
         need += max(0, drafts - req.num_spec_sets) * self.manager.num_state_blocks
         return need <= self.manager.num_available_blocks
 
@@ -576,12 +563,13 @@ class Scheduler:
         if plan is not None:
             s.swap_out.append(plan)
             victim.state = RequestState.SWAPPED
-            bisect.insort(self.swapped, victim, key=_key)
+            bisect.insort(self.swapped, victim, key=request_key)
         else:
             victim.num_computed_tokens = victim.num_allocated_tokens = victim.token_ids_given = 0
             victim.state = RequestState.WAITING
-            bisect.insort(self.waiting, victim, key=_key)
+            bisect.insort(self.waiting, victim, key=request_key)
         s.preempted.append(Preemption(victim.request_id, mode))
+        self._owed.discard(victim.request_id)
 
     def preemption_cost(self, req: SchedRequest) -> PreemptionCost:
         """The cost model's view of preempting ``req`` (running) now."""
@@ -591,6 +579,7 @@ class Scheduler:
         return {RequestState.WAITING: self.waiting, RequestState.RUNNING: self.running}.get(req.state, self.swapped)
 
     def _retire(self, req: SchedRequest, state: RequestState) -> None:
+        self._owed.discard(req.request_id)
         req.state = state
         del self.requests[req.request_id]
         self.finished[req.request_id] = req
@@ -607,4 +596,5 @@ class _StepBuilder:
     swap_in: list[SwapPlan] = field(default_factory=list)
     copies: BlockCopies = field(default_factory=BlockCopies.empty)
     checkpoints: BlockCopies = field(default_factory=BlockCopies.empty)  # carried from the last update
+    reserved: int = 0  # blocks this step's exported checkpoints take at update() (vLLM allocates them now)
     promised: int = -1  # blocks the running prefills still need (AdmissionPolicy.RESERVED; -1: not counted yet)

@@ -45,6 +45,7 @@ class SimConfig:
     preemption: str = "auto"
     prefix: str = "lru"  # none | lru | flop_aware (the library's default eviction: lru)
     checkpoint: str = "branch_spaced"  # checkpoint policy with a prefix cache (the library's default)
+    checkpoint_export: int = 0  # vllm_align: the prefill kernel's checkpoint grid in tokens (0: none)
     speculative: int = 0  # draft tokens per decode step
     accept_rate: float = 0.7
     max_num_seqs: int = 256
@@ -116,7 +117,16 @@ def build(cfg: SimConfig) -> Built:
     host_blocks = parse_bytes(cfg.host_memory) // layout.bytes_per_block if cfg.host_memory not in ("0", "") else 0
     prefix = None
     if cfg.prefix != "none":
-        prefix = PrefixCacheConfig(checkpoint=CheckpointPolicy(cfg.checkpoint), eviction=EvictionPolicy(cfg.prefix))
+        policy = CheckpointPolicy(cfg.checkpoint)
+        # vllm_align emulates vLLM's block pool too: plain LRU, a released request's blocks queued
+        # tail first (no demoted tails), one block evicted per block taken
+        vllm = policy is CheckpointPolicy.VLLM_ALIGN
+        prefix = PrefixCacheConfig(
+            checkpoint=policy,
+            eviction=EvictionPolicy(cfg.prefix),
+            export_alignment=cfg.checkpoint_export or None,
+            **({"demote_tail": False, "evict_batch_fraction": 0.0} if vllm else {}),
+        )
     manager = HybridBlockManager(layout, num_host_blocks=host_blocks, watermark=cfg.watermark, prefix_cache=prefix)
     sched_cfg = SchedulerConfig(
         max_num_seqs=cfg.max_num_seqs,

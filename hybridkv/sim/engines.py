@@ -10,13 +10,18 @@ these fields of a :class:`~hybridkv.sim.config.SimConfig` (:data:`VLLM_POLICIES`
   ``auto``);
 - admission ``full_prompt`` (``scheduler_reserve_full_isl``, vLLM's default);
 - preemption ``recompute`` (vLLM v1 has no swap), no host pool, no watermark (vLLM's default 0);
-- prefix caching off: vLLM's ``align`` mode is not emulated here, so the vLLM engine runs without
-  prefix caching (Mamba cache mode ``none``).
+- prefix caching as ``prefix`` asks: ``none`` is vLLM's Mamba cache mode ``none``; anything else
+  is its mode ``align`` (:data:`VLLM_PREFIX`): the checkpoint policy ``vllm_align`` (state kept at
+  every block boundary a forward ends on, chunks ending on block boundaries, stops at the branch
+  point and at the prompt's last block boundary) with LRU eviction, at vLLM's block size with
+  prefix caching (Qwen3-Next's GDN layers: a multiple of FlashInfer's 64-token checkpoint grid,
+  :data:`VLLM_CHECKPOINT_ALIGNMENT`).
 
 The victim order is the same as vLLM's (the newest running request; with one priority, admission
 order and arrival order agree). ``tests/test_vllm_scheduler.py`` replays trace requests through
 vLLM's real v1 ``Scheduler`` and ``KVCacheManager`` and through this engine and checks that they
-schedule the same rows and preempt the same requests at every step.
+schedule the same rows and preempt the same requests at every step with prefix caching off, and
+that prefix-hit tokens and preemptions agree within 2% with it on.
 
 :func:`ladder` turns ``--compare engine=hybridkv,vllm`` into one column per switch, from vLLM's
 policies to hybridkv's, so that every difference in the table has one cause.
@@ -37,10 +42,13 @@ VLLM_POLICIES: dict[str, Any] = {
     "preemption": "recompute",
     "host_memory": "0",
     "watermark": 0.0,
-    "prefix": "none",
     "speculative": 0,
 }
 VLLM_STATE_DTYPE = "bfloat16"
+VLLM_PREFIX: dict[str, Any] = {"prefix": "lru", "checkpoint": "vllm_align"}  # Mamba cache mode "align"
+# recurrent mixers whose vLLM prefill kernel exports checkpoints, and its grid in tokens (FlashInfer's
+# GDN prefill on Hopper); the others (MiniMax's lightning attention) export none
+VLLM_CHECKPOINT_ALIGNMENT = {"gdn": 64}
 
 
 def engine_config(cfg: SimConfig) -> SimConfig:
@@ -48,13 +56,19 @@ def engine_config(cfg: SimConfig) -> SimConfig:
     from the model); a hybridkv config is returned as it is. Raises what resolving the model raises."""
     if cfg.engine == "hybridkv":
         return cfg
+    from hybridkv.models.spec import RecurrentLayerSpec
     from hybridkv.models.spec_file import resolve_model
     from hybridkv.planner.layout import vllm_block_size
 
     dtype = cfg.state_dtype or VLLM_STATE_DTYPE
-    block = vllm_block_size(resolve_model(cfg.model, dtype, cfg.tp))
+    model = resolve_model(cfg.model, dtype, cfg.tp)
+    caching = cfg.prefix != "none"
+    mixers = {layer.mixer for layer in model.layers if isinstance(layer, RecurrentLayerSpec)}
+    grid = max((VLLM_CHECKPOINT_ALIGNMENT.get(m, 0) for m in mixers), default=0) or None
+    block = vllm_block_size(model, prefix_caching=caching, checkpoint_alignment=grid)
     label = f"{VLLM_LABEL} {cfg.model} TP{cfg.tp} {cfg.gpu_memory}"
-    return cfg.with_changes(**VLLM_POLICIES, state_dtype=dtype, block_size=block, label=label)
+    prefix = VLLM_PREFIX | {"checkpoint_export": grid or 0} if caching else {"prefix": "none", "checkpoint_export": 0}
+    return cfg.with_changes(**VLLM_POLICIES, **prefix, state_dtype=dtype, block_size=block, label=label)
 
 
 _SWITCHES: tuple[tuple[str, ...], ...] = (  # the fields of one column's switch, in ladder order
@@ -62,7 +76,7 @@ _SWITCHES: tuple[tuple[str, ...], ...] = (  # the fields of one column's switch,
     ("layout", "block_size"),
     ("state_dtype",),
     ("preemption", "host_memory", "watermark"),
-    ("prefix", "checkpoint", "speculative"),
+    ("prefix", "checkpoint", "checkpoint_export", "speculative"),
 )
 
 
@@ -79,7 +93,8 @@ def ladder(hybridkv: SimConfig) -> list[SimConfig]:
         diff = {k: getattr(hybridkv, k) for k in keys if getattr(cur, k) != getattr(hybridkv, k)}
         if not diff:
             continue
-        what = " ".join(_show(k, v, hybridkv) for k, v in diff.items() if k not in ("block_size", "checkpoint") or v)
+        hidden = {"block_size", "checkpoint_export"} | ({"checkpoint"} if "prefix" in diff else set())
+        what = " ".join(_show(k, v, hybridkv) for k, v in diff.items() if k not in hidden or v and k == "block_size")
         cur = cur.with_changes(**diff, label=f"+ {what}")
         out.append(cur)
     if len(out) > 1:
@@ -101,6 +116,6 @@ def _show(key: str, value: Any, cfg: SimConfig) -> str:
         return f"host {value}"
     if key == "block_size":
         return f"/{value}"
-    if key == "prefix":
-        return f"prefix {value}/{cfg.checkpoint}" if value != "none" else "prefix none"
+    if key in ("prefix", "checkpoint"):
+        return f"prefix {cfg.prefix}/{cfg.checkpoint}" if cfg.prefix != "none" else "prefix none"
     return f"{key.replace('_', '-')} {value}"

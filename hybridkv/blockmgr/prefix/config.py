@@ -19,6 +19,9 @@ class CheckpointPolicy(enum.Enum):
     BRANCH_AND_LAST = "branch_and_last"  # where a request leaves the cached prefixes, and at its input's end
     BRANCH_LAST_ALIGNED = "branch_last_aligned"  # branch, finished request's end, input end on coarse grids
     BRANCH_SPACED = "branch_spaced"  # branch, finished request's end, grid back-offs, a minimum gap apart
+    # vLLM 0.33's mamba cache mode "align": every block boundary a forward ends on (chunks end on
+    # block boundaries), the prompt's last block boundary and the branch point stop a chunk
+    VLLM_ALIGN = "vllm_align"
 
 
 class EvictionPolicy(enum.Enum):
@@ -48,6 +51,11 @@ class PrefixCacheConfig:
     # hybrid models: a released request's cached KV past the deepest checkpoint on its chain can only
     # mark a branch, never serve a hit: it goes to the front of the LRU queue (evicted first)
     demote_tail: bool = True
+    # vllm_align: the recurrent layers' prefill kernel exports the state at the input's last block
+    # boundary from inside the input's last chunk, on this grid of tokens (vLLM's
+    # ``prefill_checkpoint_alignment``; FlashInfer's GDN prefill: 64), so that chunk is not split
+    # there; None: no export (the chunk stops at that boundary)
+    export_alignment: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "checkpoint", CheckpointPolicy(self.checkpoint))
@@ -66,6 +74,8 @@ class PrefixCacheConfig:
             raise ValueError(f"min_gap_tokens must be >= 0 or None, got {self.min_gap_tokens}")
         if self.gap_fraction < 0:
             raise ValueError(f"gap_fraction must be >= 0, got {self.gap_fraction}")
+        if self.export_alignment is not None and self.export_alignment <= 0:
+            raise ValueError(f"export_alignment must be a positive token count or None, got {self.export_alignment}")
         if self.every_n <= 0:
             raise ValueError(f"every_n must be a positive number of blocks, got {self.every_n}")
 

@@ -10,7 +10,13 @@ import numpy as np
 
 from hybridkv.blockmgr.prefix.config import CheckpointPolicy
 from hybridkv.blockmgr.prefix.index import ChainIndex
-from hybridkv.blockmgr.prefix.placement_rules import back_off_points, spaced_grids, spaced_positions
+from hybridkv.blockmgr.prefix.placement_rules import (
+    back_off_points,
+    spaced_grids,
+    spaced_positions,
+    vllm_align_stops,
+    vllm_exported_checkpoint,
+)
 
 
 class CheckpointPlacement(ChainIndex):
@@ -39,6 +45,22 @@ class CheckpointPlacement(ChainIndex):
         """Whether the policy needs the deepest checkpoint below a position (``below``)."""
         return self.config.checkpoint is CheckpointPolicy.BRANCH_SPACED
 
+    @property
+    def aligns_chunks(self) -> bool:
+        """Whether prefill chunks must end on block boundaries (``vllm_align``: the state is kept
+        only where a forward ends, so a chunk that is not the input's last ends on a boundary)."""
+        return self.config.checkpoint is CheckpointPolicy.VLLM_ALIGN
+
+    def exported_checkpoint(self, start: int, end: int, input_len: int) -> int | None:
+        """``vllm_align`` with ``export_alignment``: the position inside the chunk ``[start, end)``
+        whose state the prefill kernel exports (the input's last block boundary), or None."""
+        cfg = self.config
+        if cfg.checkpoint is not CheckpointPolicy.VLLM_ALIGN or cfg.export_alignment is None:
+            return None
+        if not self.host.num_state_groups:
+            return None
+        return vllm_exported_checkpoint(start, end, input_len, self.block_size, cfg.export_alignment)
+
     def planned_checkpoints(self, input_len: int, branch: int, below: int) -> list[int]:
         """``branch_spaced``: the input positions it checkpoints above ``below`` (the deepest
         checkpoint on the request's chain), ascending."""
@@ -56,6 +78,8 @@ class CheckpointPlacement(ChainIndex):
             return False
         if cfg.checkpoint is CheckpointPolicy.EVERY_N_BLOCKS:
             return (position // bs) % cfg.every_n == 0
+        if cfg.checkpoint is CheckpointPolicy.VLLM_ALIGN:
+            return True  # every block boundary a forward ends on
         wanted = self._wanted_positions(input_len, branch, below)
         return wanted is not None and (final or position in wanted)
 
@@ -83,6 +107,9 @@ class CheckpointPlacement(ChainIndex):
             step = cfg.every_n * bs
             p = -(-lo // step) * step
             return p if p <= input_len else None
+        if cfg.checkpoint is CheckpointPolicy.VLLM_ALIGN:
+            stops = vllm_align_stops(num_tokens, input_len, branch, bs)
+            return stops[0] if stops else None
         wanted = self._wanted_positions(input_len, branch, below)
         if wanted is None:
             return None

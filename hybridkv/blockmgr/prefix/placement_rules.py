@@ -113,3 +113,38 @@ def spaced_positions(
             kept.append(c)
             last = c
     return kept
+
+
+def vllm_align_stops(num_tokens: int, input_len: int, branch: int, block_size: int) -> list[int]:
+    """``vllm_align`` (vLLM 0.33's Mamba cache mode ``align``, ``Scheduler._mamba_block_aligned_split``):
+    the positions past ``num_tokens`` where a prefill chunk must end so that the state there is
+    kept, ascending: the next block boundary when ``num_tokens`` is mid-block, the branch point
+    floored to a block (``branch``: where the request's cached KV prefix ended beyond its hit; vLLM's
+    ``shared_prefix_boundary``), and the input's last block boundary before its last token (the
+    state a later identical input resumes from: ``get_mamba_prefill_checkpoint_position``). Every
+    other chunk end is floored to a block boundary by the scheduler, and the state is kept at every
+    block boundary a forward ends on (decode included)."""
+    stops = set()
+    if num_tokens % block_size:
+        stops.add(aligned_end(num_tokens, block_size) + block_size)
+    if branch > num_tokens:
+        stops.add(num_tokens + aligned_end(branch - num_tokens, block_size))
+    stops.add(aligned_end(max(input_len - 1, 0), block_size))
+    return sorted(p for p in stops if num_tokens < p < input_len)
+
+
+def vllm_exported_checkpoint(start: int, end: int, input_len: int, block_size: int, grid: int) -> int | None:
+    """``vllm_align`` with a prefill kernel that exports a checkpoint from inside a chunk (vLLM's
+    ``is_mamba_prefill_checkpoint_valid``; FlashInfer's GDN prefill, ``grid`` its alignment in
+    tokens): the input's last block boundary before its last token, when the chunk
+    ``[start, end)`` reaches the input's end, starts on a block boundary, and holds that position
+    at least a block past ``start`` on the grid; else None (the chunk stops there instead)."""
+    ckpt = aligned_end(max(input_len - 1, 0), block_size)
+    valid = (
+        end >= input_len
+        and start % block_size == 0
+        and start + block_size <= ckpt < end
+        and -(-end // block_size) - 2 > (start - 1) // block_size
+        and (ckpt - start) % grid == 0
+    )
+    return ckpt if valid else None

@@ -1,0 +1,72 @@
+"""The scheduler's rules for the ``vllm_align`` checkpoint policy (vLLM 0.33's ``align`` prefix-caching
+mode, which ``hybridkv simulate --engine vllm`` emulates): prefill chunks that end on block
+boundaries, the branch point counting this step's rows, and the block a prefill kernel's exported
+checkpoint takes. Each rule is the identity (``n``, nothing, 0) under every other policy. Numpy free."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from hybridkv.blockmgr.records import RequestId
+from hybridkv.scheduler_adapter.interface import ManagerInterface
+from hybridkv.scheduler_adapter.requests import SchedRequest, ScheduledRequest
+from hybridkv.scheduler_adapter.scheduler_config import SchedulerConfig
+
+
+def aligned_chunk(manager: ManagerInterface, config: SchedulerConfig, req: SchedRequest, start: int, n: int) -> int:
+    """``n`` prefill tokens from ``start``, floored so that the chunk ends on a block boundary
+    when the checkpoint policy keeps state only where forwards end (``vllm_align``) and the
+    chunk is not the prefill's last (vLLM's prefill end: the known tokens less the one a
+    resumed request samples from); may be 0. Otherwise ``n``. A block wider than the step's token
+    budget is worked through inside the block."""
+    cache = manager.prefix_cache
+    if cache is None or not cache.aligns_chunks or not config.chunked_prefill:
+        return n
+    known = req.num_prompt_tokens + len(req.output_token_ids)
+    end = start + n
+    if end >= max(req.num_prompt_tokens, known - 1):
+        return n
+    bs = manager.block_size
+    aligned = end // bs * bs
+    if aligned > start or bs <= config.max_num_batched_tokens:
+        return max(aligned - start, 0)
+    return n  # a block wider than any chunk: advance inside it (vLLM re-aligns at the next boundary)
+
+
+def same_step_branch(
+    manager: ManagerInterface,
+    requests: Mapping[RequestId, SchedRequest],
+    req: SchedRequest,
+    ids: Sequence[int],
+    scheduled: Sequence[ScheduledRequest],
+) -> None:
+    """``vllm_align``: the branch point of ``req`` (just admitted with token ids ``ids``) counts the
+    full blocks this step's ``scheduled`` rows schedule (vLLM caches a block's hash when it
+    schedules it, so a later request in the same step matches it); raises the manager's branch."""
+    bs, best = manager.block_size, 0
+    for row in scheduled:
+        other = requests[row.request_id]
+        if other.prompt_token_ids is None or other is req:
+            continue
+        end = min(row.num_computed_tokens + row.num_scheduled_tokens, len(ids) - 1) // bs * bs
+        theirs = other.prompt_token_ids
+        if end <= best or tuple(ids[:bs]) != theirs[:bs]:
+            continue
+        n = 0
+        while n + bs <= end and tuple(ids[n : n + bs]) == theirs[n : n + bs]:
+            n += bs
+        best = max(best, n)
+    if best > req.num_cached_tokens:
+        manager.raise_branch(req.request_id, best)
+
+
+def export_blocks(manager: ManagerInterface, exports: bool, req: SchedRequest, n: int) -> int:
+    """State blocks of the checkpoint the prefill kernel exports from ``req``'s next ``n`` tokens
+    (made at update(); vLLM allocates its block with the chunk), or 0 (``exports``: the prefix
+    cache has an ``export_alignment``)."""
+    if not exports or n < 2 or not req.token_ids_given:
+        return 0
+    start = req.num_computed_tokens
+    if manager.exported_checkpoint_position(req.request_id, start, start + n) is None:
+        return 0
+    return manager.num_state_blocks
