@@ -29,13 +29,11 @@ policies to hybridkv's, so that every difference in the table has one cause.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from hybridkv.sim.config import SimConfig
+from hybridkv.sim.settings import ENGINES, VLLM_LABEL, SimConfig
 
-ENGINES = ("hybridkv", "vllm")
-VLLM_LABEL = "vLLM 0.33 (emulated)"
+__all__ = ["ENGINES", "VLLM_LABEL", "VLLM_POLICIES", "engine_config", "ladder"]
 VLLM_POLICIES: dict[str, Any] = {
     "layout": "padded",
     "admission": "full_prompt",
