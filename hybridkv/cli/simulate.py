@@ -15,6 +15,11 @@ from typing import Any
 
 from hybridkv.cli.common import positive_int
 
+ACTIVATION_RESERVE_GIB = 6  # kept free per GPU for activations and CUDA graphs by the default cache budget
+DEFAULT_UTILIZATION = 0.9  # as hybridkv plan and vLLM
+# keys of --compare that change the model or the GPU: the default budget (computed for one) would not fit
+_BUDGET_KEYS = ("model", "tp", "gpu")
+
 EXAMPLES = """\
 examples:
   hybridkv simulate                                   MiniMax-M1 TP8, H200, 14 GiB cache, synthetic workload
@@ -22,6 +27,7 @@ examples:
   hybridkv simulate --engine vllm                     vLLM 0.33's policies on its own layout (emulated)
   hybridkv simulate --compare engine=hybridkv,vllm    vLLM 0.33 (emulated), then one column per policy switched
   hybridkv simulate --trace ../shared/traces/mooncake_synthetic_trace.jsonl --trace-limit 500 --rate-scale 0.5
+  hybridkv simulate --model qwen3-next                Qwen3-Next at its default TP2 and budget on H200s
   hybridkv simulate --model qwen3-next --tp 2 --gpu-memory 40GiB --speculative 2 --out qwen-report
 """
 
@@ -78,11 +84,18 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     m = p.add_argument_group("model and GPU")
     m.add_argument("--model", default="minimax-m1", help="preset or spec file (default minimax-m1)")
-    m.add_argument("--tp", type=positive_int, default=8, help="tensor-parallel size (default 8)")
+    m.add_argument(
+        "--tp", type=positive_int, default=None, help="tensor-parallel size (default: the preset's, as hybridkv plan)"
+    )
     m.add_argument("--state-dtype", choices=["float32", "bfloat16", "float16"], default=None)
     m.add_argument("--gpu", default="h200", help="h200, h100, a100 or a GPU JSON file (default h200)")
     m.add_argument("--calibration", default=None, help="measured JSON replacing roofline figures (ops benchmark)")
-    m.add_argument("--gpu-memory", default="14GiB", help="cache budget per GPU (default 14GiB)")
+    m.add_argument(
+        "--gpu-memory",
+        default=None,
+        help="cache budget per GPU (default: 0.9 of the --gpu preset less the weights per GPU and "
+        f"{ACTIVATION_RESERVE_GIB} GiB for activations, whole GiB; MiniMax-M1 TP8 on H200: 14GiB)",
+    )
     m.add_argument("--host-memory", default="256GiB", help="host swap pool per GPU, 0 = none (default 256GiB)")
     s = p.add_argument_group("layout and scheduler")
     s.add_argument("--engine", choices=["hybridkv", "vllm"], default="hybridkv",
@@ -162,10 +175,53 @@ def check_args(args: argparse.Namespace) -> None:
         )
 
 
+def model_defaults(args: argparse.Namespace) -> list[str]:
+    """Fill ``args.tp`` and ``args.gpu_memory`` where not given, from the model and the GPU as
+    ``hybridkv plan`` does (TP: the preset's default; cache: 0.9 of the GPU less the weights per GPU
+    and :data:`ACTIVATION_RESERVE_GIB`, rounded down to whole GiB). Returns the lines that say what
+    was assumed; raises ``ValueError`` (exit 2) where it cannot be known, before any work."""
+    from hybridkv.models import presets as P
+    from hybridkv.models.spec_file import is_spec_path
+
+    name = None if is_spec_path(args.model) else P._canonical(args.model)  # (an unknown name raises)
+    said = []
+    if args.tp is None:
+        if name is None:
+            args.tp = 1
+            said.append("TP1: spec files default to TP1 (--tp to change)")
+        else:
+            args.tp = P.default_tp(name, args.gpu if args.gpu.lower() in P.GPU_MEMORY_BYTES else P.DEFAULT_TP_GPU)
+            said.append(f"TP{args.tp}: the default for {name} (--tp to change)")
+    if args.gpu_memory is None:
+        varied = [a.partition("=")[0].strip() for a in args.compare or []]
+        if any(k in _BUDGET_KEYS for k in varied):
+            raise ValueError("--compare varies the model, TP or GPU: give the cache budget as --gpu-memory SIZE")
+        if name is None or args.gpu.lower() not in P.GPU_MEMORY_BYTES:
+            raise ValueError(
+                "--gpu-memory SIZE is needed: the default budget subtracts the weights of a preset model from a "
+                f"named GPU ({', '.join(P.GPU_MEMORY_BYTES)})"
+            )
+        total, weights = P.gpu_memory_bytes(args.gpu), P.weight_bytes_per_gpu(name, args.tp)
+        budget = int(DEFAULT_UTILIZATION * total) - weights - ACTIVATION_RESERVE_GIB * 2**30
+        if budget < 2**30:
+            raise ValueError(
+                f"{name} at TP{args.tp} leaves no cache on one {args.gpu.upper()} (weights "
+                f"{weights / 2**30:.1f} GiB per GPU): raise --tp or give --gpu-memory SIZE"
+            )
+        args.gpu_memory = f"{budget // 2**30}GiB"
+        said.append(
+            f"cache {args.gpu_memory} per GPU: {DEFAULT_UTILIZATION:g} x {args.gpu.upper()} {total / 2**30:.1f} GiB - "
+            f"weights {weights / 2**30:.1f} GiB - {ACTIVATION_RESERVE_GIB} GiB for activations, rounded down "
+            "(--gpu-memory to change)"
+        )
+    return said
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the simulation(s), write the reports, print where they are and the comparison table.
     Bad flags, an empty trace or an empty trace window are refused before any simulation runs."""
     check_args(args)
+    assumed = model_defaults(args)  # said once every check passed (an error stays one line)
     from hybridkv.sim.compare import expand, run_all
     from hybridkv.sim.config import SimConfig
     from hybridkv.sim.report import comparison_table, write_reports
@@ -203,6 +259,8 @@ def run(args: argparse.Namespace) -> int:
         build_layout(c)
     workload = _workload(args)
     workload.check_runnable()  # an empty trace or window: one line, exit 2, no zero-step run
+    for line in assumed:
+        print(f"hybridkv simulate: {line}", file=sys.stderr)
     summaries = run_all(configs, workload, args.workers, progress=not args.no_progress, ray_address=args.ray)
     paths = write_reports(summaries, args.out)
     for row in comparison_table(summaries):
