@@ -34,9 +34,9 @@ from hybridkv.units import format_bytes, parse_bytes, parse_tokens
 # Re-exported: the formatting lives in plan_output, these names stay importable from here.
 __all__ = ["build_plan", "cmd_plan", "engine_dtype_note", "longest_context", "model_dtypes", "plot_capacity"]
 
-DEFAULT_GPU = "h200"  # without --gpu / --gpu-memory: one of these per rank, at DEFAULT_UTILIZATION
+DEFAULT_GPU = P.DEFAULT_TP_GPU  # without --gpu / --gpu-memory: one of these per rank, at DEFAULT_UTILIZATION
 DEFAULT_CONTEXT = "32k"
-DEFAULT_UTILIZATION = 0.9
+DEFAULT_UTILIZATION = P.DEFAULT_GPU_UTILIZATION
 
 EXAMPLES = """\
 examples:

@@ -16,7 +16,6 @@ from typing import Any
 from hybridkv.cli.common import positive_int
 
 ACTIVATION_RESERVE_GIB = 6  # kept free per GPU for activations and CUDA graphs by the default cache budget
-DEFAULT_UTILIZATION = 0.9  # as hybridkv plan and vLLM
 # keys of --compare that change the model or the GPU: the default budget (computed for one) would not fit
 _BUDGET_KEYS = ("model", "tp", "gpu")
 
@@ -202,7 +201,7 @@ def model_defaults(args: argparse.Namespace) -> list[str]:
                 f"named GPU ({', '.join(P.GPU_MEMORY_BYTES)})"
             )
         total, weights = P.gpu_memory_bytes(args.gpu), P.weight_bytes_per_gpu(name, args.tp)
-        budget = int(DEFAULT_UTILIZATION * total) - weights - ACTIVATION_RESERVE_GIB * 2**30
+        budget = int(P.DEFAULT_GPU_UTILIZATION * total) - weights - ACTIVATION_RESERVE_GIB * 2**30
         if budget < 2**30:
             raise ValueError(
                 f"{name} at TP{args.tp} leaves no cache on one {args.gpu.upper()} (weights "
@@ -210,9 +209,9 @@ def model_defaults(args: argparse.Namespace) -> list[str]:
             )
         args.gpu_memory = f"{budget // 2**30}GiB"
         said.append(
-            f"cache {args.gpu_memory} per GPU: {DEFAULT_UTILIZATION:g} x {args.gpu.upper()} {total / 2**30:.1f} GiB - "
-            f"weights {weights / 2**30:.1f} GiB - {ACTIVATION_RESERVE_GIB} GiB for activations, rounded down "
-            "(--gpu-memory to change)"
+            f"cache {args.gpu_memory} per GPU: {P.DEFAULT_GPU_UTILIZATION:g} x {args.gpu.upper()} "
+            f"{total / 2**30:.1f} GiB - weights {weights / 2**30:.1f} GiB - {ACTIVATION_RESERVE_GIB} GiB for "
+            "activations, rounded down (--gpu-memory to change)"
         )
     return said
 

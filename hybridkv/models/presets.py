@@ -499,7 +499,8 @@ GPU_MEMORY_BYTES: dict[str, int] = {
 }
 
 WEIGHT_DTYPE_BYTES: dict[str, float] = {"bfloat16": 2.0, "float16": 2.0, "fp8": 1.0, "int8": 1.0, "int4": 0.5}
-DEFAULT_TP_GPU = "h200"
+DEFAULT_TP_GPU = "h200"  # the GPU assumed where none is named (default TP, plan and simulate budgets)
+DEFAULT_GPU_UTILIZATION = 0.9  # share of a GPU's memory an engine may use (vLLM's default)
 DEFAULT_TP_WEIGHT_FRACTION = 0.8
 TP_CHOICES = (1, 2, 4, 8, 16, 32, 64)
 
