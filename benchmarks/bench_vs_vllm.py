@@ -45,7 +45,6 @@ Without vLLM it prints why and exits 0 (it is not part of ``.ci/run``); if vLLM 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import statistics
@@ -59,6 +58,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._common import save  # noqa: E402
 from benchmarks.bench_scheduler import NUM_REQUESTS, PROMPT_TOKENS, warm_decode  # noqa: E402
+from benchmarks.vllm_replay import vllm_config  # noqa: E402
 from hybridkv.blockmgr.manager import HybridBlockManager  # noqa: E402
 from hybridkv.blockmgr.pool import make_pool  # noqa: E402
 from hybridkv.blockmgr.prefix import EvictionPolicy, PrefixCacheConfig  # noqa: E402
@@ -153,35 +153,11 @@ class Vllm:
         ``num_blocks`` blocks. Its ``VllmConfig`` reads a 2-layer llama ``config.json`` written to
         ``model_dir`` (no weights, no tokenizer); the scheduler and hash block sizes come from vLLM's
         own resolution for these groups, as its engine core does."""
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the model is a local directory
-        from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
         from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
         from vllm.v1.core.sched.scheduler import Scheduler
         from vllm.v1.structured_output import StructuredOutputManager
 
-        hf_config = {
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
-            "hidden_size": 64,
-            "intermediate_size": 128,
-            "num_attention_heads": 2,
-            "num_key_value_heads": 1,
-            "num_hidden_layers": 2,
-            "vocab_size": 1000,
-            "max_position_embeddings": MAX_MODEL_LEN,
-            "torch_dtype": "bfloat16",
-        }
-        with open(os.path.join(model_dir, "config.json"), "w") as f:
-            json.dump(hf_config, f)
-        model = ModelConfig(model=model_dir, skip_tokenizer_init=True, max_model_len=MAX_MODEL_LEN, dtype="bfloat16")
-        sched = SchedulerConfig(
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_batched_tokens,
-            max_model_len=MAX_MODEL_LEN,
-            is_encoder_decoder=False,
-        )
-        cache = CacheConfig(block_size=VLLM_BLOCK, enable_prefix_caching=False)
-        config = VllmConfig(model_config=model, scheduler_config=sched, cache_config=cache)
+        config = vllm_config(model_dir, max_num_seqs, max_batched_tokens, VLLM_BLOCK, True, max_model_len=MAX_MODEL_LEN)
         kv = self.kv_cache_config(num_blocks, caching=False)
         config.cache_config.num_gpu_blocks = num_blocks
         block_size, hash_block_size = resolve_kv_cache_block_sizes(kv, config)

@@ -184,7 +184,7 @@ def _cpu() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the model is a local directory
 
 
-def _vllm_config(
+def vllm_config(
     model_dir: str,
     max_num_seqs: int,
     max_num_batched_tokens: int,
@@ -192,7 +192,10 @@ def _vllm_config(
     reserve_full_isl: bool,
     kv_heads: int = 1,
     head_dim: int = 32,
+    max_model_len: int = MAX_MODEL_LEN,
 ) -> Any:
+    """vLLM's ``VllmConfig`` over a 2-layer llama ``config.json`` written to ``model_dir`` (no weights,
+    no tokenizer), prefix caching off in the config (the KV cache config given to the scheduler decides)."""
     _cpu()
     from vllm.config import CacheConfig, ModelConfig, VllmConfig
     from vllm.config import SchedulerConfig as VSchedulerConfig
@@ -207,16 +210,16 @@ def _vllm_config(
         "head_dim": head_dim,
         "num_hidden_layers": 2,
         "vocab_size": 1000,
-        "max_position_embeddings": MAX_MODEL_LEN,
+        "max_position_embeddings": max_model_len,
         "torch_dtype": "bfloat16",
     }
     with open(os.path.join(model_dir, "config.json"), "w") as f:
         json.dump(hf_config, f)
-    model = ModelConfig(model=model_dir, skip_tokenizer_init=True, max_model_len=MAX_MODEL_LEN, dtype="bfloat16")
+    model = ModelConfig(model=model_dir, skip_tokenizer_init=True, max_model_len=max_model_len, dtype="bfloat16")
     sched = VSchedulerConfig(
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
-        max_model_len=MAX_MODEL_LEN,
+        max_model_len=max_model_len,
         is_encoder_decoder=False,
         scheduler_reserve_full_isl=reserve_full_isl,
     )
@@ -311,7 +314,7 @@ def vllm_aligned_block_size(model: str, prefix_caching: bool = False) -> int:
             return tuple(dtypes[c.dtype.value] for c in recurrent[0].components)
 
     with tempfile.TemporaryDirectory(prefix="vllm_replay_") as model_dir:
-        config = _vllm_config(model_dir, 256, 8192, 16, True, kv_heads=attn.num_kv_heads, head_dim=attn.head_dim)
+        config = vllm_config(model_dir, 256, 8192, 16, True, kv_heads=attn.num_kv_heads, head_dim=attn.head_dim)
     if prefix_caching:
         config.cache_config.enable_prefix_caching, config.cache_config.mamba_cache_mode = True, "align"
     platform = type(current_platform)
@@ -354,7 +357,7 @@ def vllm_scheduler(
     gdn = any(getattr(layer, "mixer", "") == "gdn" for layer in spec.layers)
     block_size = vllm_aligned_block_size(model, prefix_caching)  # vLLM's own rule, not hybridkv's
     with tempfile.TemporaryDirectory(prefix="vllm_replay_") as model_dir:
-        config = _vllm_config(model_dir, max_num_seqs, max_num_batched_tokens, block_size, reserve_full_isl)
+        config = vllm_config(model_dir, max_num_seqs, max_num_batched_tokens, block_size, reserve_full_isl)
     if prefix_caching:
         c = config.cache_config
         c.enable_prefix_caching, c.mamba_cache_mode, c.mamba_block_size = True, "align", block_size
