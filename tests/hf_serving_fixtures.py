@@ -18,78 +18,37 @@ from hybridkv.blockmgr.prefix import PrefixCacheConfig
 from hybridkv.integrations.transformers import EngineConfig, HFEngine, ModelDrafter, SamplingParams, model_spec
 from hybridkv.planner.layout import plan
 from hybridkv.scheduler_adapter import H200, PreemptionMode, Preemptor
+from tests.hf_tiny_configs import CASES
 
-BASE = dict(vocab_size=128, hidden_size=64, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2)
-MAMBA = dict(mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=2, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2)
-GDN = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=16)
+# the oracle tests' tiny configs (tests/hf_tiny_configs.py) with what serving changes: SSD / lightning
+# chunks shorter than a prompt (HF's chunked scans run), and Nemotron-H without its MoE block
+_NEMOTRON_MOE = (
+    "n_routed_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "moe_shared_expert_intermediate_size",
+)
+_ALTERNATING = ["linear_attention", "full_attention", "linear_attention", "full_attention"]
+
+
+def _serving(model_type: str, drop: tuple[str, ...] = (), **changes: object) -> dict:
+    return {k: v for k, v in CASES[model_type].items() if k not in drop} | changes
+
 
 FAMILY_CONFIGS: dict[str, dict] = {
-    "qwen3_5_text": dict(
-        BASE,
-        num_hidden_layers=4,
-        head_dim=16,
-        linear_conv_kernel_dim=4,
-        **GDN,
-        layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
-    ),
-    "mamba2": dict(
-        vocab_size=128,
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_heads=8,
-        head_dim=16,
-        state_size=8,
-        n_groups=2,
-        conv_kernel=4,
-        expand=2,
-        chunk_size=8,
-    ),
-    "nemotron_h": dict(
-        BASE,
+    "qwen3_5_text": _serving("qwen3_5_text", layer_types=_ALTERNATING),
+    "mamba2": _serving("mamba2", chunk_size=8),
+    "nemotron_h": _serving(
+        "nemotron_h",
+        drop=_NEMOTRON_MOE,
         layers_block_type=["linear_attention", "full_attention", "mlp"],
-        head_dim=16,
-        mamba_num_heads=8,
-        mamba_head_dim=16,
-        ssm_state_size=8,
-        n_groups=2,
-        conv_kernel=4,
         chunk_size=8,
     ),
-    "jamba": dict(
-        BASE,
-        num_hidden_layers=4,
-        attn_layer_period=2,
-        attn_layer_offset=1,
-        mamba_d_state=8,
-        mamba_d_conv=4,
-        mamba_expand=2,
-        mamba_dt_rank=8,
-        num_experts=2,
-        num_experts_per_tok=1,
-        expert_layer_period=2,
-        expert_layer_offset=1,
-    ),
-    "minimax": dict(
-        BASE,
-        num_hidden_layers=4,
-        head_dim=16,
-        num_local_experts=2,
-        num_experts_per_tok=1,
-        block_size=8,
-        layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
-    ),
-    "falcon_h1": dict(BASE, num_hidden_layers=2, head_dim=16, mamba_d_ssm=128, mamba_chunk_size=8, **MAMBA),
-    "bamba": dict(BASE, num_hidden_layers=3, attn_layer_indices=[1], mamba_chunk_size=8, **MAMBA),
-    "granitemoehybrid": dict(
-        BASE,
-        num_hidden_layers=3,
-        layer_types=["mamba", "attention", "mamba"],
-        num_local_experts=2,
-        num_experts_per_tok=1,
-        shared_intermediate_size=32,
-        mamba_chunk_size=8,
-        **MAMBA,
-    ),
+    "jamba": _serving("jamba"),
+    "minimax": _serving("minimax", block_size=8),
+    "falcon_h1": _serving("falcon_h1", mamba_chunk_size=8),
+    "bamba": _serving("bamba", mamba_chunk_size=8),
+    "granitemoehybrid": _serving("granitemoehybrid", mamba_chunk_size=8),
 }
 
 
