@@ -34,7 +34,9 @@ from hybridkv.models.spec_file import load_spec  # noqa: E402
 PINNED = "5.24.0"
 from tests.hf_tiny_configs import CASES  # noqa: E402
 
-HF_CONV_STATES = ("qk_window",)
+HF_CONV_STATES = ("qk_window", "ple_window", "ngram_ids")
+# transformers model types whose text model has no causal-LM head class: the oracle runs the base model
+BASE_MODEL_ONLY = ("glm5_next_text",)
 
 
 def _quiet():
@@ -49,7 +51,8 @@ def _run_tiny(model_type: str, tmp: Path) -> tuple[list[dict], Path]:
     _quiet()
     cfg = transformers.CONFIG_MAPPING[model_type](pad_token_id=0, **CASES[model_type])
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
+    auto = transformers.AutoModel if model_type in BASE_MODEL_ONLY else transformers.AutoModelForCausalLM
+    model = auto.from_config(cfg, dtype=torch.bfloat16).eval()
     model.config.save_pretrained(tmp)
     ids = torch.randint(1, 100, (1, 5))
     with torch.no_grad():
@@ -70,7 +73,8 @@ def _run_tiny(model_type: str, tmp: Path) -> tuple[list[dict], Path]:
             return [{"state": [(tuple(t.shape[1:]), t.dtype) for t in rnn[i]]} for i in sorted(rnn)], tmp
         # transformers 5 names the argument cache (past_key_values deprecated; some models take only cache)
         arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-        cache = model(ids[:, :1], **{arg: out.past_key_values}, use_cache=True).past_key_values
+        cache = model(ids[:, :1], **{arg: _cache_of(out)}, use_cache=True)
+        cache = _cache_of(cache)
     layers = []
     linear = getattr(cache, "linear_cache", None)  # MiniMaxCache keeps lightning states beside its layers
     for i, layer in enumerate(cache.layers):
@@ -81,6 +85,15 @@ def _run_tiny(model_type: str, tmp: Path) -> tuple[list[dict], Path]:
             assert keys.shape[2] == 6, f"layer {i} holds {keys.shape[2]} tokens: the decode did not reuse the cache"
             d["k"] = (keys.shape[1], keys.shape[3], keys.dtype)
             d["v"] = (values.shape[1], values.shape[3], values.dtype)
+        side = []  # DynamicIndexedLayer: indexer keys [batch, tokens, width], positions [3, batch, tokens]
+        for attr, width_of in (("indexer_keys", lambda t: t.shape[2]), ("indexer_position_ids", lambda t: t.shape[0])):
+            t = getattr(layer, attr, None)
+            if torch.is_tensor(t):
+                tokens = t.shape[1] if attr == "indexer_keys" else t.shape[2]
+                assert tokens == 6, f"layer {i} {attr} holds {tokens} tokens"
+                side.append((width_of(t), t.dtype))
+        if side:
+            d["side"] = side
         for name, attr in (("conv", "conv_states"), ("state", "recurrent_states")):
             ts = getattr(layer, attr, None)
             ts = list(ts.values()) if isinstance(ts, dict) else ts
@@ -92,6 +105,12 @@ def _run_tiny(model_type: str, tmp: Path) -> tuple[list[dict], Path]:
             d["state"] = [*d.get("state", []), *((tuple(t.shape[1:]), t.dtype) for t in (keys, values))]
         layers.append({k: v for k, v in d.items() if v})
     return layers, tmp
+
+
+def _cache_of(out):
+    """The cache a forward returned (base models of transformers 5 name it ``cache``)."""
+    cache = getattr(out, "past_key_values", None)
+    return cache if cache is not None else out.cache
 
 
 def _recurrent_gemma_layer(block, layer) -> dict:
@@ -114,6 +133,8 @@ def _expected(layer) -> dict:
     if isinstance(attn, AttentionLayerSpec):
         out["k"] = (attn.num_kv_heads, attn.head_dim, _torch(attn.dtype))
         out["v"] = (attn.num_kv_heads, attn.value_head_dim, _torch(attn.dtype))
+        if attn.side:
+            out["side"] = [(t.width, _torch(t.dtype)) for t in attn.side]
     if isinstance(rec, RecurrentLayerSpec):
         is_conv = [c.name.startswith(("conv", *HF_CONV_STATES)) for c in rec.components]
         conv = [(c.shape, _torch(c.dtype)) for c, k in zip(rec.components, is_conv, strict=True) if k]
@@ -140,6 +161,12 @@ def test_load_spec_matches_the_cache_transformers_keeps(model_type, tmp_path):
         if model_type == "rwkv":  # transformers keeps the five vectors in one order: shifts, num, den, max
             exp = {"state": exp["state"]}
         assert exp == theirs, f"{model_type} layer {i}"
+        attn = ours.attention if isinstance(ours, HybridLayerSpec) else ours
+        if isinstance(attn, AttentionLayerSpec):  # bytes per token: K, V and side tensors as transformers keeps them
+            size = lambda dt: torch.empty((), dtype=dt).element_size()  # noqa: E731
+            kept = sum(h * w * size(dt) for h, w, dt in (theirs["k"], theirs["v"]))
+            kept += sum(w * size(dt) for w, dt in theirs.get("side", []))
+            assert kept == attn.kv_bytes_per_token, f"{model_type} layer {i}: {kept} B per token"
     # hybridkv keeps one conv column fewer than transformers, and says so
     wide = with_conv_columns(spec, "kernel")
     for (_, a), (_, b) in zip(spec.recurrent_layers(), wide.recurrent_layers(), strict=True):
@@ -196,6 +223,9 @@ def test_every_hybrid_or_recurrent_model_type_reads_or_says_why():
             msg = str(e)
             assert len(msg.splitlines()) == 1 and repr(mt) in msg or "text_config" in msg, msg
             inner = str((d.get("text_config") or {}).get("model_type", ""))
+            if "qwen4_exp_text" in (mt, inner):  # its default config names no QSA indexer: transformers cannot build it
+                assert "needs 'indexer_head_dim'" in msg, msg
+                continue
             if mt in CASES:  # a reader's family: its default config lacks the layer kinds, and says which key
                 assert "needs 'layer_types'" in msg, msg
                 continue
@@ -204,9 +234,10 @@ def test_every_hybrid_or_recurrent_model_type_reads_or_says_why():
         else:
             assert spec.recurrent_layer_ids or spec.attention_layer_ids
             read.append(mt)
-    assert set(CASES) - {"lfm2_moe"} <= set(read)
+    assert set(CASES) - {"lfm2_moe", "qwen4_exp_text"} <= set(read)
     assert {"xlstm", "zamba", "bailing_hybrid", "recurrent_gemma", "lfm3_vl"} <= set(read)
-    assert {"glm5_next", "qwen4_exp"} <= set(refused) and {"inkling_mm_model", "inkling2", "inkling2_loop"} <= set(read)
+    assert {"glm5_next", "glm5_next_text"} <= set(read) and not {"qwen4_exp", "qwen4_exp_text"} & set(refused)
+    assert {"inkling_mm_model", "inkling2", "inkling2_loop"} <= set(read)
 
 
 @pytest.mark.parametrize("model_type", ["llama4_hybrid_next", "mamba3"])
@@ -233,6 +264,14 @@ def test_a_model_type_added_later_is_one_clear_line(model_type):
         # NX-AI/xLSTM-7b's config.json names embedding_dim and num_blocks only (transformers' class defaults
         # for hidden_size / num_hidden_layers, 4096 / 32, happen to equal them)
         ("xlstm", dict(embedding_dim=4096, num_blocks=32, num_heads=8, qk_dim_factor=0.5, v_dim_factor=1.0)),
+        # GLM-5 Next with the hub's linear_attn_config spelling of the KDA fields (transformers copies them)
+        (
+            "glm5_next_text",
+            dict(
+                {k: v for k, v in CASES["glm5_next_text"].items() if k not in ("linear_head_dim", "linear_num_heads")},
+                linear_attn_config={"num_heads": 4, "head_dim": 8, "short_conv_kernel_size": 3},
+            ),
+        ),
     ],
 )
 def test_hub_keys_read_as_transformers_derives_them(model_type, hub, tmp_path):
@@ -248,3 +287,30 @@ def test_xlstm_dims_the_cache_and_the_layer_disagree_on_are_refused():
     with pytest.raises(SpecError, match="not a multiple of 64") as e:
         spec_from_hf_config(cfg)
     assert len(str(e.value).splitlines()) == 1
+
+
+@pytest.mark.parametrize("model_type", ["glm5_next_text", "qwen4_exp_text"])
+def test_indexed_models_plan_and_a_manager_allocates_them(model_type, tmp_path):
+    """The side tensors of the config transformers wrote are paged with K/V: the planner gives them
+    segments after V and one request's blocks are exactly its footprint."""
+    from hybridkv.blockmgr.manager import HybridBlockManager
+    from hybridkv.planner.layout import plan
+
+    _quiet()
+    transformers.CONFIG_MAPPING[model_type](pad_token_id=0, dtype="bfloat16", **CASES[model_type]).save_pretrained(
+        tmp_path
+    )
+    spec = load_spec(tmp_path)
+    layout = plan(spec, 8 * 2**20)
+    assert layout.side_segments > 0
+    per_token = layout.segment_bytes // layout.block_size
+    for _, attn in spec.attention_layers():
+        first, n, _ = layout.side_segment_run(attn)
+        assert first == layout.key_segments + layout.value_segments and n * per_token >= attn.side_bytes_per_token
+    manager = HybridBlockManager(layout)
+    free = manager.num_available_blocks
+    manager.allocate("r", 100)
+    assert free - manager.num_available_blocks == layout.footprint(100).num_blocks
+    fp = layout.footprint(100)
+    assert fp.kv_bytes == 100 * spec.kv_bytes_per_token
+    assert fp.kv_bytes + fp.state_bytes + fp.waste.total_bytes == fp.allocated_bytes

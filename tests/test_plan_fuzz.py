@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from hybridkv.cli import main
 from hybridkv.errors import SpecError
 from hybridkv.models.spec_file import load_spec
-from tests.test_spec_io import HF_CONFIGS
+from tests.test_spec_io import GLM5_NEXT, HF_CONFIGS, QWEN4_EXP
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE_TOML = ROOT / "examples" / "specs" / "my-hybrid.toml"
@@ -50,7 +50,13 @@ LAYERS_SPEC = {
         {"kind": "none"},
     ],
 }
-SEEDS: list[dict[str, Any]] = [tomllib.loads(EXAMPLE_TOML.read_text()), LAYERS_SPEC, *HF_CONFIGS.values()]
+SEEDS: list[dict[str, Any]] = [
+    tomllib.loads(EXAMPLE_TOML.read_text()),
+    LAYERS_SPEC,
+    *HF_CONFIGS.values(),
+    GLM5_NEXT,  # indexed attention: side tensors, K-only MLA
+    QWEN4_EXP,
+]
 
 ODD_VALUES = st.one_of(
     st.none(),

@@ -4,7 +4,7 @@ import pytest
 
 from hybridkv.errors import SpecError, TensorParallelError
 from hybridkv.models.presets import PRESET_NAMES, default_state_dtype, preset
-from hybridkv.models.spec import DType, StateComponent
+from hybridkv.models.spec import DType, ModelSpec, RecurrentLayerSpec, StateComponent
 
 KiB, MiB = 1024, 1024**2
 
@@ -280,3 +280,13 @@ def test_cache_view_keeps_the_decoder_layer_of_loop_copies():
     hybrid = HybridLayerSpec(AttentionLayerSpec(1, 8), rec)
     model = ModelSpec("loop", (rec, hybrid, rec, hybrid), decoder_layer_ids=(0, 1, 2, 1))  # layer 1 runs twice
     assert model.cache_view().decoder_layer_ids == (0, 1, 1, 2, 1, 1)
+
+
+def test_a_cache_beyond_an_exbibyte_is_refused_before_planning():
+    from hybridkv.models.spec import MAX_CACHE_BYTES
+
+    huge = RecurrentLayerSpec("x", (StateComponent("s", (2**31, 2**31), DType.BFLOAT16),))  # 2**63 bytes
+    with pytest.raises(SpecError, match="above 2\\*\\*60 bytes"):
+        ModelSpec("huge", (huge,))
+    fits = RecurrentLayerSpec("x", (StateComponent("s", (2**29, 2**30), DType.BFLOAT16),))  # exactly 2**60
+    assert ModelSpec("fits", (fits,)).state_bytes == MAX_CACHE_BYTES

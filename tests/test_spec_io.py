@@ -157,3 +157,118 @@ def test_load_spec_takes_tp_size_as_preset_does(tmp_path):
     for bad in (0, 1.5, True, "2"):
         with pytest.raises(ValueError, match="tp_size"):
             load_spec(path, tp_size=bad)
+
+
+# ---- DeepSeek-sparse (indexed) attention: GLM-5 Next and Qwen4-exp (issue 27) -----------------------
+GLM5_NEXT = {
+    "model_type": "glm5_next_text",
+    "num_hidden_layers": 8,
+    "num_attention_heads": 64,
+    "kv_lora_rank": 512,
+    "qk_rope_head_dim": 0,
+    "index_head_dim": 128,
+    "linear_num_heads": 64,
+    "linear_head_dim": 128,
+    "linear_conv_kernel_dim": 4,
+    "dtype": "bfloat16",
+}
+
+
+def test_glm5_next_layers_indexer_and_its_shared_layers():
+    spec = spec_from_hf_config(GLM5_NEXT)
+    assert spec.attention_layer_ids == (3, 7)  # every 4th from 3 without layer_types, as transformers
+    mla = spec.layers[3]
+    assert (mla.num_kv_heads, mla.head_dim, mla.value_head_dim) == (1, 512, 0)
+    assert [(t.name, t.width, t.dtype.value) for t in mla.side] == [("indexer", 257, "bfloat16")]
+    assert spec.kv_bytes_per_token == 2 * (512 * 2 + 257 * 2)
+    assert spec.layers[0].component("ssm").shape == (64, 128, 128) and spec.layers[0].component("conv").shape == (
+        3 * 64 * 128,
+        3,
+    )
+    shared = spec_from_hf_config({**GLM5_NEXT, "index_topk_pattern": "FFFFFFFS"})
+    assert shared.layers[7].side == () and shared.layers[3].side == mla.side
+    assert shared.dtype_source("indexer.indexer").startswith("bfloat16")
+    tp4 = spec.shard(4)  # MLA latent and indexer replicated, KDA heads split
+    assert tp4.layers[3].kv_bytes_per_token == mla.kv_bytes_per_token and tp4.layers[3].side == mla.side
+    assert tp4.layers[0].component("ssm").shape == (16, 128, 128)
+
+
+def test_glm5_next_flat_and_composite_configs_read_as_the_text_config():
+    text = spec_from_hf_config(GLM5_NEXT)
+    flat = spec_from_hf_config({**GLM5_NEXT, "model_type": "glm5_next"})
+    composite = spec_from_hf_config({"model_type": "glm5_next", "dtype": "bfloat16", "text_config": GLM5_NEXT})
+    assert flat.layers == composite.layers == text.layers
+    # the hub's linear_attn_config spelling of the KDA fields (as Kimi Linear's), read as transformers copies it
+    hub = {k: v for k, v in GLM5_NEXT.items() if not k.startswith("linear_")}
+    hub["linear_attn_config"] = {"num_heads": 64, "head_dim": 128, "short_conv_kernel_size": 4}
+    assert spec_from_hf_config(hub).layers == text.layers
+    hub["linear_attn_config"]["num_heads"] = 32
+    assert spec_from_hf_config(hub).layers[0].component("ssm").shape == (32, 128, 128)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"index_topk_pattern": "FFFSFFFF"}, "no earlier indexed layer runs the indexer"),
+        ({"qk_rope_head_dim": 64}, "NoPE"),
+        ({"indexer_types": ["full"] * 7 + ["sometimes"]}, "indexer_types names ['sometimes']"),
+        ({"index_topk_pattern": "FF"}, "index_topk_pattern must give F or S"),
+    ],
+)
+def test_glm5_next_configs_transformers_would_not_run_are_one_line(change, message):
+    with pytest.raises(SpecError) as e:
+        spec_from_hf_config({**GLM5_NEXT, **change})
+    assert message in str(e.value) and len(str(e.value).splitlines()) == 1
+
+
+QWEN4_EXP = {
+    "model_type": "qwen4_exp_text",
+    "num_hidden_layers": 8,
+    "hidden_size": 2048,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 2,
+    "head_dim": 256,
+    "indexer_n_heads": 16,
+    "indexer_kv_heads": 1,
+    "indexer_head_dim": 256,
+    "indexer_budget": 2048,
+    "indexer_compress_ratio": 4,
+    "ple_layer_ids": [1, 2],
+    "hc_count": 4,
+    "ple_conv_kernel_size": 4,
+    "ngram_size": 3,
+    "dtype": "bfloat16",
+}
+
+
+def test_qwen4_exp_indexer_keys_positions_and_ple_state():
+    spec = spec_from_hf_config(QWEN4_EXP)
+    assert spec.attention_layer_ids == (3, 7)  # every 4th layer (full_attention_interval 4)
+    first, second = spec.layers[3], spec.layers[7]
+    assert [(t.name, t.width, t.dtype.value) for t in first.side] == [
+        ("indexer_keys", 256, "bfloat16"),
+        ("positions", 3, "int64"),
+    ]
+    assert [t.name for t in second.side] == ["indexer_keys"]
+    assert spec.kv_bytes_per_token == 2 * (2 * 2 * 256 * 2 + 256 * 2) + 3 * 8
+    ple = spec.layers[0]
+    assert [c.name for c in ple.components] == ["ssm", "conv", "ple_window", "ngram_ids"]
+    assert ple.component("ple_window").shape == (4 * 2048, 9) and ple.component("ngram_ids").shape == (2,)
+    assert ple.component("ngram_ids").dtype.value == "int64" and spec.layers[2].mixer == "gdn"
+    tp2 = spec.shard(2)  # GDN heads split, the PLE state replicated
+    assert tp2.layers[0].component("ple_window") == ple.component("ple_window")
+    assert tp2.layers[0].component("ssm").shape == (16, 128, 128)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"indexer_head_dim": None}, "needs 'indexer_head_dim'"),
+        ({"indexer_kv_heads": 2}, "indexer_kv_heads must be 1"),
+        ({"ple_layer_ids": [4]}, "ple_layer_ids (one-based) must name linear_attention layers"),
+    ],
+)
+def test_qwen4_exp_configs_transformers_would_not_build_are_one_line(change, message):
+    with pytest.raises(SpecError) as e:
+        spec_from_hf_config({**QWEN4_EXP, **change})
+    assert message in str(e.value) and len(str(e.value).splitlines()) == 1

@@ -41,15 +41,17 @@ class DType(enum.Enum):
     FLOAT16 = "float16"
     INT8 = "int8"  # quantized KV (FastDeploy cache_int8; stored as uint8)
     FLOAT8_E4M3 = "float8_e4m3fn"  # quantized KV (cache_fp8, block_wise_fp8; stored as uint8)
+    INT64 = "int64"  # token ids and positions some models cache (Qwen4-exp); never a KV or state override
 
     @property
     def itemsize(self) -> int:
-        return {DType.FLOAT32: 4, DType.INT8: 1, DType.FLOAT8_E4M3: 1}.get(self, 2)
+        return {DType.FLOAT32: 4, DType.INT8: 1, DType.FLOAT8_E4M3: 1, DType.INT64: 8}.get(self, 2)
 
     @classmethod
-    def parse(cls, value: DType | str, quantized: bool = False) -> DType:
+    def parse(cls, value: DType | str, quantized: bool = False, integer: bool = False) -> DType:
         """Accept a :class:`DType` or a name (``float32``/``fp32``, ``bfloat16``/``bf16``, ``float16``/``fp16``;
-        with ``quantized``, the KV cache names ``int8`` and ``fp8``/``float8_e4m3fn`` too)."""
+        with ``quantized``, the KV cache names ``int8`` and ``fp8``/``float8_e4m3fn`` too; with
+        ``integer``, ``int64`` (cached token ids / positions, never a KV or state dtype choice))."""
         if isinstance(value, DType):
             return value
         key = str(value).strip().lower().removeprefix("torch.").removeprefix("paddle.")
@@ -65,6 +67,8 @@ class DType(enum.Enum):
         }
         if quantized:
             aliases |= {"int8": cls.INT8, "float8_e4m3fn": cls.FLOAT8_E4M3, "fp8": cls.FLOAT8_E4M3}
+        if integer:
+            aliases |= {"int64": cls.INT64}
         if key not in aliases:
             more = ", int8 or fp8" if quantized else " or float16 (int8 / fp8: KV caches only, see --kv-dtype)"
             raise SpecError(f"unknown dtype {value!r}: use float32, bfloat16{', float16' if quantized else ''}{more}")
@@ -184,6 +188,33 @@ def groups_per_rank(num_heads: int, n_groups: int, tp_size: int, what: str = "la
 
 
 @dataclass(frozen=True, slots=True)
+class SideTensor:
+    """A per-token tensor an attention layer keeps beside K and V: ``width`` values of ``dtype`` per
+    token, one head, replicated on every tensor-parallel rank (DeepSeek-sparse attention's indexer
+    keys: vLLM keeps its DSA indexer cache whole on every rank). Paged with the layer's K/V: the
+    planner gives it segments of the layer slot after V (``Layout.side_segments``).
+
+    Examples: GLM-5 Next's packed indexer state ``[2 * index_head_dim + 1]`` (indexer key, pool gate
+    scores, a valid flag) in the activation dtype; Qwen4-exp's indexer keys ``[indexer_head_dim]``
+    and, on its first indexed layer, the 3-D rotary positions ``[3]`` int64.
+    """
+
+    name: str
+    width: int
+    dtype: DType
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise SpecError("a side tensor needs a name")
+        _check_positive(f"width of side tensor {self.name!r}", (self.width,))
+        object.__setattr__(self, "dtype", DType.parse(self.dtype, integer=True))
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.width * self.dtype.itemsize
+
+
+@dataclass(frozen=True, slots=True)
 class AttentionLayerSpec:
     """Softmax attention with a paged KV cache: K of ``num_kv_heads x head_dim`` and V of
     ``num_kv_heads x v_head_dim`` per token (``v_head_dim`` None: as K). Multi-head latent attention
@@ -191,10 +222,16 @@ class AttentionLayerSpec:
     latent (``kv_lora_rank``, e.g. 512) and whose V is the rotary key (``qk_rope_head_dim``, 64),
     replicated on every tensor-parallel rank.
 
+    ``v_head_dim`` 0: the layer keeps no V (GLM-5 Next's MLA has no rotary part, ``qk_rope_head_dim``
+    0: transformers caches a 0-wide "value"), K only.
+
     ``kv_scale_dtype``: with a quantized ``dtype``, the dtype of a per-token, per-head scale kept
     for K and for V beside the cache (FastDeploy's ``block_wise_fp8``: float32 tensors
     ``[num_blocks, kv_heads, block_size]``); None when scales are per layer (``cache_int8``,
     ``cache_fp8``) or the cache is not quantized.
+
+    ``side``: per-token tensors kept beside K and V (:class:`SideTensor`: DeepSeek-sparse indexer
+    keys), counted in :attr:`kv_bytes_per_token` and paged with the layer's K/V.
     """
 
     num_kv_heads: int
@@ -203,12 +240,22 @@ class AttentionLayerSpec:
     num_q_heads: int | None = None
     kv_scale_dtype: DType | None = None
     v_head_dim: int | None = None
+    side: tuple[SideTensor, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", DType.parse(self.dtype, quantized=True))
+        if self.dtype is DType.INT64:
+            raise SpecError("attention K/V cannot be int64 (an integer dtype is for cached ids and positions)")
         _check_positive("attention num_kv_heads/head_dim", (self.num_kv_heads, self.head_dim))
+        object.__setattr__(self, "side", tuple(self.side))
+        if not all(isinstance(t, SideTensor) for t in self.side):
+            raise SpecError("attention side tensors must be SideTensor entries")
+        names = [t.name for t in self.side]
+        if len(set(names)) != len(names):
+            raise SpecError(f"attention side tensors have duplicate names {names}")
         if self.v_head_dim is not None:
-            _check_positive("attention v_head_dim", (self.v_head_dim,))
+            if not isinstance(self.v_head_dim, int) or isinstance(self.v_head_dim, bool) or self.v_head_dim < 0:
+                raise SpecError(f"attention v_head_dim must be a non-negative integer, got {self.v_head_dim!r}")
             if self.v_head_dim == self.head_dim:
                 object.__setattr__(self, "v_head_dim", None)  # one spelling for equal widths
         if self.num_q_heads is not None:
@@ -227,9 +274,14 @@ class AttentionLayerSpec:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """K plus V bytes of one token in this layer (their scales included)."""
+        """K plus V bytes of one token in this layer (their scales and the side tensors included)."""
         widths = self.head_dim + self.value_head_dim
-        return self.num_kv_heads * widths * self.dtype.itemsize + self.scale_bytes_per_token
+        return self.num_kv_heads * widths * self.dtype.itemsize + self.scale_bytes_per_token + self.side_bytes_per_token
+
+    @property
+    def side_bytes_per_token(self) -> int:
+        """Bytes of the side tensors of one token (0 without side tensors)."""
+        return sum(t.bytes_per_token for t in self.side)
 
     @property
     def scale_bytes_per_token(self) -> int:
@@ -364,6 +416,11 @@ def _recurrent_of(layer: LayerSpec) -> RecurrentLayerSpec | None:
     return layer if isinstance(layer, RecurrentLayerSpec) else None
 
 
+MAX_CACHE_BYTES = 2**60
+"""Largest state per request or KV per token a spec may describe (1 EiB): beyond it a config's
+dimension is out of range, refused before any planning."""
+
+
 @dataclass(frozen=True, slots=True)
 class ModelSpec:
     """A model as the ordered list of its layers, at one tensor-parallel size.
@@ -406,6 +463,12 @@ class ModelSpec:
             object.__setattr__(self, "decoder_layer_ids", tuple(self.decoder_layer_ids))
             if len(self.decoder_layer_ids) != len(self.layers):
                 raise SpecError(f"model {self.name!r}: decoder_layer_ids must name one decoder layer per entry")
+        for what, size in (("state per request", self.state_bytes), ("KV per token", self.kv_bytes_per_token)):
+            if size > MAX_CACHE_BYTES:
+                raise SpecError(
+                    f"model {self.name!r}: {what} is above 2**60 bytes (1 EiB): not a model this planner "
+                    "sizes (a dimension is out of range)"
+                )
 
     @property
     def attention_layer_ids(self) -> tuple[int, ...]:
@@ -513,10 +576,19 @@ class ModelSpec:
                     f"TP{tp_size}: {r.mixer} K/V window split by KV heads (one replicated head per rank when "
                     "fewer KV heads than ranks, vLLM)"
                 )
-            elif r.mixer in ("gdn", "kda"):
+            elif r.mixer.split("+")[0] in ("gdn", "kda"):
                 notes.append(f"TP{tp_size}: {r.mixer} key and value heads split (conv over q, k, v split by heads)")
             else:
                 notes.append(f"TP{tp_size}: {r.mixer} heads / channels split across ranks")
+            whole = [c.name for c in r.components if c.tp_axis is None]
+            if whole:
+                notes.append(f"TP{tp_size}: {r.mixer} {', '.join(whole)} kept whole on every rank")
+        sides = sorted({t.name for _, a in self.attention_layers() for t in a.side})
+        if sides:
+            notes.append(
+                f"TP{tp_size}: attention side tensors ({', '.join(sides)}, one head) replicated on every rank "
+                "(vLLM's DSA indexer cache)"
+            )
         return notes
 
 

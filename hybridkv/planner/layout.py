@@ -21,19 +21,31 @@ FlashAttention's paged kernels need multiples of 16 (Zamba2-7B: 1.79 MiB states 
 slots waste 22% at 80 tokens, the best multiple of 16, and 9.8% at 72). The other remedy, packing
 the tails of several layers' states into shared blocks, would
 give a block several owners inside one layer slot, which the allocator, the ops and the transfer
-descriptors do not model; a block size keeps every block one owner's.
+descriptors do not model; a block size keeps every block one owner's. States of several sizes are
+grouped so that a group's slots do not all pay for its largest state when grouping by size takes
+fewer blocks (:func:`_regroup_states`).
 
 A model with hybrid layers (K/V and a state in one decoder layer) is planned on its
 :meth:`~hybridkv.models.spec.ModelSpec.cache_view`: the attention part joins the KV group, the state
 part a state group; ``Layout.model`` is that view. K and V of different widths (MLA: 512 + 64) are
 laid out as ``key_segments + value_segments`` segments of their greatest common width.
+
+Per-token side tensors of attention layers (DeepSeek-sparse indexer keys: GLM-5 Next, Qwen4-exp;
+:class:`~hybridkv.models.spec.SideTensor`) take ``side_segments`` more segments of the KV layer
+slot, after V: they are allocated, swapped and transferred with the layer's K/V blocks, with no
+change to the allocator, the pools or the transfer descriptors (which see ``num_segments``). The
+segment width is then the greatest common width of K, V and the side run (in columns of
+``kv_heads x itemsize`` bytes), so a side run that shares no large width with K cuts K into many
+narrow segments (GLM-5 Next: 1 column). Attention layers whose side tensors differ (GLM-5 Next's
+``shared`` indexer layers keep none; Qwen4-exp keeps the positions on its first indexed layer only)
+all get the largest side run; the unused part is counted as ``Waste.side_slack_bytes``.
 """
 
 from __future__ import annotations
 
 import enum
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 from hybridkv.errors import LayoutError
@@ -86,6 +98,7 @@ class Waste(NamedTuple):
     padded_slack_bytes: int  # padded: page minus state bytes (one state per page)
     padding_layer_bytes: int  # slots of a group with no layer (counts that do not divide)
     kv_tail_bytes: int  # unused token slots of the last, partial KV block
+    side_slack_bytes: int = 0  # KV blocks: side segments a layer does not fill (smaller or no side tensors)
 
     @property
     def total_bytes(self) -> int:
@@ -136,6 +149,8 @@ class Layout:
     # K takes segments [0, key_segments), V the next value_segments (1 and 1 unless K and V widths differ)
     key_segments: int = 1
     value_segments: int = 1
+    # per-token side tensors (indexer keys) take the next side_segments segments (0 without them)
+    side_segments: int = 0
 
     # ---- shape facts -------------------------------------------------------------------------
     @property
@@ -172,6 +187,23 @@ class Layout:
         K ``(0, key_segments, head_dim)``, V ``(key_segments, value_segments, value_head_dim)``."""
         k, v = self.key_segments, self.value_segments
         return (0, k, spec.head_dim), (k, v, spec.value_head_dim)
+
+    @property
+    def side_segment_bytes_per_token(self) -> int:
+        """Bytes of one token in one segment of the KV layer slot (``segment_bytes / block_size``)."""
+        return self.segment_bytes // self.block_size if self.kv_group is not None else 0
+
+    def side_segment_run(self, spec: AttentionLayerSpec) -> tuple[int, int, dict[str, int]]:
+        """``(first segment, segments, byte offset of each side tensor)`` of attention layer ``spec``'s
+        side tensors in a layer slot. A token's side bytes are its side tensors back to back (in
+        ``spec.side`` order, offsets as returned), cut into ``segments`` columns of
+        :attr:`side_segment_bytes_per_token` bytes: column ``j`` of token ``t`` of a block lies in
+        segment ``first + j`` of that block, at ``t * side_segment_bytes_per_token``."""
+        offsets, pos = {}, 0
+        for t in spec.side:
+            offsets[t.name] = pos
+            pos += t.bytes_per_token
+        return self.key_segments + self.value_segments, self.side_segments, offsets
 
     def decoder_layer_id(self, cache_layer_id: int) -> int:
         """The decoder layer that cache layer ``cache_layer_id`` of ``model`` belongs to
@@ -242,6 +274,14 @@ class Layout:
         kv_bytes = num_tokens * self.kv_bytes_per_token
         state_bytes = self.model.state_bytes
         kv_tail = (kv_blocks * self.block_size - num_tokens) * self.kv_bytes_per_token
+        side_slack = 0
+        if self.side_segments and self.kv_group is not None:
+            run = self.side_segments * self.side_segment_bytes_per_token
+            for layer_id in self.kv_group.layer_ids:
+                if layer_id is not None:
+                    attn = self.model.layers[layer_id]
+                    assert isinstance(attn, AttentionLayerSpec)
+                    side_slack += kv_blocks * self.block_size * (run - attn.side_bytes_per_token)
         state_waste = 0
         padding = 0
         for g in self.groups:
@@ -255,7 +295,7 @@ class Layout:
                         state_waste += g.blocks_per_state * self.block_bytes - layer.state_bytes
                         state_waste += g.blocks_per_state * 2 * self.scale_segment_bytes  # scales unused
         paged = self.kind is LayoutKind.PAGED
-        waste = Waste(state_waste if paged else 0, 0 if paged else state_waste, padding, kv_tail)
+        waste = Waste(state_waste if paged else 0, 0 if paged else state_waste, padding, kv_tail, side_slack)
         num_blocks = kv_blocks + state_blocks
         return RequestFootprint(
             num_tokens,
@@ -327,13 +367,26 @@ def vllm_block_size(
 
 # ---- the planner -------------------------------------------------------------------------------
 def _attention_shape(model: ModelSpec) -> AttentionLayerSpec | None:
-    specs = {model.layers[i] for i in model.attention_layer_ids}
+    """The one K/V shape of the model's attention layers, with the largest side tensors any of them
+    keeps (side tensors may differ between layers: the smaller ones leave side segments unused)."""
+    layers = [model.layers[i] for i in model.attention_layer_ids]
+    specs = {replace(a, side=()) for a in layers}  # type: ignore[type-var]
     if len(specs) > 1:
         raise LayoutError(
             f"model {model.name!r} has attention layers of different KV shapes {sorted(map(str, specs))}: "
             "one KV group needs equal shapes; describe the model with one attention shape"
         )
-    return next(iter(specs), None)
+    return max(layers, key=lambda a: a.side_bytes_per_token, default=None)  # type: ignore[union-attr]
+
+
+def _segment_widths(attn: AttentionLayerSpec) -> tuple[int, int, int, int]:
+    """``(width, key_segments, value_segments, side_segments)``: K, V and the side run cut into
+    segments of their greatest common width (columns of ``kv_heads x itemsize`` bytes; a side run
+    that is not a whole number of columns is padded up to one)."""
+    column = attn.num_kv_heads * attn.dtype.itemsize
+    side = cdiv(attn.side_bytes_per_token, column)
+    width = math.gcd(attn.head_dim, attn.value_head_dim, side)
+    return width, attn.head_dim // width, attn.value_head_dim // width, side // width
 
 
 def _state_group_size(model: ModelSpec, rec: list[int]) -> int:
@@ -377,6 +430,39 @@ def _build_groups(
         return out
 
     return group_size, chunk(attn), chunk(rec)
+
+
+def _regroup_states(
+    model: ModelSpec, chunks: list[list[int | None]], group_size: int, block_bytes: int
+) -> list[list[int | None]]:
+    """Paged: the state groups that take the fewest blocks per request. ``chunks`` (layers sorted by
+    state size, cut every ``group_size``) gives each slot of a group its largest state's blocks, so
+    a group that mixes a few small states with large ones pads the small ones to the large size
+    (RecurrentGemma: RG-LRU states beside K/V windows). Any partition into groups of at most
+    ``group_size`` layers, contiguous in size order (optimal for a sum of maxima), is tried by
+    dynamic programming; it replaces ``chunks`` only when it needs strictly fewer blocks (a model
+    whose states are one size keeps its groups), fewest groups among equals."""
+    ids = [i for c in chunks for i in c if i is not None]
+    sizes = [cdiv(model.layers[i].state_bytes, block_bytes) for i in ids]  # type: ignore[union-attr]
+    current = sum(max(sizes[ids.index(i)] for i in c if i is not None) for c in chunks)
+    best: list[tuple[int, int]] = [(0, 0)] + [(0, 0)] * len(ids)
+    cut = [0] * (len(ids) + 1)
+    for end in range(1, len(ids) + 1):
+        options = []
+        for start in range(max(0, end - group_size), end):
+            blocks, groups = best[start]
+            options.append((blocks + sizes[end - 1], groups + 1, start))  # sizes ascend: the last is the largest
+        blocks, groups, start = min(options)
+        best[end], cut[end] = (blocks, groups), start
+    if best[len(ids)][0] >= current:
+        return chunks
+    out: list[list[int | None]] = []
+    end = len(ids)
+    while end:
+        part: list[int | None] = list(ids[cut[end] : end])
+        out.append(part + [None] * (group_size - len(part)))
+        end = cut[end]
+    return out[::-1]
 
 
 def _head_tile_notes(model: ModelSpec, block_bytes: int, segment_bytes: int) -> list[str]:
@@ -485,12 +571,19 @@ def plan(
 
     scale_segment_bytes = 0
     key_segments = value_segments = 1
+    side_segments = 0
     if attn is not None:
-        width = math.gcd(attn.head_dim, attn.value_head_dim)
-        key_segments, value_segments = attn.head_dim // width, attn.value_head_dim // width
+        width, key_segments, value_segments, side_segments = _segment_widths(attn)
         per_token_segment = attn.num_kv_heads * width * attn.dtype.itemsize
-        num_segments = key_segments + value_segments
-        if num_segments > 2:
+        num_segments = key_segments + value_segments + side_segments
+        if side_segments:
+            names = ", ".join(f"{t.name} [{t.width}] {t.dtype.value}" for t in attn.side)
+            notes.append(
+                f"per-token side tensors ({names}; {attn.side_bytes_per_token} B per token) take "
+                f"{side_segments} segment(s) after V; K {key_segments}, V {value_segments}, each {width} "
+                f"column(s) wide ({per_token_segment} B per token)"
+            )
+        elif num_segments != 2:
             notes.append(
                 f"K and V widths differ ({attn.head_dim} and {attn.value_head_dim}): K takes {key_segments} "
                 f"segments, V {value_segments}, each {width} wide"
@@ -520,6 +613,8 @@ def plan(
     if segment_bytes <= 0:
         raise LayoutError(f"block bytes must be positive, got {segment_bytes}")
     block_bytes = num_segments * segment_bytes
+    if kind is LayoutKind.PAGED and state_chunks:
+        state_chunks = _regroup_states(model, state_chunks, group_size, block_bytes)
 
     groups: list[Group] = [Group(0, GroupKind.KV, tuple(c)) for c in kv_chunks]
     for chunk in state_chunks:
@@ -558,4 +653,5 @@ def plan(
         scale_segment_bytes,
         key_segments,
         value_segments,
+        side_segments,
     )

@@ -27,6 +27,7 @@ from hybridkv.models.hf import (
     bamba,
     dory,
     falcon_h1,
+    glm5_next,
     granitemoehybrid,
     inkling,
     jamba,
@@ -38,6 +39,7 @@ from hybridkv.models.hf import (
     minimax_m2,
     nemotron_h,
     qwen3_next,
+    qwen4_exp,
     recurrent_gemma,
     rwkv,
     xlstm,
@@ -52,6 +54,7 @@ FAMILIES = (
     minimax,
     minimax_m2,
     qwen3_next,
+    qwen4_exp,
     nemotron_h,
     jamba,
     mamba,
@@ -63,6 +66,7 @@ FAMILIES = (
     zamba,
     lfm2,
     kimi_linear,
+    glm5_next,
     bailing_hybrid,
     rwkv,
     xlstm,
@@ -74,16 +78,13 @@ FAMILIES = (
 READERS: dict[str, Callable[..., tuple]] = {mt: fam.read for fam in FAMILIES for mt in fam.MODEL_TYPES}
 """model_type -> reader."""
 
-_INDEXED = (
-    "indexed (DeepSeek-sparse) attention keeps a third per-token tensor beside K/V (GLM-5 Next: index_head_dim + "
-    "index_kpool + 1 packed indexer keys, pool gates and a valid flag; Qwen4-exp: index_head_dim indexer keys and "
-    "int64 positions), which the planner's KV block (K and V segment runs only) cannot hold exactly"
-)
 NOT_DESCRIBED: dict[str, str] = {
-    **dict.fromkeys(("glm5_next", "glm5_next_text", "qwen4_exp", "qwen4_exp_text"), _INDEXED),
     "lfm3_vl_vision": "a vision encoder (its conv layers run once per image), not a decoder with a per-request cache",
 }
 """model_type -> why hybridkv does not read it (one line each)."""
+
+FLAT_TEXT = {"glm5_next": "glm5_next_text"}
+"""Composite model_type -> its text model_type, for configs that keep the text fields at the top level."""
 
 _CACHE_KEYS = ("layer_types", "layers_block_type", "block_types", "attn_type_list", "hybrid_override_pattern")
 
@@ -127,6 +128,8 @@ def spec_from_hf_config(
     cfg = _table(cfg, source)
     mt = str(cfg.get("model_type", "")).lower()
     text = cfg.get("text_config")
+    if mt in FLAT_TEXT and text is None:  # a flat (text-only) checkpoint: transformers reads it as the text config
+        cfg, mt = {**cfg, "model_type": FLAT_TEXT[mt]}, FLAT_TEXT[mt]
     if mt not in READERS and isinstance(text, Mapping) and str(text.get("model_type", "")).lower() in READERS:
         inner = dict(text)
         for key in ("dtype", "torch_dtype"):

@@ -156,7 +156,7 @@ def expand(pattern: str, specs: Mapping[str, LayerSpec], where: str) -> tuple[La
 
 # Per-layer type names seen in transformers 5 configs and on the hub, -> A (attention), R (recurrent),
 # H (attention and state in one layer), W (sliding-window attention: a K/V window kept as a state),
-# S (a state and a K/V window in one layer), - (no cache)
+# S (a state and a K/V window in one layer), I (attention with per-token indexer keys), - (no cache)
 LAYER_TYPE_CODES = {
     "full_attention": "A",
     "attention": "A",
@@ -167,13 +167,14 @@ LAYER_TYPE_CODES = {
     "hybrid": "H",
     "sliding_attention": "W",
     "hybrid_sliding": "S",
+    "indexed_attention": "I",
     "mlp": "-",
     "moe": "-",
 }
 NOT_DESCRIBED = {
     "chunked_attention": "chunked attention keeps a bounded window of K/V, which hybridkv does not describe",
-    "indexed_attention": "indexed (DeepSeek sparse) attention keeps indexer keys beside K/V, which hybridkv does "
-    "not describe",
+    "indexed_attention": "indexed (DeepSeek sparse) attention keeps indexer keys beside K/V, which only the "
+    "glm5_next and qwen4_exp readers describe",
 }
 
 
@@ -181,7 +182,7 @@ def layer_codes(types: list[Any], key: str, where: str, allowed: str = "ARH-") -
     """``types`` (strings) as a pattern of A/R/H/-; a type hybridkv does not describe is one clear error."""
     out = []
     for i, t in enumerate(types):
-        if isinstance(t, str) and t in NOT_DESCRIBED:
+        if isinstance(t, str) and t in NOT_DESCRIBED and LAYER_TYPE_CODES.get(t) not in allowed:
             raise SpecError(f"{where}: {key}[{i}] is {t!r}: {NOT_DESCRIBED[t]}")
         code = LAYER_TYPE_CODES.get(t) if isinstance(t, str) else None
         if code is None or code not in allowed:
