@@ -53,11 +53,25 @@ def time_us(fn: Callable[[], object], repeats: int = 7, number: int = 200) -> di
     return {"best_us": min(samples), "median_us": statistics.median(samples), "worst_us": max(samples)}
 
 
+def result_path(name: str, now: _dt.datetime, results_dir: Path = RESULTS_DIR) -> Path:
+    """``<results_dir>/<name>_<YYYY-MM-DD>_<HHMMSS>.json`` for ``now`` (UTC): date and time, so a second
+    run the same day keeps the first; a second run in the same second gets ``_2``, ``_3``, ..."""
+    stamp = now.astimezone(_dt.UTC).strftime("%Y-%m-%d_%H%M%S")
+    path = results_dir / f"{name}_{stamp}.json"
+    n = 2
+    while path.exists():
+        path = results_dir / f"{name}_{stamp}_{n}.json"
+        n += 1
+    return path
+
+
 def save(name: str, payload: dict[str, Any]) -> Path:
-    """Write ``benchmarks/results/<name>_<date>.json`` with the date and machine added."""
+    """Write ``benchmarks/results/<name>_<date>_<time>.json`` (UTC, :func:`result_path`) with the date,
+    time and machine added; returns the path."""
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     now = _dt.datetime.now(_dt.UTC)
     payload = {"benchmark": name, "date": now.isoformat(timespec="seconds"), "machine": machine_info(), **payload}
-    path = RESULTS_DIR / f"{name}_{now.date().isoformat()}.json"
-    path.write_text(json.dumps(payload, indent=2) + "\n")
+    path = result_path(name, now)
+    with path.open("x") as f:  # never over an earlier result
+        f.write(json.dumps(payload, indent=2) + "\n")
     return path

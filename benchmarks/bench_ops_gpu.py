@@ -15,7 +15,7 @@ the driver, CUDA, Triton and torch versions.
     python benchmarks/bench_ops_gpu.py            # full run, a few minutes on one H200
     python benchmarks/bench_ops_gpu.py --quick    # smaller sizes, fewer cases
 
-Writes ``benchmarks/results/ops_gpu_<date>.json`` and prints a table. Without a CUDA device it says
+Writes ``benchmarks/results/ops_gpu_<date>_<time>.json`` and prints a table. Without a CUDA device it says
 so and exits with status 0.
 """
 

@@ -7,7 +7,7 @@ Cases (256 running requests, paged layout, 64-token blocks, 140 GiB pool):
   admitted whenever one finishes prefilling (and the oldest decode retired to keep 256).
 
 Run: ``python benchmarks/bench_scheduler.py [--iters 300]``. Prints a table and saves
-``benchmarks/results/scheduler_<date>.json``.
+``benchmarks/results/scheduler_<date>_<time>.json``.
 """
 
 from __future__ import annotations

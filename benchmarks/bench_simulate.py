@@ -3,7 +3,7 @@
 For each model, ``--compare layout=paged,padded preemption=recompute,swap,auto`` on the same trace
 (3,993 requests; ``../shared/traces/mooncake_synthetic_trace.jsonl``), one configuration per
 process (``--workers``). Prints the comparison table and the speed of each run and saves
-``benchmarks/results/simulate_<date>.json`` (machine facts included).
+``benchmarks/results/simulate_<date>_<time>.json`` (machine facts included).
 
     python benchmarks/bench_simulate.py                       # the whole trace, both models
     python benchmarks/bench_simulate.py --limit 500           # a documented subset

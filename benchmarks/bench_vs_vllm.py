@@ -449,7 +449,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--save-as",
         default=None,
-        help="results name (<name>_<date>.json); default vs_vllm when every row runs, else vs_vllm_partial",
+        help="results name (<name>_<date>_<time>.json); default vs_vllm when every row runs, else vs_vllm_partial",
     )
     args = ap.parse_args(argv)
     try:

@@ -29,14 +29,13 @@ it schedules differently from ``vllm``.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._common import RESULTS_DIR, save  # noqa: E402
+from benchmarks._common import save  # noqa: E402
 from benchmarks.vllm_replay import (  # noqa: E402
     GiB,
     engine_scheduler,
@@ -146,11 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_save:
         payload = {"vllm": version, "requests": args.requests, "prefix_caching": args.prefix_caching, "runs": rows}
         name = "vs_vllm_scheduler_issue29" + ("_prefix" if args.prefix_caching else "")
-        path = save(name, payload)
-        stamped = RESULTS_DIR / f"{path.stem}_{time.strftime('%H%M%S')}.json"  # a second run keeps the first
-        stamped.write_text(json.dumps(json.loads(path.read_text()), indent=2) + "\n")
-        path.unlink()
-        print("saved", stamped)
+        print("saved", save(name, payload))  # named by date and time: a second run keeps the first
     return 0
 
 

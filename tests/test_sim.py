@@ -22,7 +22,8 @@ from hybridkv.sim.trace import TraceError, load_trace
 from hybridkv.sim.workload import SimRequest, SyntheticConfig, Workload, synthetic
 
 # 60 requests arriving at once into a 2 GiB MiniMax-M1 TP8 pool (6,553 blocks): about 37 fit, so the
-# scheduler preempts (5 swaps in swap mode, 7 recomputes in recompute mode); about 2 s of CPU per run
+# scheduler preempts under TIGHT (measured 2026-12-02: 1 swap in swap mode, 1 recompute of 4,992
+# tokens in recompute mode); about 1.5 s of CPU per run
 PRESSURE = SyntheticConfig(
     num_requests=60,
     rate=1000.0,

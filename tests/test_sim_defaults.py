@@ -41,3 +41,22 @@ def test_unknowable_budgets_are_refused_before_any_work(argv, needle, tmp_path, 
     out = tmp_path / "r"
     assert main(["simulate", *argv, "--out", str(out), "--no-progress"]) == 2
     assert needle in capsys.readouterr().err and not out.exists()
+
+
+def test_compare_defaults_say_only_what_every_configuration_runs():
+    a = _args("--compare", "layout=paged,padded", "gpu-memory=8GiB,16GiB")  # budgets from --compare: none said
+    said = model_defaults(a)
+    assert a.tp == 8 and said == ["TP8: the default for minimax-m1 (--tp to change)"]
+    g = _args("--compare", "gpu=h200,h100", "gpu-memory=8GiB,16GiB")  # MiniMax-M1: TP8 on H200s, TP16 on H100s
+    with pytest.raises(ValueError, match=r"minimax-m1 on H200: TP8, minimax-m1 on H100: TP16"):
+        model_defaults(g)
+    b = _args("--compare", "tp=4,8", "--gpu-memory", "20GiB")  # TP from --compare: nothing assumed
+    assert model_defaults(b) == [] and b.gpu_memory == "20GiB"
+    c = _args("--compare", "gpu=h200,h100", "--gpu-memory", "20GiB", "--model", "qwen3-next")
+    with pytest.raises(ValueError, match=r"default TP differs across --compare .*H200: TP2.*H100: TP4"):
+        model_defaults(c)  # Qwen3-Next needs TP2 on an H200, TP4 on an H100: one --tp would be wrong for one
+    d = _args("--compare", "model=minimax-m1,qwen3-next", "--gpu-memory", "20GiB")
+    with pytest.raises(ValueError, match="give --tp N or --compare tp="):
+        model_defaults(d)
+    e = _args("--compare", "model=minimax-m1,qwen3-next", "--gpu-memory", "20GiB", "--tp", "8")
+    assert model_defaults(e) == [] and e.tp == 8

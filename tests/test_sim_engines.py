@@ -77,7 +77,7 @@ def test_compare_engine_is_one_switch_per_column():
                                        "watermark", "prefix", "checkpoint", "checkpoint_export", "speculative"}
     # other keys still multiply: two memories, a ladder each
     assert len(expand(base, ["engine=hybridkv,vllm", "gpu-memory=4GiB,8GiB"])) == 2 * len(cols)
-    with pytest.raises(ValueError, match="not an engine"):
+    with pytest.raises(ValueError, match="not one of"):
         expand(base, ["engine=vllm,sglang"])
 
 

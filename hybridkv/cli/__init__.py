@@ -5,7 +5,8 @@
 - :mod:`hybridkv.cli.simulate`: ``hybridkv simulate`` (preemption and swap simulation, reports).
 
 Every user error is one line on stderr starting with ``hybridkv: error:`` (or ``hybridkv COMMAND:
-error:`` for a bad option) and exit code 2; never a traceback.
+error:`` for a bad option) and exit code 2; never a traceback. Ctrl-C (SIGINT) ends a command with
+the one line ``hybridkv: interrupted`` and exit code 130 (128 + SIGINT), as a shell reports it.
 """
 
 from __future__ import annotations
@@ -65,12 +66,19 @@ def _run(argv: Sequence[str] | None) -> int:
         return 2
 
 
+EXIT_INTERRUPTED = 130  # 128 + SIGINT
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``hybridkv`` console script and ``python -m hybridkv``; returns the exit code."""
     try:
         code = _run(argv)
         sys.stdout.flush()
         return code
+    except KeyboardInterrupt:  # Ctrl-C: one line, no traceback (a command cleans up on its way out)
+        lead = "\n" if sys.stderr.isatty() else ""  # past a progress bar's half line
+        print(f"{lead}hybridkv: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
     except BrokenPipeError:  # `hybridkv plan --json | head`: the reader left; say nothing more
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())

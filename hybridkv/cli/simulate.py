@@ -27,7 +27,7 @@ examples:
   hybridkv simulate --compare engine=hybridkv,vllm    vLLM 0.33 (emulated), then one column per policy switched
   hybridkv simulate --trace ../shared/traces/mooncake_synthetic_trace.jsonl --trace-limit 500 --rate-scale 0.5
   hybridkv simulate --model qwen3-next                Qwen3-Next at its default TP2 and budget on H200s
-  hybridkv simulate --model qwen3-next --tp 2 --gpu-memory 40GiB --speculative 2 --out qwen-report
+  hybridkv simulate --model qwen3-next --tp 2 --gpu-memory 40GiB --speculative 2 --out hybridkv-report-qwen
 """
 
 
@@ -71,16 +71,30 @@ def _fraction(text: str) -> float:
     return v
 
 
+class _Given(argparse.Action):
+    """argparse's ``store``, and the flag's ``dest`` added to ``namespace.given``: the flags the user
+    wrote, so that one the chosen mode would ignore is refused even when it repeats the default."""
+
+    def __call__(self, parser: Any, namespace: argparse.Namespace, values: Any, option_string: Any = None) -> None:
+        setattr(namespace, self.dest, values)
+        namespace.given = set(getattr(namespace, "given", ())) | {self.dest}
+
+
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Add ``simulate`` to ``subparsers``; returns its parser (``run`` is its function)."""
+    """Add ``simulate`` to ``subparsers``; returns its parser (``run`` is its function). The parsed
+    namespace has ``given``: the ``dest`` of every option written on the command line."""
     p = subparsers.add_parser(
         "simulate",
         help="replay a workload through the real scheduler and manager; memory-pressure reports",
         description="Replay a workload (synthetic, or a Mooncake-style jsonl trace) through the real scheduler "
-        "and block manager on a roofline GPU cost model; writes report.json, report.md and report.html.",
+        "and block manager on a roofline GPU cost model; writes report.json, report.md and report.html. "
+        "A flag that the chosen mode ignores is an error (e.g. --requests with --trace).",
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    p.register("action", None, _Given)  # every plain option records that it was given (argparse's default action)
+    p.register("action", "store", _Given)
+    p.set_defaults(given=set())
     m = p.add_argument_group("model and GPU")
     m.add_argument("--model", default="minimax-m1", help="preset or spec file (default minimax-m1)")
     m.add_argument(
@@ -132,7 +146,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     r.add_argument("--compare", nargs="+", default=None, metavar="KEY=V1,V2", help="configurations to compare")
     r.add_argument("--workers", type=positive_int, default=None, help="processes for --compare (default: CPUs)")
     r.add_argument("--ray", default=None, metavar="ADDRESS", help="run --compare on Ray ('local' starts one)")
-    r.add_argument("--out", default="hybridkv-report", help="report folder (default ./hybridkv-report)")
+    r.add_argument("--out", default="hybridkv-report", help="report folder, written once every run finished "
+                   "(default ./hybridkv-report; git ignores hybridkv-report*/)")
     r.add_argument("--integrity-every", type=positive_int, default=500, help="steps between integrity checks")
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
@@ -165,13 +180,148 @@ def _workload(args: argparse.Namespace) -> Any:
     return synthetic(cfg)
 
 
+# flags that only the synthetic workload reads, and only a trace (argparse dests)
+_SYNTHETIC_ONLY = ("requests", "rate", "arrivals", "prompt_median", "output_median")
+_TRACE_ONLY = ("trace_limit", "trace_start", "trace_end")
+# --compare key (as expand spells it) -> the flag (argparse dest) that sets the same field
+_COMPARE_FLAG = {"layout": "layout", "preemption": "preemption", "prefix": "prefix", "checkpoint": "checkpoint",
+                 "gpu-memory": "gpu_memory", "budget": "gpu_memory", "host-memory": "host_memory",
+                 "block-size": "block_size", "speculative": "speculative", "max-num-seqs": "max_num_seqs",
+                 "max-batched-tokens": "max_batched_tokens", "model": "model", "tp": "tp", "gpu": "gpu",
+                 "watermark": "watermark", "admission": "admission", "engine": "engine"}
+# what --engine vllm fixes (hybridkv.sim.engines.VLLM_POLICIES and its block size / checkpoints): flag dests
+_VLLM_FIXES = ("layout", "admission", "preemption", "host_memory", "watermark", "speculative", "accept_rate",
+               "block_size", "checkpoint")
+
+
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def _compared(args: argparse.Namespace) -> dict[str, list[str]]:
+    """``--compare``'s keys (spelt as :func:`~hybridkv.sim.compare.expand` spells them) -> values as written."""
+    out: dict[str, list[str]] = {}
+    for axis in args.compare or []:
+        key, _, text = axis.partition("=")
+        out[key.strip().replace("_", "-")] = [v.strip() for v in text.split(",")]
+    return out
+
+
+def check_out(out: str) -> None:
+    """Refuse, before any work, a report folder that cannot be written: an existing path that is not a
+    folder, a file on the way to it, or a place where this user cannot create or write files."""
+    import os
+    import tempfile
+    from pathlib import Path
+
+    p = Path(out)
+    if p.exists() and not p.is_dir():
+        raise ValueError(f"--out {out}: exists and is not a folder (report.json, .md and .html go into a folder)")
+    probe = p
+    while not probe.exists():  # the deepest part of the path that exists must be a folder we may write into
+        if probe.parent == probe:
+            break
+        probe = probe.parent
+    if probe.exists() and not probe.is_dir():
+        raise ValueError(f"--out {out}: {probe} is a file, not a folder")
+    try:  # the real test (permissions, a read-only or pseudo file system, root's access too)
+        os.rmdir(tempfile.mkdtemp(prefix=".hybridkv-write-check-", dir=probe))
+    except OSError as e:
+        raise ValueError(f"--out {out}: cannot write into {probe} ({e.strerror or e})") from None
+
+
+def write_atomically(summaries: list[dict[str, Any]], out: str) -> list[Any]:
+    """:func:`~hybridkv.sim.report.write_reports` into a hidden temporary folder, then moved to
+    ``out`` (renamed to it when it does not exist, each file replaced in it when it does), so an
+    interrupted or failed write leaves no partial report. Returns the final paths."""
+    import os
+    import secrets
+    import shutil
+    from pathlib import Path
+
+    from hybridkv.sim.report import write_reports
+
+    dest = Path(out)
+    home = dest if dest.is_dir() else dest.parent
+    home.mkdir(parents=True, exist_ok=True)
+    tmp = home / f".hybridkv-report-partial-{os.getpid()}-{secrets.token_hex(4)}"
+    tmp.mkdir()  # (mkdir, not mkdtemp: the folder keeps the umask's permissions once renamed)
+    try:
+        paths = write_reports(summaries, tmp)
+        if not dest.exists():
+            tmp.rename(dest)
+            return [dest / p.relative_to(tmp) for p in paths]
+        for entry in sorted(tmp.iterdir()):
+            target = dest / entry.name
+            if target.is_dir() and not target.is_symlink():
+                shutil.rmtree(target)
+            os.replace(entry, target)
+        return [dest / p.relative_to(tmp) for p in paths]
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def check_args(args: argparse.Namespace) -> None:
-    """Checks across flags, before any work: raises ``ValueError`` (one line, exit 2) naming them."""
+    """Checks across flags, before any work: raises ``ValueError`` (one line, exit 2) naming them. A
+    flag that the chosen mode ignores (a workload flag of the other workload, a flag that ``--compare``
+    or ``--engine vllm`` overrides, ``--workers`` / ``--ray`` without ``--compare``) is refused."""
+    given = set(getattr(args, "given", ()))
+    compared = _compared(args)
+    if args.trace is not None:
+        bad = [d for d in _SYNTHETIC_ONLY if d in given]
+        if bad:
+            raise ValueError(
+                f"{_flag(bad[0])} is for the synthetic workload: --trace replays the trace's own requests "
+                "(choose them with --trace-limit / --trace-start / --trace-end, the rate with --rate-scale)"
+            )
+    else:
+        bad = [d for d in _TRACE_ONLY if d in given]
+        if bad:
+            raise ValueError(f"{_flag(bad[0])} needs --trace FILE: the synthetic workload has no trace window")
+    from hybridkv.units import parse_bytes
+
+    for dest in ("gpu_memory", "host_memory"):  # sizes: named by their flag (--compare's values by their key)
+        text = getattr(args, dest)
+        if text is not None and not (dest == "host_memory" and text == "0"):
+            try:
+                parse_bytes(text)
+            except ValueError as e:
+                raise ValueError(f"{_flag(dest)} {text}: {e}") from None
     if args.trace_end is not None and args.trace_end <= args.trace_start:
         raise ValueError(
             f"--trace-end {args.trace_end:g} must be after --trace-start {args.trace_start:g}: the window "
             "[start, end) of trace time would hold no request"
         )
+    for key in compared:
+        dest = _COMPARE_FLAG.get(key)
+        if dest is not None and dest in given:
+            raise ValueError(f"{_flag(dest)} and --compare {key}=... both set it: drop one")
+    engines = compared.get("engine", [args.engine])
+    if engines and all(e == "vllm" for e in engines):  # every configuration runs vLLM's policies
+        fixed = [d for d in _VLLM_FIXES if d in given] + [k for k in compared if _COMPARE_FLAG.get(k) in _VLLM_FIXES]
+        if fixed:
+            what = f"--compare {fixed[0]}=..." if fixed[0] in compared else _flag(fixed[0])
+            raise ValueError(
+                f"--engine vllm fixes what {what} sets (vLLM 0.33's policies, see docs/simulate.md): drop it, "
+                "or compare both engines with --compare engine=hybridkv,vllm"
+            )
+        if args.prefix not in ("none", "lru"):
+            raise ValueError(f"--prefix {args.prefix}: vLLM's prefix cache evicts lru (--prefix lru or none)")
+    if "checkpoint" in given and args.prefix == "none" and "prefix" not in compared:
+        raise ValueError("--checkpoint with --prefix none changes nothing: checkpoints are the prefix cache's")
+    speculative = "speculative" in compared or args.speculative > 0
+    if "accept_rate" in given and not speculative:
+        raise ValueError("--accept-rate needs --speculative K > 0 (or --compare speculative=...): no draft to accept")
+    if "seed" in given and args.trace is not None and not speculative:
+        raise ValueError("--seed with --trace changes nothing without --speculative (it seeds synthetic "
+                         "workloads and draft acceptance)")
+    if args.compare is None:
+        for dest in ("workers", "ray"):
+            if dest in given:
+                raise ValueError(f"{_flag(dest)} is for --compare: one configuration runs in this process")
+    elif "workers" in given and "ray" in given:
+        raise ValueError("--workers and --ray: Ray places the runs on its own workers (drop --workers)")
+    check_out(args.out)
 
 
 def model_defaults(args: argparse.Namespace) -> list[str]:
@@ -183,18 +333,37 @@ def model_defaults(args: argparse.Namespace) -> list[str]:
     from hybridkv.models.spec_file import is_spec_path
 
     name = None if is_spec_path(args.model) else P._canonical(args.model)  # (an unknown name raises)
+    compared = _compared(args)
+    budget_compared = "gpu-memory" in compared or "budget" in compared
+    if args.gpu_memory is None and not budget_compared and any(k in _BUDGET_KEYS for k in compared):
+        raise ValueError(
+            "--compare varies the model, TP or GPU: give the cache budget as --gpu-memory SIZE "
+            "(or --compare gpu-memory=...)"
+        )
     said = []
-    if args.tp is None:
-        if name is None:
-            args.tp = 1
+    if args.tp is None and "tp" in compared:
+        args.tp = 1  # (the base's: every configuration sets its own from --compare tp=...)
+    elif args.tp is None:
+        # the default of every model and GPU that --compare runs: one TP for all, or --tp is needed
+        tps: dict[str, int] = {}
+        for model in compared.get("model", [args.model]):
+            canon = None if is_spec_path(model) else P._canonical(model)
+            for gpu in compared.get("gpu", [args.gpu]):
+                known = gpu.lower() in P.GPU_MEMORY_BYTES
+                tp = 1 if canon is None else P.default_tp(canon, gpu if known else P.DEFAULT_TP_GPU)
+                tps[f"{canon or model} on {gpu.upper() if known else gpu}"] = tp
+        if len(set(tps.values())) > 1:
+            each = ", ".join(f"{k}: TP{v}" for k, v in tps.items())
+            raise ValueError(f"the default TP differs across --compare ({each}): give --tp N or --compare tp=...")
+        args.tp = next(iter(tps.values()))
+        if name is None and "model" not in compared:
             said.append("TP1: spec files default to TP1 (--tp to change)")
         else:
-            args.tp = P.default_tp(name, args.gpu if args.gpu.lower() in P.GPU_MEMORY_BYTES else P.DEFAULT_TP_GPU)
-            said.append(f"TP{args.tp}: the default for {name} (--tp to change)")
-    if args.gpu_memory is None:
-        varied = [a.partition("=")[0].strip() for a in args.compare or []]
-        if any(k in _BUDGET_KEYS for k in varied):
-            raise ValueError("--compare varies the model, TP or GPU: give the cache budget as --gpu-memory SIZE")
+            which = name if "model" not in compared else ", ".join(compared["model"])
+            said.append(f"TP{args.tp}: the default for {which} (--tp to change)")
+    if args.gpu_memory is None and budget_compared:
+        args.gpu_memory = "1GiB"  # (the base's: every configuration sets its own from --compare)
+    elif args.gpu_memory is None:
         if name is None or args.gpu.lower() not in P.GPU_MEMORY_BYTES:
             raise ValueError(
                 "--gpu-memory SIZE is needed: the default budget subtracts the weights of a preset model from a "
@@ -218,12 +387,16 @@ def model_defaults(args: argparse.Namespace) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     """Run the simulation(s), write the reports, print where they are and the comparison table.
-    Bad flags, an empty trace or an empty trace window are refused before any simulation runs."""
+    Every flag, the output folder, each configuration's layout, GPU and host pool, and the workload
+    (an empty trace or window) are checked before any simulation runs; the report folder is written
+    only once every configuration finished (:func:`write_atomically`)."""
     check_args(args)
     assumed = model_defaults(args)  # said once every check passed (an error stays one line)
-    from hybridkv.sim.compare import expand, run_all
-    from hybridkv.sim.config import SimConfig
-    from hybridkv.sim.report import comparison_table, write_reports
+    from hybridkv.scheduler_adapter.cost import load_gpu
+    from hybridkv.sim.compare import check_ray_address, expand, run_all
+    from hybridkv.sim.config import SimConfig, build_layout
+    from hybridkv.sim.report import comparison_table, narrative, pressure_table
+    from hybridkv.units import parse_bytes
 
     t0 = time.perf_counter()
     base = SimConfig(
@@ -250,19 +423,27 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
     )
     configs = expand(base, args.compare) if args.compare else [base]
-    if importlib.util.find_spec("matplotlib") is None:
-        print("hybridkv: note: report.html will have no plots: pip install 'hybridkv[reports]'", file=sys.stderr)
-    from hybridkv.sim.config import build_layout
-
-    for c in configs:  # bad sizes and models fail here, in one line, before any run starts
+    for c in configs:  # bad sizes, models, GPU files: one line each, before any run starts
         build_layout(c)
+        load_gpu(c.gpu, c.gpu_calibration)
+        if c.host_memory not in ("0", ""):
+            parse_bytes(c.host_memory)
     workload = _workload(args)
     workload.check_runnable()  # an empty trace or window: one line, exit 2, no zero-step run
+    if args.ray is not None:
+        check_ray_address(args.ray)  # Ray imports, and a HOST:PORT answers
+    if importlib.util.find_spec("matplotlib") is None:
+        print("hybridkv: note: report.html will have no plots: pip install 'hybridkv[reports]'", file=sys.stderr)
     for line in assumed:
         print(f"hybridkv simulate: {line}", file=sys.stderr)
     summaries = run_all(configs, workload, args.workers, progress=not args.no_progress, ray_address=args.ray)
-    paths = write_reports(summaries, args.out)
-    for row in comparison_table(summaries):
-        print("  ".join(f"{c:<28}" if i == 0 else f"{c:>22}" for i, c in enumerate(row)))
-    print(f"\nreports ({time.perf_counter() - t0:.1f} s wall): {', '.join(str(p) for p in paths)}")
+    paths = write_atomically(summaries, args.out)
+    for line in narrative(summaries):
+        print(line)
+    print()
+    for table in (comparison_table(summaries), pressure_table(summaries)):
+        for row in table:
+            print("  ".join(f"{c:<28}" if i == 0 else f"{c:>22}" for i, c in enumerate(row)))
+        print()
+    print(f"reports ({time.perf_counter() - t0:.1f} s wall): {', '.join(str(p) for p in paths)}")
     return 0

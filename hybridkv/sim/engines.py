@@ -11,9 +11,12 @@ these fields of a :class:`~hybridkv.sim.config.SimConfig` (:data:`VLLM_POLICIES`
 - admission ``full_prompt`` (``scheduler_reserve_full_isl``, vLLM's default);
 - preemption ``recompute`` (vLLM v1 has no swap), no host pool, no watermark (vLLM's default 0);
 - prefix caching as ``prefix`` asks: ``none`` is vLLM's Mamba cache mode ``none``; anything else
-  is its mode ``align`` (:data:`VLLM_PREFIX`): the checkpoint policy ``vllm_align`` (state kept at
-  every block boundary a forward ends on, chunks ending on block boundaries, stops at the branch
-  point and at the prompt's last block boundary) with LRU eviction, at vLLM's block size with
+  is its mode ``align`` (:data:`VLLM_PREFIX`): the checkpoint policy ``vllm_align`` (the state of
+  every block boundary a forward ends on held in blocks of its own for two chunks, matchable only at
+  the prompt's last block boundary and at the branch point, as vLLM's default
+  ``prefix_cache_retention_interval=0``; chunks ending on block boundaries, stops at the branch
+  point and at the prompt's last block boundary; a hit on a state cached in the same step waits a
+  step; a hit is taken or the request waits, never admitted as a miss) with LRU eviction, at vLLM's block size with
   prefix caching (Qwen3-Next's GDN layers: a multiple of FlashInfer's 64-token checkpoint grid,
   :data:`VLLM_CHECKPOINT_ALIGNMENT`).
 
@@ -64,9 +67,8 @@ def engine_config(cfg: SimConfig) -> SimConfig:
     mixers = {layer.mixer for layer in model.layers if isinstance(layer, RecurrentLayerSpec)}
     grid = max((VLLM_CHECKPOINT_ALIGNMENT.get(m, 0) for m in mixers), default=0) or None
     block = vllm_block_size(model, prefix_caching=caching, checkpoint_alignment=grid)
-    label = f"{VLLM_LABEL} {cfg.model} TP{cfg.tp} {cfg.gpu_memory}"
     prefix = VLLM_PREFIX | {"checkpoint_export": grid or 0} if caching else {"prefix": "none", "checkpoint_export": 0}
-    return cfg.with_changes(**VLLM_POLICIES, **prefix, state_dtype=dtype, block_size=block, label=label)
+    return cfg.with_changes(**VLLM_POLICIES, **prefix, state_dtype=dtype, block_size=block, label=cfg.label)
 
 
 _SWITCHES: tuple[tuple[str, ...], ...] = (  # the fields of one column's switch, in ladder order

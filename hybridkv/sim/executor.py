@@ -5,16 +5,22 @@ swap plans arrive settled (committed), device copies name real blocks, copies ru
 order (checkpoint copies, swap-outs, swap-ins, copies), and every swapped-in request runs in the
 step that resumed it. What a real executor would move is counted in blocks and priced by the one
 cost model (:class:`~hybridkv.scheduler_adapter.cost.StepCostModel`).
+
+It also prices what memory pressure costs in a step: the seconds its swaps keep the host link
+busy, and the tokens it computes a second time (a row starting below what its request had
+computed before a recompute preemption) with their FLOPs at the cost model's effective rate, the
+price ``preemption='auto'`` compares against a swap (:func:`~hybridkv.scheduler_adapter.cost.preemption_cost`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import NamedTuple
 
 import numpy as np
 
 from hybridkv.blockmgr.manager import HybridBlockManager
-from hybridkv.blockmgr.records import BlockCopies, SwapDirection, SwapPlan
+from hybridkv.blockmgr.records import BlockCopies, RequestId, SwapDirection, SwapPlan
 from hybridkv.errors import HybridKVError
 from hybridkv.planner.layout import NULL_BLOCK
 from hybridkv.scheduler_adapter.cost import StepCostModel, StepTime, StepWork
@@ -26,7 +32,13 @@ class PlanContractError(HybridKVError, AssertionError):
 
 
 class Executed(NamedTuple):
-    """What one plan moved (blocks, in contract order) and what it cost."""
+    """What one plan moved (blocks, in contract order) and what it cost.
+
+    ``recomputed_tokens``: tokens of this step's rows that their request had computed before (lost
+    to a recompute preemption, not served again by the prefix cache); ``recompute_s``: their FLOPs
+    at the GPU's effective FLOP rate (seconds, one rank). ``time.swap_out_s + time.swap_in_s`` is the
+    host link's busy time; ``time.total_s - time.forward_s`` what the swaps added to the step.
+    """
 
     checkpoint_copy_blocks: int
     swap_out_blocks: int
@@ -34,6 +46,8 @@ class Executed(NamedTuple):
     copy_blocks: int
     work: StepWork
     time: StepTime
+    recomputed_tokens: int = 0
+    recompute_s: float = 0.0
 
 
 class SimExecutor:
@@ -44,9 +58,12 @@ class SimExecutor:
         self.cost = cost
         self.totals = {"checkpoint_copy_blocks": 0, "swap_out_blocks": 0, "swap_in_blocks": 0, "copy_blocks": 0}
 
-    def run(self, plan: StepPlan) -> Executed:
+    def run(self, plan: StepPlan, computed_before: Mapping[RequestId, int] | None = None) -> Executed:
         """Execute ``plan`` (before the forward, in contract order), then the forward; raises
-        :class:`PlanContractError` when the plan breaks the contract."""
+        :class:`PlanContractError` when the plan breaks the contract.
+
+        ``computed_before[request_id]``: the most tokens the request had computed in earlier steps
+        (the caller's record); the part of a row below it is counted as recomputed."""
         ckpt = self._copies(plan.checkpoint_copies, "checkpoint_copies")
         out = sum(self._swap(p, SwapDirection.OUT) for p in plan.swap_out)
         rows = {r.request_id for r in plan.scheduled}
@@ -66,7 +83,18 @@ class SimExecutor:
             out,
             swap_in,
         )
-        return Executed(ckpt, out, swap_in, copies, work, self.cost.time(work))
+        redo = 0
+        recompute_s = 0.0
+        if computed_before:
+            again = []
+            for r in plan.scheduled:
+                end = min(r.num_computed_tokens + r.num_scheduled_tokens, computed_before.get(r.request_id, 0))
+                if end > r.num_computed_tokens:
+                    again.append((r.num_computed_tokens, end - r.num_computed_tokens, 0))
+                    redo += end - r.num_computed_tokens
+            if again:
+                recompute_s = self.cost.work(again).flops / self.cost.gpu.effective_flops_per_s
+        return Executed(ckpt, out, swap_in, copies, work, self.cost.time(work), redo, recompute_s)
 
     def _copies(self, copies: BlockCopies, what: str) -> int:
         n = len(copies)

@@ -9,6 +9,16 @@ When nothing is in flight the clock jumps to the next arrival. ``check_integrity
 Arrived requests wait in a backlog and are submitted while the scheduler's waiting queue is shorter
 than ``max_num_seqs``: the scheduler admits FCFS and at most ``max_num_seqs`` per step, so this
 changes no decision, and it keeps the token ids of a long overloaded trace out of memory.
+
+What memory pressure cost is recorded per step (flows, see :data:`FLOWS`): the host link's swap
+seconds and what they added to the step, the tokens recomputed after recompute preemptions and
+their compute seconds (:class:`~hybridkv.sim.executor.SimExecutor`), the request-seconds spent
+swapped out, waiting to be recomputed and queued, and whether the step was *memory-held*: a
+request waited (waiting queue, backlog or swapped) while the step left room in both the token
+budget and ``max_num_seqs``, or the step preempted. The scheduler admits and resumes in order
+while budget and seats allow and the pool fits the next request, so in such a step only the pool
+held the waiting back; a step whose budget or seats were full is *batch-full*. Gaps of the clock
+with nothing running are recorded too (``gaps``). All of it is simulated time, never wall time.
 """
 
 from __future__ import annotations
@@ -40,18 +50,31 @@ STOCKS = (
     "waiting",
     "running",
     "swapped",
+    "recompute_waiting",  # preempted by recompute, not admitted again yet (also counted in waiting)
 )
 FLOWS = (
     "dt_s",
     "batched_tokens",
     "preempt_recompute",
     "preempt_swap",
+    "resumed",  # swapped in (resumed) this step
     "swap_out_blocks",
     "swap_in_blocks",
     "copy_blocks",
     "admitted",
     "cached_tokens",
     "finished",
+    "swap_link_s",  # host link busy with this step's swap-outs and swap-ins
+    "swap_stall_s",  # what the swaps added to the step: total - forward (swap-ins, and swap-outs past the forward)
+    "recomputed_tokens",  # tokens computed a second time after a recompute preemption
+    "recompute_s",  # their FLOPs at the effective FLOP rate
+    "hbm_bound_s",  # the step's forward when its HBM bytes, not its FLOPs, set the roofline time
+    "memory_held_s",  # dt of a memory-held step (module docstring)
+    "batch_full_s",  # dt of a step with requests waiting while the token budget or max_num_seqs was full
+    "queued_memory_rs",  # request-seconds queued (never admitted yet) in memory-held steps
+    "queued_batch_rs",  # request-seconds queued in the other steps
+    "swapped_rs",  # request-seconds swapped out
+    "recompute_wait_rs",  # request-seconds waiting to be recomputed
 )
 
 
@@ -67,6 +90,10 @@ class _Request:
         "cached_tokens",
         "status",
         "reason",
+        "admitted_s",
+        "preempted_s",
+        "swapped_s",
+        "recompute_wait_s",
     )
 
     def __init__(self, req: SimRequest) -> None:
@@ -78,6 +105,10 @@ class _Request:
         self.cached_tokens = 0  # served from the prefix cache, summed over admissions
         self.status = "pending"
         self.reason = ""
+        self.admitted_s: float | None = None  # first admission (simulated seconds)
+        self.preempted_s: float | None = None  # when the current preemption began
+        self.swapped_s = 0.0  # time spent swapped out, summed over preemptions
+        self.recompute_wait_s = 0.0  # time spent waiting to be readmitted after a recompute preemption
 
 
 def simulate(cfg: SimConfig, workload: Workload, progress: bool = False, position: int = 0) -> dict[str, Any]:
@@ -102,6 +133,11 @@ def simulate(cfg: SimConfig, workload: Workload, progress: bool = False, positio
     track: dict[str, _Request] = {r.request_id: _Request(r) for r in workload.requests}
     series: dict[str, list[float]] = {k: [] for k in ("t_s", *STOCKS, *FLOWS)}
     clock, integrity_checks, stalled = 0.0, 0, 0
+    gaps = {"idle_s": 0.0, "memory_held_s": 0.0, "queued_memory_rs": 0.0}
+    computed: dict[str, int] = {}  # the most tokens each unfinished request has computed
+    lost: dict[str, int] = {}  # recompute victims: tokens computed before, until computed again
+    awaiting_recompute: set[str] = set()
+    max_seqs, max_tokens = sched.config.max_num_seqs, sched.config.max_num_batched_tokens
     bar = _progress(len(workload), cfg.label, progress, position)
 
     def reject(rid: str, reason: str) -> None:
@@ -120,12 +156,34 @@ def simulate(cfg: SimConfig, workload: Workload, progress: bool = False, positio
                 bar.update(1)
         if not sched.has_unfinished:
             if arrivals:
+                gaps["idle_s"] += max(0.0, arrivals[0].arrival_s - clock)
                 clock = max(clock, arrivals[0].arrival_s)
             continue
         plan = sched.step()
+        start_s = clock
+        for p in plan.preempted:
+            track[p.request_id].preempted_s = start_s
+            if p.mode is not PreemptionMode.SWAP:
+                awaiting_recompute.add(p.request_id)
+                lost[p.request_id] = max(lost.get(p.request_id, 0), computed.get(p.request_id, 0))
+        for rid in (*plan.resumed, *plan.admitted):
+            t = track[rid]
+            if t.admitted_s is None:
+                t.admitted_s = start_s
+            if t.preempted_s is not None:
+                if rid in awaiting_recompute:
+                    t.recompute_wait_s += start_s - t.preempted_s
+                else:
+                    t.swapped_s += start_s - t.preempted_s
+                t.preempted_s = None
+            awaiting_recompute.discard(rid)
         if plan.is_empty and not sched.running:
             sched.update(engine.run(plan))
             if arrivals:  # nothing fits now and nothing runs: wait for the next arrival
+                gap = max(0.0, arrivals[0].arrival_s - clock)
+                queued = len(sched.waiting) + len(backlog)
+                gaps["memory_held_s" if queued else "idle_s"] += gap
+                gaps["queued_memory_rs"] += queued * gap
                 clock = max(clock, arrivals[0].arrival_s)
                 continue
             stalled = len(sched.requests)  # cannot happen with a correct scheduler: report it, do not hang
@@ -134,14 +192,26 @@ def simulate(cfg: SimConfig, workload: Workload, progress: bool = False, positio
                 reject(rid, "stalled: nothing running and the next request cannot be admitted")
             sched.pop_finished()
             break
-        done = executor.run(plan)
-        clock += done.time.total_s
+        waiting = len(sched.waiting) + len(backlog)
+        swapped = len(sched.swapped)
+        held = bool(plan.preempted) or bool(
+            (waiting or swapped) and len(sched.running) < max_seqs and plan.num_batched_tokens < max_tokens
+        )
+        done = executor.run(plan, lost)
+        dt = done.time.total_s
+        clock += dt
         result = sched.update(engine.run(plan))
         for row in plan.scheduled:
+            rid = row.request_id
             if row.samples:
-                t = track[row.request_id]
+                t = track[rid]
                 if t.first_token_s is None:
                     t.first_token_s = clock
+            req = sched.requests.get(rid)
+            if req is not None and req.num_computed_tokens > computed.get(rid, 0):
+                computed[rid] = req.num_computed_tokens
+                if rid in lost and req.num_computed_tokens >= lost[rid]:
+                    del lost[rid]
         cached = 0
         for rid in plan.admitted:
             req = sched.requests.get(rid)
@@ -152,6 +222,8 @@ def simulate(cfg: SimConfig, workload: Workload, progress: bool = False, positio
             t = track[rid]
             t.finish_s, t.status = clock, "finished"
             t.num_outputs, t.num_preemptions = len(req.output_token_ids), req.num_preemptions
+            computed.pop(rid, None)
+            lost.pop(rid, None)
         bar.update(len(result.finished))
         u = manager.usage()
         swaps = sum(1 for p in plan.preempted if p.mode is PreemptionMode.SWAP)
@@ -168,16 +240,29 @@ def simulate(cfg: SimConfig, workload: Workload, progress: bool = False, positio
             len(sched.waiting) + len(backlog),
             len(sched.running),
             len(sched.swapped),
-            done.time.total_s,
+            len(awaiting_recompute),
+            dt,
             plan.num_batched_tokens,
             len(plan.preempted) - swaps,
             swaps,
+            len(plan.resumed),
             done.swap_out_blocks,
             done.swap_in_blocks,
             done.copy_blocks + done.checkpoint_copy_blocks,
             len(plan.admitted),
             cached,
             len(result.finished),
+            done.time.swap_out_s + done.time.swap_in_s,
+            dt - done.time.forward_s,
+            done.recomputed_tokens,
+            done.recompute_s,
+            done.time.forward_s if done.time.memory_s > done.time.compute_s else 0.0,
+            dt if held else 0.0,
+            dt if (waiting or swapped) and not held else 0.0,
+            (waiting - len(awaiting_recompute)) * dt if held else 0.0,
+            (waiting - len(awaiting_recompute)) * dt if not held else 0.0,
+            swapped * dt,
+            len(awaiting_recompute) * dt,
         )
         for key, value in zip(series, row_values, strict=True):
             series[key].append(value)
@@ -196,6 +281,7 @@ def simulate(cfg: SimConfig, workload: Workload, progress: bool = False, positio
         "sim_time_s": clock,
         "integrity_checks": integrity_checks,
         "stalled": stalled,
+        "gaps": gaps,
         "executor_totals": dict(executor.totals),
         "series": {k: np.asarray(v) for k, v in series.items()},
         "requests": [_request_dict(t) for t in track.values()],
@@ -244,6 +330,10 @@ def _request_dict(t: _Request) -> dict[str, Any]:
         "preemptions": t.num_preemptions,
         "cached_tokens": t.cached_tokens,
     }
+    if t.admitted_s is not None:
+        d["queued_s"] = t.admitted_s - r.arrival_s  # arrival to first admission
+        d["swapped_s"] = t.swapped_s
+        d["recompute_wait_s"] = t.recompute_wait_s
     if t.first_token_s is not None:
         d["ttft_s"] = t.first_token_s - r.arrival_s
     if t.finish_s is not None:
