@@ -192,3 +192,22 @@ def test_a_hybrid_layers_kv_and_state_are_two_cache_layers_mapped_to_their_decod
     assert layout.model.decoder_layer_ids == (0, 0, 1, 1, 2, 2)
     assert [layout.decoder_layer_id(i) for i in layout.kv_group.layer_ids if i is not None] == [0, 1, 2]
     assert len(kv_cache_views(allocate_pools(layout, "cpu"))) == 6
+
+
+def test_keys_only_attention_gives_an_empty_value_view():
+    """MLA with no rotary part (GLM-5 Next's indexed layers) keeps keys only: the V view is empty, of
+    the attention dtype, and K still sees its own segments."""
+    from hybridkv.models.spec import AttentionLayerSpec, ModelSpec, RecurrentLayerSpec, StateComponent
+    from hybridkv.ops.pools import kv_view_shape
+    from hybridkv.planner.layout import plan
+
+    attn = AttentionLayerSpec(1, 16, "bfloat16", 4, v_head_dim=0)
+    rec = RecurrentLayerSpec("kda", (StateComponent("ssm", (2, 8, 8), "float32"),))
+    model = ModelSpec("keys-only", (rec, attn))
+    probe = plan(model, 1 << 30, block_size=4)
+    layout = plan(model, 8 * probe.bytes_per_block, block_size=4)
+    assert layout.value_segments == 0
+    k, v = kv_cache_views(allocate_pools(layout, "cpu"))
+    assert k.shape == kv_view_shape(layout, attn, value=False) == (layout.num_blocks, 1, 4, 16)
+    assert v.shape == kv_view_shape(layout, attn, value=True) == (layout.num_blocks, 1, 4, 0)
+    assert v.dtype == k.dtype == torch.bfloat16 and v.numel() == 0

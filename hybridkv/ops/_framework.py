@@ -18,7 +18,12 @@ import torch
 
 from hybridkv.models.spec import DType
 
-_TORCH_DTYPES = {DType.FLOAT32: torch.float32, DType.BFLOAT16: torch.bfloat16, DType.FLOAT16: torch.float16}
+_TORCH_DTYPES = {
+    DType.FLOAT32: torch.float32,
+    DType.BFLOAT16: torch.bfloat16,
+    DType.FLOAT16: torch.float16,
+    DType.INT64: torch.int64,  # token ids and positions some caches keep (Qwen4-exp)
+}
 
 
 class Framework(enum.Enum):

@@ -148,6 +148,8 @@ def kv_view_shape(layout: Layout, spec: AttentionLayerSpec, value: bool) -> tupl
     n = layout.value_segments if value else layout.key_segments
     width = spec.value_head_dim if value else spec.head_dim
     lead = (layout.num_blocks, spec.num_kv_heads, layout.block_size)
+    if n == 0:  # zero-width values (MLA without a rotary part keeps keys only)
+        return (*lead, 0)
     return (*lead, width) if n == 1 else (*lead, n, width // n)
 
 
@@ -156,6 +158,9 @@ def segment_kv_view(segments: Any, spec: AttentionLayerSpec, block_size: int) ->
     seen as that layer's K or V: ``[num_blocks, kv_heads, block_size, head_dim]`` for ``n == 1``, else
     ``[num_blocks, kv_heads, block_size, n, width]`` (:func:`kv_view_shape`). Same memory, same start."""
     n, num_blocks = segments.shape[0], segments.shape[1]
+    if n == 0:  # zero-width values: an empty view of the right shape and dtype
+        dtype = segments.dtype if spec.dtype.itemsize == 1 else torch_dtype(spec.dtype)
+        return segments.new_empty((num_blocks, spec.num_kv_heads, block_size, 0), dtype=dtype)
     t = segments if spec.dtype.itemsize == 1 else segments.view(torch_dtype(spec.dtype))
     t = t.view(n, num_blocks, spec.num_kv_heads, block_size, -1)
     return t[0] if n == 1 else t.permute(1, 2, 3, 0, 4)
