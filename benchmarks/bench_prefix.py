@@ -245,23 +245,36 @@ def multiturn_items(num_sessions: int = 300, seed: int = 0) -> tuple[list[Item],
 
 # ---- replay ---------------------------------------------------------------------------------------
 def replay(model_key, budget_gib, layout_kind, checkpoint, eviction, every_n, items, concurrency, align=(512, 2048),
-           block_size=64, progress=True, **policy):
-    """One replay; ``policy``: further :class:`PrefixCacheConfig` fields (e.g. ``min_gap_tokens``)."""
+           block_size=64, progress=True, host_gib=0, **policy):
+    """One replay; ``policy``: further :class:`PrefixCacheConfig` fields (e.g. ``min_gap_tokens``).
+    ``host_gib``: the host tier's pool in GiB per GPU (0: no tier): cached KV blocks and checkpoints
+    evicted from the device are offloaded there and stay matchable (docs/blockmgr.md); the host->device
+    and device->host copies it hands out are counted (blocks and bytes), not priced."""
     name, dtype, tp, _ = MODELS[model_key]
     spec = preset(name, dtype, tp)
     if layout_kind == "padded":
         layout = plan(spec, int(budget_gib * GiB), layout="padded")
     else:
         layout = plan(spec, int(budget_gib * GiB), block_size=block_size)
+    num_host = int(host_gib * GiB) // layout.bytes_per_block
     config = PrefixCacheConfig(
-        CheckpointPolicy(checkpoint), EvictionPolicy(eviction), every_n=every_n, align_tokens=tuple(align), **policy
+        CheckpointPolicy(checkpoint), EvictionPolicy(eviction), every_n=every_n, align_tokens=tuple(align),
+        host_tier=num_host > 0, **policy
     )
-    m = HybridBlockManager(layout, prefix_cache=config)
+    m = HybridBlockManager(layout, num_host_blocks=num_host, prefix_cache=config)
     bs = layout.block_size
     running: deque[int] = deque()
     hit = total = skipped = 0
-    ckpt_samples, kv_cached_samples = [], []
+    moved = {"offload_blocks": 0, "onload_blocks": 0, "host_hit_tokens": 0}
+    ckpt_samples, kv_cached_samples, host_samples = [], [], []
     t0 = time.perf_counter()
+
+    def drain() -> None:
+        """The tier's copies of the last calls (an executor runs them before the next forward)."""
+        if num_host:
+            t = m.take_tier_copies()
+            moved["offload_blocks"] += len(t.offload)
+            moved["onload_blocks"] += len(t.onload)
 
     def make_room() -> bool:
         if not running:
@@ -291,7 +304,9 @@ def replay(model_key, budget_gib, layout_kind, checkpoint, eviction, every_n, it
             skipped += 1
             continue
         hit += alloc.num_cached_tokens
+        drain()
         m.checkpoint(rid)
+        drain()
         ok = True
         while ok and m.requests[rid].num_tokens < len(toks):
             m.release_pins()  # the forward ran this chunk's copies
@@ -303,7 +318,9 @@ def replay(model_key, budget_gib, layout_kind, checkpoint, eviction, every_n, it
                     break
             if ok:
                 m.append(rid, n)
+                drain()
                 m.checkpoint(rid)
+                drain()
         while ok and not m.can_append(rid, item.output_length):
             ok = make_room()
         if not ok:
@@ -313,6 +330,7 @@ def replay(model_key, budget_gib, layout_kind, checkpoint, eviction, every_n, it
         m.release_pins()
         if item.output_ids is None:
             m.append(rid, item.output_length)
+            drain()
         else:
             # decode with the reply's ids (a later prompt repeats them); the state at the last block
             # boundary of the reply is offered to the policy (a decode-position checkpoint)
@@ -320,20 +338,45 @@ def replay(model_key, budget_gib, layout_kind, checkpoint, eviction, every_n, it
             cut = max((end // bs) * bs - len(toks), 0)
             if cut:
                 m.append(rid, cut, token_ids=item.output_ids[:cut])
+                drain()
                 m.checkpoint(rid, final=True)
+                drain()
                 m.release_pins()
             if len(item.output_ids) > cut:
                 m.append(rid, len(item.output_ids) - cut, token_ids=item.output_ids[cut:])
+                drain()
         running.append(rid)
         while len(running) > concurrency:
             m.free(running.popleft())
         cache = m.prefix_cache  # its counts (m.usage() recounts every block: too slow per request)
         ckpt_samples.append(cache.num_checkpoints * m.num_state_blocks * layout.bytes_per_block)
         kv_cached_samples.append(cache.num_cached_kv * layout.bytes_per_block)
+        if num_host:
+            host_samples.append(cache.tier.num_blocks * layout.bytes_per_block)
     while running:
         m.free(running.popleft())
     m.check_integrity()
     stats = m.prefix_cache.stats
+    tier = m.prefix_cache.tier
+    bpb = layout.bytes_per_block
+    host = {}
+    if tier is not None:
+        ts = tier.stats
+        host = {
+            "host_hit_tokens": stats.hit_tokens_host,
+            "offload_blocks": moved["offload_blocks"],
+            "onload_blocks": moved["onload_blocks"],
+            "offload_bytes": moved["offload_blocks"] * bpb,
+            "onload_bytes": moved["onload_blocks"] * bpb,
+            "host_kv_offloaded": ts.offloaded_kv,
+            "host_checkpoints_offloaded": ts.offloaded_checkpoints,
+            "host_kv_onloaded": ts.onloaded_kv,
+            "host_checkpoints_onloaded": ts.onloaded_checkpoints,
+            "host_kv_evicted": ts.evicted_kv,
+            "host_checkpoints_evicted": ts.evicted_checkpoints,
+            "host_dropped": ts.dropped,
+            "host_cached_bytes_mean": sum(host_samples) / max(len(host_samples), 1),
+        }
     return {
         "model": model_key,
         "tp": tp,
@@ -359,8 +402,29 @@ def replay(model_key, budget_gib, layout_kind, checkpoint, eviction, every_n, it
         "checkpoints_made": stats.checkpoints_made,
         "checkpoints_evicted": stats.checkpoints_evicted,
         "kv_blocks_evicted": stats.kv_evicted,
+        "host_gib": host_gib,
+        "num_host_blocks": num_host,
+        **host,
         "seconds": time.perf_counter() - t0,
     }
+
+
+def unbounded_hit_rate(trace: list[TraceRequest]) -> dict:
+    """The hit rate of a cache that keeps every earlier request's full 512-token hash blocks forever
+    (no checkpoint needed, no eviction): per request, its leading hash ids that an earlier request held
+    as full blocks, times 512 tokens. The issue's reference figure (65.0% on the whole synthetic trace)."""
+    seen: set[int] = set()
+    hit = total = 0
+    bt = MOONCAKE_BLOCK_TOKENS
+    for r in trace:
+        full = r.input_length // bt
+        k = 0
+        while k < full and r.hash_ids[k] in seen:
+            k += 1
+        hit += k * bt
+        total += r.input_length
+        seen.update(r.hash_ids[:full])
+    return {"requests": len(trace), "hit_tokens": hit, "input_tokens": total, "token_hit_rate": hit / total}
 
 
 def load_items(workload: str, trace_path: str, limit: int | None, sessions: int) -> tuple[list[Item], dict]:
@@ -374,10 +438,10 @@ def load_items(workload: str, trace_path: str, limit: int | None, sessions: int)
 
 
 def compare(rows: list[dict]) -> list[dict]:
-    """Per workload, model and budget: the best padded row, the paged rows, and their ratios."""
+    """Per workload, model, budget and host tier size: the best padded row, the paged rows, and their ratios."""
     out = []
-    for key in sorted({(r["workload"], r["model"], r["budget_gib"]) for r in rows}):
-        sel = [r for r in rows if (r["workload"], r["model"], r["budget_gib"]) == key]
+    for key in sorted({(r["workload"], r["model"], r["budget_gib"], r.get("host_gib", 0)) for r in rows}):
+        sel = [r for r in rows if (r["workload"], r["model"], r["budget_gib"], r.get("host_gib", 0)) == key]
         padded = [r for r in sel if r["layout"] == "padded"]
         best = max(padded, key=lambda r: r["token_hit_rate"], default=None)
         base = best["token_hit_rate"] if best else 0.0
@@ -386,6 +450,7 @@ def compare(rows: list[dict]) -> list[dict]:
                 "workload": key[0],
                 "model": key[1],
                 "budget_gib": key[2],
+                "host_gib": key[3],
                 "best_padded": best["config"] if best else None,
                 "best_padded_hit_rate": base,
                 "rows": {r["config"]: r["token_hit_rate"] for r in sel},
@@ -397,24 +462,28 @@ def compare(rows: list[dict]) -> list[dict]:
     return out
 
 
-_RUNS: list[tuple] = []  # (workload, items, model, budget, layout, checkpoint, eviction, every_n) of main()
+# (workload, items, model, budget, layout, checkpoint, eviction, every_n, host GiB) of main()
+_RUNS: list[tuple] = []
 
 
 def _run(i: int, concurrency: int, align: tuple[int, ...], legacy: bool, progress: bool) -> dict:
     """Replay ``_RUNS[i]`` (in a worker process with ``--jobs``: no per-request progress bar there)."""
-    workload, items, model_key, budget, layout_kind, checkpoint, eviction, every_n = _RUNS[i]
+    workload, items, model_key, budget, layout_kind, checkpoint, eviction, every_n, host_gib = _RUNS[i]
     extra = config_kwargs((layout_kind, checkpoint, eviction, every_n), legacy)
     r = replay(model_key, budget, layout_kind, checkpoint, eviction, every_n, items, concurrency, align,
-               progress=progress, **extra)
+               progress=progress, host_gib=host_gib, **extra)
     r.update(extra)
     r["workload"] = workload
     return r
 
 
 def _line(r: dict) -> str:
-    return (f"{r['workload']:15s} {r['model']:20s} {r['budget_gib']:4d} {r['config']:42s} {r['token_hit_rate']:8.1%} "
-            f"{r['checkpoint_bytes_mean'] / GiB:9.2f} / {r['checkpoint_bytes_max'] / GiB:7.2f} "
-            f"{r['skipped']:7d} {r['seconds']:6.1f}")
+    host = f"{r['host_gib']:5d}"
+    moved = (f"{r.get('onload_bytes', 0) / GiB:9.1f} / {r.get('offload_bytes', 0) / GiB:9.1f}"
+             if r["host_gib"] else f"{'-':>21s}")
+    return (f"{r['workload']:15s} {r['model']:20s} {r['budget_gib']:4d} {host} {r['config']:34s} "
+            f"{r['token_hit_rate']:8.1%} {r['checkpoint_bytes_mean'] / GiB:9.2f} / "
+            f"{r['checkpoint_bytes_max'] / GiB:7.2f} {moved} {r['skipped']:7d} {r['seconds']:6.1f}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -438,9 +507,15 @@ def main(argv: list[str] | None = None) -> int:
                     help="replays at once, one process each (same results; per-replay seconds then share cores)")
     ap.add_argument("--legacy", action="store_true",
                     help="demote_tail off in every row (as before it existed: comparable with older runs)")
+    ap.add_argument("--host-cache", nargs="+", type=int, default=[0], metavar="GIB",
+                    help="host tier sizes in GiB per GPU, one replay each (0: no tier; default 0)")
+    ap.add_argument("--unbounded", action="store_true",
+                    help="also report the unbounded hit rate of the trace workloads (every full hash block kept)")
     args = ap.parse_args(argv)
     if args.jobs < 1:
         ap.error(f"--jobs must be at least 1, got {args.jobs}")
+    if any(h < 0 for h in args.host_cache):
+        ap.error(f"--host-cache sizes must be >= 0 GiB, got {args.host_cache}")
     limit = 400 if args.quick and args.limit is None else args.limit
     quick_note = (
         "--quick: a sample (the first 400 requests, one budget per model), not a result. Too few requests "
@@ -455,6 +530,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(str(e))
     rows, infos = [], {}
     runs = []
+    unbounded = {}
     for workload in args.workloads:
         try:
             items, info = load_items(workload, args.trace, limit, args.sessions)
@@ -462,12 +538,16 @@ def main(argv: list[str] | None = None) -> int:
             print(f"bench_prefix: {e}", file=sys.stderr)
             return 2
         infos[workload] = info
+        if args.unbounded and workload == "trace":
+            unbounded[workload] = unbounded_hit_rate(load_trace(args.trace, limit))
+            print(f"unbounded ({workload}, {unbounded[workload]['requests']} requests): "
+                  f"{unbounded[workload]['token_hit_rate']:.1%}", flush=True)
         for model_key in args.models:
             budgets = args.budgets or (MODELS[model_key][3][1:2] if args.quick else MODELS[model_key][3])
-            runs += [(workload, items, model_key, b, *c) for b in budgets for c in configs]
+            runs += [(workload, items, model_key, b, *c, h) for b in budgets for c in configs for h in args.host_cache]
     print(
-        f"{'workload':15s} {'model':20s} {'GiB':>4s} {'config':42s} {'hit rate':>8s} "
-        f"{'ckpt GiB (mean/max)':>20s} {'skipped':>7s} {'s':>6s}",
+        f"{'workload':15s} {'model':20s} {'GiB':>4s} {'host':>5s} {'config':34s} {'hit rate':>8s} "
+        f"{'ckpt GiB (mean/max)':>20s} {'GiB in / out (host)':>21s} {'skipped':>7s} {'s':>6s}",
         flush=True,
     )
     _RUNS[:] = runs  # read by the workers (forked: the items are not copied per run)
@@ -493,9 +573,11 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.jobs} process{'es' if args.jobs > 1 else ''})", flush=True)
     table = compare(rows)
     for t in table:
+        if t["best_padded"] is None:
+            continue
         ratios = ", ".join(f"{k} {v:.2f}x" for k, v in t["ratio_vs_best_padded"].items() if v is not None)
-        print(f"{t['workload']} {t['model']} {t['budget_gib']} GiB: best padded {t['best_padded']} "
-              f"{t['best_padded_hit_rate']:.1%}; paged vs it: {ratios}")
+        print(f"{t['workload']} {t['model']} {t['budget_gib']} GiB (host {t['host_gib']}): best padded "
+              f"{t['best_padded']} {t['best_padded_hit_rate']:.1%}; paged vs it: {ratios}")
     path = save(
         args.name,
         {
@@ -512,6 +594,8 @@ def main(argv: list[str] | None = None) -> int:
                 "trace-sessions": trace_session_items.__doc__,
                 "multiturn": multiturn_items.__doc__,
             },
+            "host_cache_gib": args.host_cache,
+            "unbounded": unbounded,
             "runs": rows,
             "comparison": table,
         },

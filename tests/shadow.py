@@ -149,16 +149,32 @@ class _Op:
         self.kv, self.state, self.epoch, self.label = kv, state, epoch, label
 
     def blocks(self) -> list[int]:
-        return [self.src, self.dst] if self.kind == "copy" else []
+        """The device blocks the op touches (a tier op's host side is in :meth:`host_block`)."""
+        if self.kind == "copy":
+            return [self.src, self.dst]
+        if self.kind == "out":  # offload: device src -> host dst
+            return [self.src]
+        if self.kind == "in":  # onload: host src -> device dst
+            return [self.dst]
+        return []
+
+    def host_block(self) -> int | None:
+        return self.dst if self.kind == "out" else self.src if self.kind == "in" else None
 
     def __repr__(self) -> str:
         if self.kind == "copy":
             return f"copy {self.src}->{self.dst} ({self.label}, epoch {self.epoch})"
+        if self.kind == "out":
+            return f"offload device {self.src}->host {self.dst} ({self.label}, epoch {self.epoch})"
+        if self.kind == "in":
+            return f"onload host {self.src}->device {self.dst} ({self.label}, epoch {self.epoch})"
         return f"swap-{self.plan.direction.value} of {self.plan.request_id!r} ({self.label})"
 
 
 _COPIERS = ("allocate", "append", "fork", "checkpoint")  # manager calls that hand out copies
 _CONTEXT = ("free", "begin_speculation", "commit_speculation", "end_speculation", "mark_computed")
+# calls after which the host tier's copies (offloads of evicted cached blocks, host hits) are taken
+_TIER = (*_COPIERS, "swap_in", "swap_out", "begin_speculation", "import_request")
 
 
 class Ledger:
@@ -179,8 +195,13 @@ class Ledger:
     The manager's methods are wrapped on the instance (``functools.wraps`` keeps their signatures).
     """
 
-    def __init__(self, manager, real: Shadow | None = None) -> None:
+    def __init__(self, manager, real: Shadow | None = None, take_tier: bool = True) -> None:
+        """``take_tier``: take the host tier's copies after every manager call (a manager-level
+        executor); False: only look at them after each call (queued in hand-out order), and let the
+        executor take them once per plan (``take_tier_copies``) and run them with :meth:`run_tier`."""
         self.m = manager
+        self._take_tier = take_tier
+        self._tier_seen = (0, 0)  # (offloads, onloads) looked at since the last take_tier_copies
         self.real = real if real is not None else Shadow(manager)
         self.intent = Shadow(manager)
         self.queue: list[_Op] = []
@@ -190,7 +211,9 @@ class Ledger:
         self.prefix_len: dict[int, int] = {}  # prefix hash -> its length in tokens
         self.last_block: dict[int, tuple[int, ...]] = {}  # prefix hash at a block boundary -> that block's tokens
         self.state_prefix: dict[int, int] = {}  # state tag -> the prefix hash it summarises
-        self.stats = {"copies": 0, "swaps": 0, "late": 0}
+        self.stats = {"copies": 0, "swaps": 0, "late": 0, "offloads": 0, "onloads": 0}
+        self.host_pins: list[tuple[int, np.ndarray, str]] = []  # host blocks of tier copies, by pin epoch
+        self._tier = getattr(manager, "take_tier_copies", None)
         self._wrap()
 
     # ---- wrapping the manager ---------------------------------------------------------------------
@@ -207,6 +230,8 @@ class Ledger:
                     out = orig(*args, **kwargs)
                 finally:
                     self.calls.pop()
+                if name in _TIER:  # the tier's copies of this call run before the call's own copies
+                    self.take_tier(f"{self.phase}: {name}{args[:1]!r}")
                 if after is not None:
                     after(name, args, out)
                 return out
@@ -215,6 +240,19 @@ class Ledger:
 
         for name in _COPIERS:
             wrap(name, self._after_copier)
+        if not self._take_tier and self._tier is not None:
+            orig_take = m.take_tier_copies
+
+            @functools.wraps(orig_take)
+            def take_tier_copies():
+                plan = orig_take()
+                assert self._tier_seen == (len(plan.offload), len(plan.onload)), (
+                    f"{self.phase}: the tier hands out copies no manager call was seen making: "
+                    f"{self._tier_seen} looked at, {len(plan.offload)} offloads and {len(plan.onload)} onloads taken")
+                self._tier_seen = (0, 0)
+                return plan
+
+            m.take_tier_copies = take_tier_copies
         for name in ("swap_out", "swap_in"):
             wrap(name, lambda name, args, plan: self.hand_out_swap(plan, f"{self.phase}: {name}{args!r}"))
         for name in _CONTEXT:
@@ -226,13 +264,14 @@ class Ledger:
             orig_release = m.release_pins
 
             @functools.wraps(orig_release)
-            def release_pins(before=None):
+            def release_pins(before=None, *args, **kwargs):  # (further arguments passed on as given)
                 self.calls.append(f"release_pins({before})")
                 try:
-                    orig_release(before)
+                    orig_release(before, *args, **kwargs)
                 finally:
                     self.calls.pop()
                 self.pins = [p for p in self.pins if before is not None and p[0] >= before]
+                self.host_pins = [p for p in self.host_pins if before is not None and p[0] >= before]
 
             m.release_pins = release_pins
         orig_allocate = m.pool.allocate
@@ -244,6 +283,16 @@ class Ledger:
             return ids
 
         m.pool.allocate = pool_allocate
+        if m.host_pool is not None:
+            orig_host_allocate = m.host_pool.allocate
+
+            def host_allocate(n):
+                ids = orig_host_allocate(n)
+                if ids.size:
+                    self.check_host_holders(ids)
+                return ids
+
+            m.host_pool.allocate = host_allocate
 
     def _after_copier(self, name, args, out) -> None:
         copies = out.copies if name == "allocate" else out
@@ -276,6 +325,50 @@ class Ledger:
             self.pins.append((epoch, np.concatenate((src, dst)), label))
         self.stats["copies"] += src.size
 
+    def take_tier(self, label: str) -> None:
+        """Take the host tier's copies of the call just made and queue them: every offload (device
+        -> host), then every onload (host -> device), one op per block, with its source's bytes."""
+        if self._tier is None:
+            return
+        if self._take_tier:
+            tier = self._tier()
+        else:  # look only: the executor takes them per plan
+            cache = getattr(self.m, "prefix_cache", None)
+            if cache is None or cache.tier is None:
+                return
+            seen_out, seen_in = self._tier_seen
+            q = cache.tier.queued()
+            self._tier_seen = (len(q.offload), len(q.onload))
+            tier = type(q)(type(q.offload)(q.offload.device_blocks[seen_out:], q.offload.host_blocks[seen_out:],
+                                           q.offload.direction),
+                           type(q.onload)(q.onload.device_blocks[seen_in:], q.onload.host_blocks[seen_in:],
+                                          q.onload.direction))
+        if not len(tier):
+            return
+        it, epoch = self.intent, self._epoch()
+        out, inn = tier.offload, tier.onload
+        assert out.direction is SwapDirection.OUT and inn.direction is SwapDirection.IN
+        for copies, kind in ((out, "out"), (inn, "in")):
+            dev, host = np.asarray(copies.device_blocks), np.asarray(copies.host_blocks)
+            assert np.unique(dev).size == dev.size and np.unique(host).size == host.size, (
+                f"{label}: a tier copy list repeats a block: device {dev.tolist()}, host {host.tolist()}")
+            assert not (dev == 0).any(), f"{label}: a tier copy touches the null block"
+            for d, h in zip(dev.tolist(), host.tolist(), strict=True):
+                if kind == "out":
+                    self.queue.append(_Op("out", d, h, None, it.kv[d].copy(), int(it.state[d]), epoch, label))
+                else:
+                    self.queue.append(_Op("in", h, d, None, it.host_kv[h].copy(), int(it.host_state[h]), epoch,
+                                          label))
+            if kind == "out":
+                it.host_kv[host], it.host_state[host] = it.kv[dev], it.state[dev]
+            else:
+                it.kv[dev], it.state[dev] = it.host_kv[host], it.host_state[host]
+            if epoch and host.size:
+                self.host_pins.append((epoch, host.copy(), label))
+                if kind == "in":
+                    self.pins.append((epoch, dev.copy(), label))
+            self.stats["offloads" if kind == "out" else "onloads"] += int(dev.size)
+
     def hand_out_swap(self, plan: SwapPlan, label: str) -> None:
         it = self.intent
         if plan.direction is SwapDirection.OUT:
@@ -293,8 +386,11 @@ class Ledger:
         new = set(ids.tolist())
         where = " > ".join(self.calls) or "?"
         for op in self.queue:
-            if op.kind == "copy" and (op.src in new or op.dst in new):
-                b = op.src if op.src in new else op.dst
+            # (an offload's device source is given to a new holder at once: the offload runs first,
+            # and its source is checked when it runs)
+            touched = [b for b in op.blocks() if b in new and op.kind != "out"]
+            if touched:
+                b = touched[0]
                 raise AssertionError(
                     f"HOLDER: block {b} handed to a new holder ({self.phase}: {where}) while {op} has not run"
                 )
@@ -306,6 +402,24 @@ class Ledger:
                     f"copy handed out in pin epoch {epoch} ({label}) touches it and that epoch was not released "
                     f"(release_pins(before=...) has not said the copy ran)"
                 )
+
+    def check_host_holders(self, ids: np.ndarray) -> None:
+        """Host blocks ``ids`` are being handed to a new holder (a swap-out, an offload): with pins on,
+        no tier copy not yet run, nor one whose pin epoch is not released, may touch them."""
+        if not self._epoch():
+            return  # no pins: the caller runs each call's copies before the next call
+        new = set(ids.tolist())
+        where = " > ".join(self.calls) or "?"
+        for op in self.queue:
+            if op.host_block() in new:
+                raise AssertionError(f"HOLDER: host block {op.host_block()} handed to a new holder "
+                                     f"({self.phase}: {where}) while {op} has not run")
+        for epoch, blocks, label in self.host_pins:
+            hit = np.isin(blocks, ids)
+            if hit.any():
+                raise AssertionError(
+                    f"HOLDER: host block {int(blocks[hit][0])} handed to a new holder ({self.phase}: {where}) "
+                    f"while a tier copy of pin epoch {epoch} ({label}) touches it and that epoch was not released")
 
     # ---- running ---------------------------------------------------------------------------------
     def _check_source(self, op: _Op, kv: np.ndarray, state, what: str) -> None:
@@ -330,6 +444,19 @@ class Ledger:
         self.real.copy(copies)
         self.queue = [o for o in self.queue if o not in ran]
 
+    def run_tier(self, plan, what: str, parts: tuple[str, ...] = ("offload", "onload")) -> None:
+        """Run the host tier's copies of a plan (a ``TierPlan``): its offloads (stage 0), its onloads
+        (after the swaps), or both in that order; each pair must be one handed out and not yet run,
+        and its source must hold the bytes of hand-out."""
+        for copies, kind in [(getattr(plan, p), "out" if p == "offload" else "in") for p in parts]:
+            for d, h in zip(np.asarray(copies.device_blocks).tolist(), np.asarray(copies.host_blocks).tolist(),
+                            strict=True):
+                src, dst = (d, h) if kind == "out" else (h, d)
+                op = next((o for o in self.queue if o.kind == kind and o.src == src and o.dst == dst), None)
+                assert op is not None, f"{what}: the plan's tier copy {kind} {src}->{dst} was never handed out (or ran)"
+                self._run_op(op, what)
+                self.queue.remove(op)
+
     def run_swap(self, plan: SwapPlan, what: str) -> None:
         op = next((o for o in self.queue if o.plan is plan), None)
         assert op is not None, f"{what}: swap plan of {plan.request_id!r} was never handed out (or ran already)"
@@ -342,6 +469,14 @@ class Ledger:
             self._check_source(op, r.kv[op.src], int(r.state[op.src]), what)
             r.kv[op.dst] = r.kv[op.src]
             r.state[op.dst] = r.state[op.src]
+            return
+        if op.kind == "out":
+            self._check_source(op, r.kv[op.src], int(r.state[op.src]), what)
+            r.host_kv[op.dst], r.host_state[op.dst] = r.kv[op.src], r.state[op.src]
+            return
+        if op.kind == "in":
+            self._check_source(op, r.host_kv[op.src], int(r.host_state[op.src]), what)
+            r.kv[op.dst], r.state[op.dst] = r.host_kv[op.src], r.host_state[op.src]
             return
         plan = op.plan
         if plan.direction is SwapDirection.OUT:
@@ -366,12 +501,16 @@ class Ledger:
         for i, op in enumerate(self.queue):
             if op.kind == "copy" and (op.dst in reads or op.dst in writes or op.src in writes):
                 last = i
+            elif op.kind == "out" and op.src in writes:  # an offload reads a block the forward writes
+                last = i
+            elif op.kind == "in" and (op.dst in reads or op.dst in writes):  # an onload writes one it uses
+                last = i
         if last >= 0:
             self.stats["late"] += 1
             self.run_first(last + 1, what)
 
     def oldest_queued_epoch(self) -> int | None:
-        return min((op.epoch for op in self.queue if op.kind == "copy"), default=None)
+        return min((op.epoch for op in self.queue if op.kind in ("copy", "out", "in")), default=None)
 
     def queued_blocks(self) -> set[int]:
         return {b for op in self.queue for b in op.blocks()}
@@ -450,6 +589,35 @@ class Ledger:
                     f"prefix (holds {self.real.state[ids].tolist()}: unwritten is {UNWRITTEN})"
                 )
 
+    def check_host_cache_bytes(self, what: str) -> None:
+        """Every unit of the host tier holds its own bytes: a KV block the KV of a prefix ending in
+        the unit's tokens (its slots chained), a checkpoint the state after exactly such a prefix."""
+        cache = getattr(self.m, "prefix_cache", None)
+        tier = getattr(cache, "tier", None)
+        if tier is None:
+            return
+        bs, mask = self.m.block_size, self.m._state_mask
+        flat = [(g, j) for g in range(mask.shape[0]) for j in range(mask.shape[1]) if mask[g, j]]
+        queued = {op.host_block() for op in self.queue}
+        for key, hb in tier.kv.items():
+            if hb in queued:
+                continue
+            toks = tuple(int(t) for t in tier._tok[hb])
+            tags = self.real.host_kv[hb].tolist()
+            p = self.prefix_len.get(tags[-1])
+            ok = p is not None and p % bs == 0 and self.last_block.get(tags[-1]) == toks
+            ok = ok and all(tags[s] == hash((tags[s - 1], toks[s])) & _MASK for s in range(1, bs))
+            assert ok, f"{what}: host KV block {hb} of key {key} holds {tags}"
+        for key, ids in tier.ck.items():
+            if queued.intersection(ids.tolist()):
+                continue
+            toks = tuple(int(t) for t in tier._tok[int(ids[0])])
+            ph = self.state_prefix.get(int(self.real.host_state[int(ids[0])]))
+            ok = ph is not None and self.last_block.get(ph) == toks
+            ok = ok and all(self.real.host_state[b] == state_tag(ph, g, j)
+                            for b, (g, j) in zip(ids.tolist(), flat, strict=True))
+            assert ok, f"{what}: host checkpoint {ids.tolist()} of key {key} does not hold the state after its prefix"
+
     def check_idle(self, what: str) -> None:
         """Nothing in flight: every op handed out ran, no pins, nothing pending-free, every cached
         block and checkpoint holds its bytes."""
@@ -462,3 +630,4 @@ class Ledger:
         m.check_integrity()
         self.check_agree(what)
         self.check_cache_bytes(what)
+        self.check_host_cache_bytes(what)

@@ -4,10 +4,13 @@ Layouts mix attention with state groups of different sizes (``blocks_per_state``
 groups) or have no attention at all. Operations: allocate (with a prefix cache: long shared prompts,
 prefix hits whose checkpoint is copied into the live sets), append (copy-on-write of a shared tail),
 forwards (after which the request's blocks enter the prefix cache: ``checkpoint`` or
-``mark_computed``), free (also before the forward), fork (also in the middle of a verify step), swap
-plans left open while other requests change and settled later (commit, or abort after a transfer
-that scribbled over its target), verify steps opened and committed later, checkpoints cancelled,
-pin epochs opened and released as a scheduler does.
+``mark_computed``), the prefix cache's host tier (evicted cached blocks and checkpoints offloaded to
+the host pool the swaps use, host hits copied back, host eviction, swap-outs taking host blocks from
+the tier; its copies are taken after every call and queued before the call's own), later turns
+of freed requests (``allocate_again``: device hits, host hits or misses), free (also before the
+forward), fork (also in the middle of a verify step), swap plans left open while other requests
+change and settled later (commit, or abort after a transfer that scribbled over its target), verify
+steps opened and committed later, checkpoints cancelled, pin epochs opened and released as a scheduler does.
 
 The executor is LAZY (``mode="lazy"`` or ``"tight"``): every copy and swap the manager hands out is
 queued (:class:`~tests.shadow.Ledger`) and runs later, in hand-out order: when the executor catches
@@ -30,6 +33,7 @@ every block is back.
 ``MANAGER_STATEFUL_EXAMPLES`` sets the number of examples (CI runs the default).
 """
 
+import dataclasses
 import os
 import random
 import sys
@@ -64,6 +68,7 @@ prefix_on = st.builds(
 
 
 class ManagerMachine(RuleBasedStateMachine):
+    TIER_ONLY = False  # a subclass sets it: every example with the host tier on
     @initialize(
         num_attention=st.integers(0, 3),
         state_sizes=st.lists(st.integers(1, 200), min_size=1, max_size=3),
@@ -76,6 +81,7 @@ class ManagerMachine(RuleBasedStateMachine):
         prefix=st.one_of(st.none(), prefix_on, prefix_on.map(lambda c: c), prefix_on.filter(lambda c: True)),
         templates=st.lists(st.integers(4, 48), min_size=1, max_size=3),
         seed=st.integers(0, 2**16),
+        host_tier=st.booleans(),
     )
     def setup(
         self,
@@ -90,6 +96,7 @@ class ManagerMachine(RuleBasedStateMachine):
         prefix,
         templates,
         seed,
+        host_tier,
     ):
         attn = AttentionLayerSpec(1, 4, DType.FLOAT16)
         layers = (attn,) * num_attention
@@ -101,6 +108,14 @@ class ManagerMachine(RuleBasedStateMachine):
             layout = plan(model, num_blocks * probe.bytes_per_block, block_size=block_size)
         except LayoutError:
             layout = plan(model, 8 * probe.bytes_per_block, block_size=block_size)
+        if self.TIER_ONLY:  # (tests/test_host_tier_stateful.py) the tier on, with checkpoints that occur
+            policy = CheckpointPolicy.BRANCH_AND_LAST if seed % 3 == 0 else CheckpointPolicy.EVERY_N_BLOCKS
+            base = prefix or PrefixCacheConfig()
+            prefix = dataclasses.replace(base, checkpoint=policy, every_n=1 + seed % 2)
+            num_host_blocks = max(num_host_blocks, 2)
+            host_tier = True
+        if prefix is not None and host_tier and num_host_blocks:  # the host tier shares the swap pool
+            prefix = dataclasses.replace(prefix, host_tier=True)
         self.m = HybridBlockManager(layout, num_host_blocks=num_host_blocks, watermark=watermark, prefix_cache=prefix)
         self.mode = mode
         self.pins = mode != "eager"
@@ -160,7 +175,7 @@ class ManagerMachine(RuleBasedStateMachine):
         if the policy wants one (its copy is queued) or without."""
         if self.m.prefix_cache is None or r not in self.given:
             return
-        if data.draw(st.booleans()):
+        if self.TIER_ONLY or data.draw(st.booleans()):
             self.m.checkpoint(r, final=data.draw(st.booleans()))
         else:
             self.m.mark_computed(r, self.m.requests[r].num_tokens)
@@ -191,7 +206,7 @@ class ManagerMachine(RuleBasedStateMachine):
         t = self.templates[template % len(self.templates)]
         tokens = t[:shared] + self._new_tokens(own)
         n = len(tokens)
-        ids = tokens if n and (with_ids or data.draw(st.booleans())) else None
+        ids = tokens if n and (with_ids or self.TIER_ONLY or data.draw(st.booleans())) else None
         ok = self.m.can_allocate(n, k, ids)
         r = self.next_id = self.next_id + 1
         try:
@@ -204,6 +219,34 @@ class ManagerMachine(RuleBasedStateMachine):
         self.tokens[r] = tokens
         if ids is not None and self.m.prefix_cache is not None:
             self.given[r] = n
+        self.kv_done[r] = self.state_pos[r] = c
+        self.fwd[r] = (c, n)
+        if data.draw(st.booleans()):
+            self.forward(data, r)
+        self._end_of_rule()
+
+    @precondition(lambda self: self.history and self.m.prefix_cache is not None)
+    @rule(data=st.data(), own=st.integers(0, 6), k=st.integers(0, 1))
+    def allocate_again(self, data, own, k):
+        """A later turn: a freed request's computed tokens again (and a few more), after other
+        requests may have evicted them: a hit on the device, on the host tier, or a miss."""
+        tokens = data.draw(st.sampled_from(self.history[-6:])) + self._new_tokens(own)
+        if not tokens:
+            return
+        n = len(tokens)
+        ok = self.m.can_allocate(n, k, tokens)
+        avail = self.m.num_available_blocks
+        taken = self.m.blocks_to_admit(n, k, tokens)
+        r = self.next_id = self.next_id + 1
+        try:
+            alloc = self.m.allocate(r, n, k, token_ids=tokens)
+        except AllocationError:
+            assert not ok
+            return
+        assert ok and self.m.num_available_blocks == avail - taken  # the one count, host hits included
+        c = alloc.num_cached_tokens
+        self.tokens[r] = list(tokens)
+        self.given[r] = n
         self.kv_done[r] = self.state_pos[r] = c
         self.fwd[r] = (c, n)
         if data.draw(st.booleans()):
@@ -538,6 +581,7 @@ class ManagerMachine(RuleBasedStateMachine):
                 self.shadow.check_kv(f"request {r}", rec.kv_blocks, h, self.kv_done[r])
                 self.shadow.check_state(f"request {r}", rec.state, h[pos])  # pending swap-outs too
         led.check_agree("after the step")
+        led.check_host_cache_bytes("after the step")
         running = [r for r, rec in m.requests.items() if rec.status is RequestStatus.RUNNING and rec.pending is None]
         owned = np.concatenate([m.state_table(running).ravel()] + [m.speculative_table(r).ravel() for r in running])
         owned = owned[owned != 0]
@@ -575,8 +619,8 @@ class ManagerMachine(RuleBasedStateMachine):
         assert u.used == 0 and u.free + u.evictable == u.total - 1, u
         if m.prefix_cache is None:
             assert m.pool.free_extents() == [(1, m.layout.num_blocks)]
-        if m.host_pool is not None:
-            assert m.host_pool.num_free == m.host_pool.num_usable
+        if m.host_pool is not None:  # every host block is back, or cached by the host tier
+            assert m.host_pool.num_free + u.host_cached == m.host_pool.num_usable, u
 
 
 ManagerMachine.TestCase.settings = settings(

@@ -1,6 +1,9 @@
 """Scheduler property test that checks data: every KV slot and state byte follows its request.
 
-Everything on at once: prefix caching (every checkpoint and eviction policy), preemption by
+Everything on at once: prefix caching (every checkpoint and eviction policy; its host tier in the
+host pool the swaps use: offloads, host hits, host eviction, swap-outs winning host blocks, the tier's
+copies taken once per plan and run as its stage 0, and by a swap executor before each swap it runs
+inside ``step()``), preemption by
 recompute, swap or auto, a swap executor that runs swaps inside ``step()`` (or none: the executor
 runs them from the plan), speculative decoding with rejections, forks (of forks), aborts before a
 step, between ``step()`` and ``update()`` (the executor then skips the row, or runs it anyway into
@@ -34,6 +37,7 @@ eviction for another row's checkpoint or a fork come in one update).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 
@@ -66,8 +70,10 @@ def _model(kind: str) -> ModelSpec:
     return ModelSpec(kind, layers, params_active=1e6)
 
 
-def _manager(kind, num_blocks, num_host_blocks, watermark, prefix) -> HybridBlockManager:
+def _manager(kind, num_blocks, num_host_blocks, watermark, prefix, host_tier=False) -> HybridBlockManager:
     model = _model(kind)
+    if prefix is not None and host_tier and num_host_blocks:  # the host tier shares the swap pool
+        prefix = dataclasses.replace(prefix, host_tier=True)
     probe = plan(model, 1 << 24, block_size=4)
     layout = plan(model, num_blocks * probe.bytes_per_block, block_size=4)
     return HybridBlockManager(layout, num_host_blocks=num_host_blocks, watermark=watermark, prefix_cache=prefix)
@@ -93,7 +99,24 @@ class DataExecutor:
         self.sync_swaps = False
 
     def swap_executor(self, swap_plan) -> None:  # called inside step() when installed
+        # the host tier's copies handed out so far run first (a swap-in may get a block whose offload
+        # has not run: docs/contract.md, stage 0)
+        self.run_tier(f"{self.ledger.phase}: the swap executor's stage 0")
         self.ledger.run_swap(swap_plan, f"{self.ledger.phase}: the swap executor")
+
+    def run_tier(self, what: str, parts=("offload", "onload")):
+        """Take the host tier's copies (everything handed out since the last take) and run ``parts``
+        of them (offloads: stage 0; onloads: after the swaps); returns the plan."""
+        take = getattr(self.m, "take_tier_copies", None)
+        if take is None:
+            return None
+        plan = take()
+        if len(plan.offload):
+            event("host tier: offloads")
+        if len(plan.onload):
+            event("host tier: host hits (onloads)")
+        self.ledger.run_tier(plan, what, parts)
+        return plan
 
     def tables(self, step_plan):
         """What a real executor captures when it builds the step's metadata."""
@@ -107,12 +130,15 @@ class DataExecutor:
     def run(self, step_plan, tables, run_aborted: bool) -> StepOutputs:
         led, sh = self.ledger, self.shadow
         what = f"plan {step_plan.step}"
+        tier = self.run_tier(f"{what} stage 0 (host tier offloads)", ("offload",))
         led.run_copies(step_plan.checkpoint_copies, f"{what} stage 1 (checkpoint and fork copies)")
         if not self.sync_swaps:
             for p in step_plan.swap_out:
                 led.run_swap(p, f"{what} stage 2 (swap-out)")
             for p in step_plan.swap_in:
                 led.run_swap(p, f"{what} stage 3 (swap-in)")
+        if tier is not None:
+            led.run_tier(tier, f"{what} stage 3b (host tier onloads)", ("onload",))
         led.run_copies(step_plan.copies, f"{what} stage 4 (copy-on-write, prefix hits)")
         assert not led.queue, f"{what}: handed out before its forward but in no plan (they never run): {led.queue}"
         sampled, accepted = {}, {}
@@ -207,6 +233,7 @@ WORKLOAD = dict(
     k=st.integers(0, 2),
     num_blocks=st.one_of(st.integers(16, 28), st.integers(16, 48)),
     num_host_blocks=st.sampled_from([0, 16, 48]),
+    host_tier=st.booleans(),  # the prefix cache's host tier, in the host pool the swaps use
     watermark=st.sampled_from([0.0, 0.0, 0.1]),
     max_num_seqs=st.integers(1, 8),
     max_tokens=st.integers(4, 24),
@@ -279,12 +306,15 @@ def run_data_workload(
     second_batch=((0, 64, 2, 3), (1, 8, 0, 2), (2, 64, 0, 1)),
     second_config=(3, 16, 1),
     cancel_at_end=False,
+    host_tier=False,
 ):
     """One workload through the scheduler with the lazy data-checking executor, to idle; then a
     second batch on the same manager, to idle; then direct prefix-hit reads (also used by regression
     tests)."""
-    m = _manager(kind, num_blocks, num_host_blocks, watermark, prefix)
-    ledger = Ledger(m, Shadow(m))
+    m = _manager(kind, num_blocks, num_host_blocks, watermark, prefix, host_tier)
+    if m.prefix_cache is not None and m.prefix_cache.tier is not None:
+        event("host tier")
+    ledger = Ledger(m, Shadow(m), take_tier=False)  # the executor takes the tier's copies per plan
     if cancel_at_end:  # the client cancels what is left of the batch (between an update and a step)
         actions = [*actions, ("abort_all",)]
     history = serve_batch(
@@ -349,6 +379,9 @@ def serve_batch(
         ledger.check_agree(f"{name} after update of step {p.step}")
 
     wanted = play(s, ledger, name, actions, one_step, aborted)
+    # the tier's copies of the last update (if it evicted without a checkpoint copy to carry) run
+    # with any plan; here, as the executor's last stage 0
+    ex.run_tier(f"{name}: stage 0 after the loop")
     # the loop ended: the manager must be idle (the last update's checkpoint copies were handed out
     # in a plan and ran; no pins, nothing pending-free, every cached block holds its bytes)
     ledger.phase = f"{name} ended"
@@ -462,6 +495,8 @@ def probe_hits(m: HybridBlockManager, ledger: Ledger, token_lists: list[list[int
         ledger.phase = f"probe {i}: direct allocate of a finished request's {n} tokens"
         alloc = m.allocate(("probe", i), n, 0, token_ids=tokens)
         c = alloc.num_cached_tokens
+        if getattr(m, "take_tier_copies", None) is not None:
+            ledger.run_tier(m.take_tier_copies(), f"probe {i}: the tier's copies")  # (stage 0 first)
         ledger.run_all(f"probe {i}: the hit's copy")
         if c:
             event("probe hit")

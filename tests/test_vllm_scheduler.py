@@ -8,9 +8,9 @@ rows (request, first position, tokens) and the same preempted requests; with vLL
 admission (``scheduler_reserve_full_isl``) and with it off (hybridkv's ``first_chunk``), which
 preempts often and so checks the victim order. Then hybridkv's default scheduler on the same
 requests, in both layouts: no more preemptions than vLLM and at most 1.01x its scheduled tokens.
-Prefix caching on (vLLM's Mamba cache mode ``align``, the engine's ``vllm_align``): the first
-``ALIGN_STEPS`` steps identical (block-aligned chunks, the junction and last-block stops, GDN's
-in-chunk checkpoint export, checkpoints made room for by preempting), on prompts as token ids.
+Prefix caching on (vLLM's Mamba cache mode ``align``, the engine's ``vllm_align``, prompts as token
+ids): whole runs with the same prefix-hit tokens and preemptions, two of them identical at every
+step, and the two known gaps as strict xfails (``ALIGN_RUNS``).
 
 Skips without vLLM (CI installs it, ``.ci/run``) or without the trace.
 """
@@ -103,23 +103,41 @@ def test_default_scheduler_never_preempts_more_than_vllm(requests, vllm_runs, mo
     assert sum(r.num_prompt_tokens + r.max_new_tokens - 1 for r in requests) <= ours.num_scheduled_tokens
 
 
-# identical steps with prefix caching on (measured: 160 Qwen3-Next at 4 GiB, 115 MiniMax-M1 at 2 GiB)
-ALIGN_STEPS = {"qwen3-next": 150, "minimax-m1": 110}
+# prefix caching on, whole runs (300 requests, measured on 2026-12-02): the same prefix-hit tokens
+# and preemptions as vLLM's real scheduler; MiniMax-M1 at 4 and 2 GiB identical at every step,
+# Qwen3-Next at 4 GiB identical for 235 steps (then the GDN export's block is taken a little later:
+# 13 more scheduled tokens in 4.1 M). Known gaps, strict xfails: Qwen3-Next at 8 GiB preempts 5
+# times where vLLM preempts 7 (hits equal); MiniMax-M1 at 8 GiB, where the pool never fills, hits
+# 23.9% more (a checkpoint vLLM has evicted by step 407 is still cached here).
+ALIGN_RUNS = [
+    ("minimax-m1", 4, True),
+    ("minimax-m1", 2, True),
+    ("qwen3-next", 4, False),
+    pytest.param("qwen3-next", 8, False, marks=pytest.mark.xfail(strict=True, reason="5 preemptions, vLLM 7")),
+    pytest.param("minimax-m1", 8, False, marks=pytest.mark.xfail(strict=True, reason="23.9% more prefix hits")),
+]
 
 
-@pytest.mark.parametrize(("model", "gib"), [("qwen3-next", 4), ("minimax-m1", 2)])
-def test_vllm_engine_align_mode_schedules_as_vllm(model, gib):
-    """vLLM's align mode against ``--engine vllm`` with prefix caching: the same rows and
-    preemptions for the first ALIGN_STEPS steps (chunks cut to block boundaries and at the prompt's
-    last block, MiniMax-M1; Qwen3-Next's last chunk whole, its checkpoint exported from inside)."""
+@pytest.mark.parametrize(("model", "gib", "every_step"), ALIGN_RUNS)
+def test_vllm_engine_align_mode_schedules_as_vllm(model, gib, every_step):
+    """vLLM's align mode (its default ``prefix_cache_retention_interval=0``) against ``--engine
+    vllm`` with prefix caching, over whole runs: the same prefix-hit tokens and preemptions, and
+    where measured so, the same rows at every step (chunks cut to block boundaries, at the branch
+    point and at the prompt's last block; states matchable only there; a hit on a state cached in
+    the same step waits a step; states kept where the forward wrote them)."""
     requests = trace_requests(NUM_REQUESTS, token_ids=True)
     sched, kv = vllm_scheduler(model, int(gib * GiB), prefix_caching=True)
-    theirs = replay_vllm(sched, requests, max_steps=ALIGN_STEPS[model])
+    theirs = replay_vllm(sched, requests)
     ours_sched = engine_scheduler(model, int(gib * GiB), prefix_caching=True)
     assert ours_sched.manager.layout.num_blocks == kv.num_blocks
     assert ours_sched.manager.block_size == kv.kv_cache_groups[0].kv_cache_spec.block_size
-    ours = replay_hybridkv(ours_sched, requests, max_steps=ALIGN_STEPS[model])
-    assert first_difference(theirs, ours) is None
+    ours = replay_hybridkv(ours_sched, requests)
+    assert theirs.prefix_hit_tokens > 0 and (theirs.num_preemptions > 0 or gib == 8)
+    assert ours.prefix_hit_tokens == theirs.prefix_hit_tokens
+    assert ours.num_preemptions == theirs.num_preemptions
+    assert abs(ours.num_steps - theirs.num_steps) <= 1
+    if every_step:
+        assert first_difference(theirs, ours) is None
     # the chunks were cut: some chunk ends short of its prompt's end on a block boundary
     assert any(n < 8192 and (s + n) % kv.kv_cache_groups[0].kv_cache_spec.block_size == 0
                for step in ours.steps[1:] for s, n in step.rows.values() if n > 1)

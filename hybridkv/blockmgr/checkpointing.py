@@ -58,7 +58,13 @@ class CheckpointMixin(ManagerCore):
         if cache is None or rec.token_ids is None:
             return _NO_COPIES
         if pos // bs > len(rec.block_keys):  # mark_computed(request_id, pos), on the record
+            start = len(rec.block_keys)
             cache.register(rec.token_ids, rec.block_keys, rec.kv_blocks, pos)
+            if cache.aligns_chunks:  # vllm_align: the request's own copies replace evictable twins
+                stale = cache.adopt_copies(rec.block_keys, rec.kv_blocks, start, pos // bs)
+                if stale.size:
+                    self.pool.ref_counts[stale] = 0
+                    self._give_back(stale)
         copies = _NO_COPIES
         if exported is not None and 0 < exported < pos and not exported % bs:
             copies = self._keep_state(rec, exported, final=False)
@@ -87,6 +93,10 @@ class CheckpointMixin(ManagerCore):
         below = self._checkpoint_below(rec, pos)
         if not cache.wants_checkpoint(pos, len(rec.token_ids), rec.branch_tokens, False, below):
             return 0
+        if rec.request_id in self._lent:  # kept where it is
+            return 0
+        if not cache.retains_checkpoint(pos, len(rec.token_ids), rec.branch_tokens):
+            return self.num_state_blocks
         found = cache.checkpoint_protect(rec.block_keys[pos // bs - 1])
         return 0 if found is None else self.num_state_blocks + cache.num_protected(found[1])
 
@@ -98,22 +108,88 @@ class CheckpointMixin(ManagerCore):
         below = self._checkpoint_below(rec, pos)
         if not cache.wants_checkpoint(pos, len(rec.token_ids), rec.branch_tokens, final, below):
             return _NO_COPIES
+        in_place = self._lends(rec, pos)
+        if not cache.retains_checkpoint(pos, len(rec.token_ids), rec.branch_tokens):
+            return self._lend(rec, None) if in_place else self._transient_state(rec)
         key = rec.block_keys[pos // bs - 1]
         # the node must survive the eviction that makes room, so what it pins is not available
         found = cache.checkpoint_protect(key)
         if found is None:  # it has one
-            return _NO_COPIES
+            return self._lend(rec, None) if in_place else _NO_COPIES
         slot, kv = found
+        if in_place:  # the live sets become the checkpoint where they are: no blocks, no copy
+            if slot < 0:
+                slot = cache.ensure(rec.token_ids.view(), rec.block_keys, rec.kv_blocks, pos // bs - 1)
+            cache.add_checkpoint(slot, self._set_ids(rec.state).copy())
+            cache.hold(int(key))
+            return self._lend(rec, int(key))
         if self.num_state_blocks > self.num_available_blocks - cache.num_protected(kv):
             return _NO_COPIES
         self._make_room(self.num_state_blocks, protect=kv)
         if slot < 0:  # no node (its cached twin was evicted): re-created, with any missing ancestors
             slot = cache.ensure(rec.token_ids.view(), rec.block_keys, rec.kv_blocks, pos // bs - 1)
-        ids = self.pool.allocate(self.num_state_blocks)
+        ids = self._take(self.num_state_blocks)  # (the room is made: no eviction now)
         cache.add_checkpoint(slot, ids)
         # pinned: the live blocks it reads must not be reused (request finished, aborted, swapped
         # out) nor the checkpoint evicted before the executor ran the copy
         return self._pin(BlockCopies(self._set_ids(rec.state).copy(), ids.copy()))
+
+    def free_keeping_state(self, request_id: RequestId) -> bool:
+        """:meth:`free` of a running request whose live state is at a block boundary where the
+        policy keeps a matchable checkpoint it has not made yet (no room was found after the
+        forward): the live state sets become that checkpoint where they are, with no copy, and the
+        rest is given back. ``vllm_align`` only (vLLM writes a chunk's end state into a block of its
+        own, cached in place, so a request preempted before its next chunk leaves it behind). Returns
+        False, and frees as :meth:`free` does, when there is no such checkpoint to keep."""
+        rec = self._running(request_id)
+        cache, pos, bs = self.prefix_cache, rec.num_tokens, self.block_size
+        keep = (
+            cache is not None and cache.aligns_chunks and rec.token_ids is not None and rec.pending is None
+            and pos > 0 and not pos % bs and pos // bs <= len(rec.block_keys)
+            and cache.retains_checkpoint(pos, len(rec.token_ids), rec.branch_tokens)
+        )  # fmt: skip
+        found = cache.checkpoint_protect(rec.block_keys[pos // bs - 1]) if keep and cache is not None else None
+        if found is None or cache is None or rec.token_ids is None:
+            self.free(request_id)
+            return False
+        slot = found[0]
+        if slot < 0:  # no node (its cached twin was evicted): re-created, with any missing ancestors
+            slot = cache.ensure(rec.token_ids.view(), rec.block_keys, rec.kv_blocks, pos // bs - 1)
+        ids = self._set_ids(rec.state).copy()
+        cache.add_checkpoint(slot, ids)
+        self._release_all(rec, keep_state=True)
+        del self.requests[request_id]
+        return True
+
+    def _lends(self, rec: RequestRecord, pos: int) -> bool:
+        """Whether the state at ``pos`` stays in the live sets where they are
+        (``PrefixCacheConfig.in_place_state``): it is the request's position, the sets are not lent
+        already, and the request has no speculative sets."""
+        cache = self.prefix_cache
+        return (
+            cache is not None and cache.config.in_place_state and pos == rec.num_tokens
+            and rec.request_id not in self._lent and not rec.spec.size
+        )  # fmt: skip
+
+    def _lend(self, rec: RequestRecord, key: int | None) -> BlockCopies:
+        """Lend the live sets where they are (the checkpoint of node ``key``, or a held state when
+        None): the request's next append takes new sets. Nothing to copy now."""
+        self._lent[rec.request_id] = (self._set_ids(rec.state).copy(), key)
+        return _NO_COPIES
+
+    def _transient_state(self, rec: RequestRecord) -> BlockCopies:
+        """A state the policy holds but does not keep matchable (``vllm_align`` between its
+        semantic checkpoints): blocks of their own, written by the pinned copy live -> them and given
+        back at once, so they wait in pending-free until the copy ran, then are free; nothing
+        enters the cache. None when no blocks are available."""
+        n = self.num_state_blocks
+        if n > self.num_available_blocks:
+            return _NO_COPIES
+        ids = self._take(n)
+        copies = self._pin(BlockCopies(self._set_ids(rec.state).copy(), ids.copy()))
+        self.pool.ref_counts[ids] = 0
+        self._give_back(ids)
+        return copies
 
     def _checkpoint_below(self, rec: RequestRecord, position: int) -> int:
         """The position of the deepest checkpoint on the request's chain strictly below ``position``

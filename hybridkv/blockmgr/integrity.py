@@ -25,8 +25,8 @@ def check_integrity(m: ManagerCore) -> None:
     """Raise :class:`IntegrityError` unless, on device and host alike:
 
     free + referenced + evictable == total; every reference count equals the references the
-    records (and the prefix cache) hold; no block is both free and referenced; no state block has
-    two owners or is also KV; the per-block use bytes agree with all of that.
+    records (and the prefix cache, its host tier included) hold; no block is both free and
+    referenced; no state block has two owners or is also KV; the per-block use bytes agree with all of that.
     """
     problems: list[str] = []
     n = m.layout.num_blocks
@@ -34,7 +34,9 @@ def check_integrity(m: ManagerCore) -> None:
     for rec in m.requests.values():
         if rec.status is RequestStatus.RUNNING:
             kv.append(rec.kv_blocks)
-            state.append(rec.state[..., m._state_mask].ravel())
+            lent = m._lent.get(rec.request_id)
+            if lent is None or lent[1] is None:  # (lent as a checkpoint: the prefix cache owns them)
+                state.append(rec.state[..., m._state_mask].ravel())
             spec.append(rec.spec[..., m._state_mask].ravel())
             if rec.num_kv_blocks != (-(-rec.num_tokens // m.block_size) if m._has_kv else 0):
                 problems.append(
@@ -50,6 +52,7 @@ def check_integrity(m: ManagerCore) -> None:
             kv.append(plan.device_blocks[:n_kv])
             state.append(plan.device_blocks[n_kv:])
     kv.extend(m._pin_held)  # references held by copies not yet run (their owners gave them back)
+    state.extend(ids for ids, key in m._held.values() if key is None)  # held states (in_place_state)
     cache = getattr(m, "prefix_cache", None)
     cached_kv = cache.cached_kv_blocks() if cache is not None else np.empty(0, np.int32)
     checkpoints = cache.checkpoint_blocks() if cache is not None else np.empty(0, np.int32)
@@ -107,10 +110,14 @@ def check_integrity(m: ManagerCore) -> None:
         problems.append(
             f"block use differs at {bad.tolist()}: expected {use[bad].tolist()}, recorded {m.use[bad].tolist()}"
         )
+    tier = cache.tier if cache is not None else None
+    host.extend(ids for _, ids in m._host_pending)  # read by swap-ins whose copies may not have run
+    if tier is not None:
+        host.extend(tier.host_ids())  # the host tier's cached KV blocks and checkpoints, one reference each
     if m.host_pool is not None:
         host_expected = _count(m.host_pool.num_blocks, *host)
         if not np.array_equal(host_expected, m.host_pool.ref_counts):
-            problems.append("host reference counts differ from swapped requests and pending plans")
+            problems.append("host reference counts differ from swapped requests, pending plans and the host tier")
         problems += [f"host: {p}" for p in m.host_pool.check_free_extents()]
         if host_expected.max(initial=0) > 1:
             problems.append("a host block is held twice")

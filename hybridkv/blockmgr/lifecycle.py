@@ -31,7 +31,10 @@ from hybridkv.blockmgr.records import (
     RequestId,
     RequestRecord,
     RequestStatus,
+    SwapDirection,
     SwapPlan,
+    TierCopies,
+    TierPlan,
     Usage,
 )
 from hybridkv.blockmgr.tables import RowTables
@@ -47,6 +50,7 @@ from hybridkv.units import as_count, cdiv
 
 _EMPTY = np.empty(0, dtype=np.int32)
 _NO_COPIES = BlockCopies.empty()
+_NO_TIER = TierPlan(TierCopies(_EMPTY, _EMPTY, SwapDirection.OUT), TierCopies(_EMPTY, _EMPTY, SwapDirection.IN))
 
 
 class ManagerCore:
@@ -90,10 +94,20 @@ class ManagerCore:
         self._pin_of = np.zeros(layout.num_blocks, dtype=np.int64)  # 0 = not pinned
         self._pin_chunks: list[tuple[int, np.ndarray]] = []
         self._pending_free: list[np.ndarray] = []
+        # host blocks a committed swap-in read (pin epoch, ids), given back by release_pins (host tier only)
+        self._host_pending: list[tuple[int, np.ndarray]] = []
         # KV blocks whose last reference dropped while a copy not yet run reads or writes them: the
         # copy holds one reference until release_pins (a cached one would otherwise be evictable)
         self._pin_held: list[np.ndarray] = []
         self.prefix_cache = PrefixCache(self, prefix_cache) if prefix_cache is not None else None
+        # PrefixCacheConfig.in_place_state: requests whose live sets hold the state of their last
+        # block boundary, lent where they are (flat ids, and the node key when they are its
+        # checkpoint); their next append takes new sets. The sets lent one boundary earlier are
+        # held until the request's next append (or its free), as vLLM frees a state block then
+        self._lent: dict[RequestId, tuple[np.ndarray, int | None]] = {}
+        self._held: dict[RequestId, tuple[np.ndarray, int | None]] = {}
+        if self.prefix_cache is not None and self.prefix_cache.config.in_place_state and self.host_pool is not None:
+            raise ValueError("PrefixCacheConfig(in_place_state=True) does not combine with a host pool")
 
     # ---- counting: the one formula --------------------------------------------------------------
     def blocks_to_admit(self, num_tokens: int, num_speculative: int = 0, token_ids: Sequence[int] | None = None) -> int:
@@ -116,9 +130,12 @@ class ManagerCore:
         hit = self.prefix_cache.match(token_ids, num_tokens)
         shared = hit.num_blocks if self._has_kv else 0
         taken = new - shared + self.prefix_cache.num_pinned(hit)
-        if taken > new and taken + self.watermark_blocks > self.num_available_blocks:
+        # (vllm_align: vLLM takes the hit or waits, unless nothing runs that could free blocks)
+        fallback = not self.prefix_cache.aligns_chunks or not self.requests
+        if fallback and taken > new and taken + self.watermark_blocks > self.num_available_blocks:
             # the hit pins more than it saves and only the miss fits: admit as a miss
-            miss = hit._replace(num_tokens=0, kv_blocks=_EMPTY, checkpoint_key=None, keys=[], checkpoint_ids=None)
+            miss = hit._replace(num_tokens=0, kv_blocks=_EMPTY, checkpoint_key=None, keys=[], checkpoint_ids=None,
+                                host_index=_EMPTY, host_kv=_EMPTY, host_checkpoint=None)
             return new, new, miss
         return taken, new - shared, hit
 
@@ -148,13 +165,23 @@ class ManagerCore:
     def pin_epoch(self) -> int:
         return self._pin_epoch
 
-    def release_pins(self, before: int | None = None) -> None:
+    def release_pins(self, before: int | None = None, checkpoints_from: int = 0) -> None:
         """The executor ran every copy handed out in epochs ``< before`` (all copies when None):
-        their checkpoints may be evicted again and their pending-free blocks go back to the pool."""
+        their checkpoints may be evicted again and their pending-free blocks go back to the pool.
+        ``checkpoints_from``: checkpoints pinned in earlier epochs stay unevictable until a later
+        call releases them (their copies ran all the same)."""
         if before is not None:
             before = as_count(before, "before")
+        checkpoints_from = as_count(checkpoints_from, "checkpoints_from")
         if self.prefix_cache is not None:
-            self.prefix_cache.release_pins(before)
+            self.prefix_cache.release_pins(before, checkpoints_from)
+        if self.prefix_cache is not None and self.prefix_cache.tier is not None:
+            self.prefix_cache.tier.release_pins(before)  # the host tier's copies of those epochs ran
+        if self._host_pending:
+            done = [ids for e, ids in self._host_pending if before is None or e < before]
+            self._host_pending = [(e, ids) for e, ids in self._host_pending if before is not None and e >= before]
+            for ids in done:
+                self.host_pool.release(ids)  # type: ignore[union-attr]
         if not self._pin_chunks:
             return
         keep = []
@@ -282,19 +309,38 @@ class ManagerCore:
                 "wait for running requests to finish or preempt one",
             )
         shared = _EMPTY
+        tier = self.prefix_cache.tier if self.prefix_cache is not None else None
+        units: set[int] = set()
         if hit is not None:
-            # evict first, sparing the hit (its KV blocks and the one checkpoint it reads); then
-            # take the hit's blocks out of the evictable set
+            # evict first, sparing the hit (its KV blocks and the one checkpoint it reads, on the
+            # device and on the host); then take the hit's blocks out of the evictable set
             ckpt = {hit.checkpoint_key} if hit.checkpoint_key is not None else set()
-            self._make_room(need, protect=hit.kv_blocks, protect_ckpt=ckpt)
+            if tier is not None and hit.on_host:
+                units = tier.units_of(hit.host_kv, hit.host_checkpoint)
+                tier._protect = units  # the offloads of this eviction may not take them
+            try:
+                self._make_room(need, protect=hit.kv_blocks, protect_ckpt=ckpt)
+            finally:
+                if tier is not None:
+                    tier._protect = set()
             shared = self.prefix_cache.take_hit(hit)  # type: ignore[union-attr]
         # state sets first: they are the contiguous part that ops gather and swap
         ids = self._take(need)
         n_live, n_state = self.num_state_blocks, (1 + num_speculative) * self.num_state_blocks
         rec = RequestRecord(request_id, num_tokens, _EMPTY, shared.size + need - n_state, _EMPTY, self._no_spec())
         self.tables.take(rec, rec.num_kv_blocks)
-        rec.kv[: shared.size] = shared
-        rec.kv[shared.size : rec.num_kv_blocks] = ids[n_state:]
+        n_host = hit.host_index.size if hit is not None else 0
+        if n_host:  # host-resident KV of the hit: new device blocks in its place, filled host -> device
+            assert hit is not None
+            best = len(hit.keys)
+            on_dev = np.ones(best, dtype=bool)
+            on_dev[hit.host_index] = False
+            rec.kv[:best][on_dev] = shared
+            rec.kv[hit.host_index] = ids[n_state : n_state + n_host]
+            rec.kv[best : rec.num_kv_blocks] = ids[n_state + n_host :]
+        else:
+            rec.kv[: shared.size] = shared
+            rec.kv[shared.size : rec.num_kv_blocks] = ids[n_state:]
         rec.state[self._state_mask] = ids[:n_live]  # (a flat view only when groups are equal)
         if num_speculative:
             rec.spec = self._split_state_sets(ids[n_live:n_state], num_speculative)
@@ -321,7 +367,37 @@ class ManagerCore:
         if hit.checkpoint_ids is not None:
             ckpt_ids = hit.checkpoint_ids.copy()
             copies = self._pin(BlockCopies(ckpt_ids, ids[:n_live].copy()))
+        if hit.on_host:
+            assert tier is not None
+            onto = ids[n_state : n_state + n_host]
+            self.prefix_cache.adopt(hit.keys, token_ids.view(), hit.host_index, onto)
+            host_src, dev_dst = hit.host_kv, onto
+            tier.stats.onloaded_kv += n_host
+            if hit.host_checkpoint is not None:  # straight into the live sets (no device checkpoint)
+                host_src = np.concatenate((host_src, hit.host_checkpoint))
+                dev_dst = np.concatenate((dev_dst, ids[:n_live]))
+                tier.stats.onloaded_checkpoints += 1
+            tier.onload(host_src, dev_dst, units)
+            self._pin_device(dev_dst)
         return Allocation(hit.num_tokens, copies)
+
+    def take_tier_copies(self) -> TierPlan:
+        """The host tier's copies handed out since the last call (offloads of evicted cached blocks,
+        device -> host; host hits, host -> device): the executor runs ``offload`` first of all (stage
+        0), ``onload`` after the plan's swaps (stage 3b), both before the forward (docs/contract.md).
+        Empty without a host tier. Callers without pin epochs run them right after the call that
+        made them (``allocate``, ``append``, ``fork``, ``checkpoint``, ``swap_in``,
+        ``begin_speculation``: every call that may evict), before that call's own copies."""
+        tier = self.prefix_cache.tier if self.prefix_cache is not None else None
+        if tier is None:
+            return _NO_TIER
+        return tier.take_copies()
+
+    def _pin_device(self, ids: np.ndarray) -> None:
+        """Pin device blocks a copy handed out writes (host -> device), when pins are on."""
+        if self._pin_epoch and ids.size:
+            self._pin_of[ids] = self._pin_epoch
+            self._pin_chunks.append((self._pin_epoch, ids.copy()))
 
     def num_new_kv_blocks(self, request_id: RequestId, num_new_tokens: int) -> int:
         """Blocks ``append`` takes for ``num_new_tokens`` more tokens (copy-on-write included)."""
@@ -329,10 +405,35 @@ class ManagerCore:
 
     def _new_blocks(self, rec: RequestRecord, num_new_tokens: int) -> int:
         """:meth:`num_new_kv_blocks` of a running request's record (the count checked)."""
+        lending = self._lent or self._held
+        lent = self._lent_extra(rec.request_id) if lending and num_new_tokens else 0
+        return self._kv_new_blocks(rec, num_new_tokens) + lent
+
+    def _kv_new_blocks(self, rec: RequestRecord, num_new_tokens: int) -> int:
+        """The KV blocks (copy-on-write included) of :meth:`_new_blocks`."""
         if not self._has_kv:
             return 0
         grow = cdiv(rec.num_tokens + num_new_tokens, self.block_size) - rec.num_kv_blocks
         return max(grow, 0) + int(self._needs_cow(rec) and num_new_tokens > 0)
+
+    def _lent_extra(self, request_id: RequestId) -> int:
+        """Blocks the next append of a request takes for its lent sets: new live sets when it lent
+        them, less the held sets it gives back first (``in_place_state``; may be negative)."""
+        new = self.num_state_blocks if request_id in self._lent else 0
+        return new - self._held_gain(request_id)
+
+    def _held_gain(self, request_id: RequestId) -> int:
+        """Blocks :meth:`_release_held` makes available now: held states no copy touches any more,
+        held checkpoints no copy pins (evictable then)."""
+        gain, cache = 0, self.prefix_cache
+        held = self._held.get(request_id)
+        if held is not None:
+            ids, key = held
+            if key is None:
+                gain += int(np.count_nonzero(self._pin_of[ids] == 0)) if self._pin_chunks else ids.size
+            elif cache is not None and cache.is_held(key):
+                gain += self.num_state_blocks
+        return gain
 
     def can_append(self, request_id: RequestId, num_new_tokens: int) -> bool:
         return self.num_new_kv_blocks(request_id, num_new_tokens) <= self.num_available_blocks
@@ -352,8 +453,11 @@ class ManagerCore:
         if token_ids is not None and rec.token_ids is not None:
             token_ids = as_token_array(token_ids)  # checked (TypeError) before the request grows
         total = rec.num_tokens + num_new_tokens
+        lent = bool(self._lent) and num_new_tokens > 0 and request_id in self._lent
+        if num_new_tokens and request_id in self._held:
+            self._release_held(request_id)  # (vLLM frees the block of the boundary before at its next step)
         # decode fast path: the tokens fit the last, private block (no Python beyond a few compares)
-        if num_new_tokens and total <= rec.num_kv_blocks * self.block_size and not self._needs_cow(rec):
+        if num_new_tokens and total <= rec.num_kv_blocks * self.block_size and not self._needs_cow(rec) and not lent:
             rec.num_tokens = total
             if rec.token_ids is not None:
                 self._cache_tokens(rec, token_ids)
@@ -364,13 +468,23 @@ class ManagerCore:
                 f"append of {num_new_tokens} tokens to {request_id!r}", need, self.num_available_blocks
             )
         copies = _NO_COPIES
+        if lent:  # new live sets, the state copied over from the lent ones (held from now on)
+            rec.run = None
+            sets = self._take(self.num_state_blocks)
+            self._mark(sets, BlockUse.STATE)
+            old_sets, key = self._lent.pop(request_id)
+            rec.state[self._state_mask] = sets  # (a flat view only when groups are equal)
+            copies = self._pin(BlockCopies(old_sets, sets.copy()))
+            self._held[request_id] = (old_sets, key)
+            need = self._kv_new_blocks(rec, num_new_tokens)  # the KV blocks left to take
         if need:
             rec.run = None
             ids = self._take(need)
             self._mark(ids, BlockUse.KV)
             if self._needs_cow(rec) and num_new_tokens > 0:
                 old, new = rec.kv[rec.num_kv_blocks - 1 : rec.num_kv_blocks].copy(), ids[:1]
-                copies = self._pin(BlockCopies(old, new.copy()))  # pinned before the reference drops
+                cow = self._pin(BlockCopies(old, new.copy()))  # pinned before the reference drops
+                copies = cow if not len(copies) else copies.concat(cow)
                 self._drop_kv(old)
                 rec.kv[rec.num_kv_blocks - 1] = new[0]
                 ids = ids[1:]
@@ -398,8 +512,47 @@ class ManagerCore:
             assert self.host_pool is not None
             self.host_pool.release(rec.host_blocks)
         else:
-            self._release_all(rec)
+            lent = self._lent.pop(request_id, None) if self._lent else None
+            self._release_all(rec, keep_state=lent is not None and lent[1] is not None)
+            # then its lent and held checkpoints: vLLM frees a request's KV blocks before its state
+            # blocks, so the states are queued after them (evicted later)
+            self._release_held(request_id)
+            if lent is not None and lent[1] is not None:  # its live sets are a checkpoint now
+                assert self.prefix_cache is not None
+                self.prefix_cache.release_held(lent[1])
         del self.requests[request_id]
+
+    def reclaim_lent(self, request_id: RequestId) -> bool:
+        """``in_place_state``: the request keeps running in its lent live sets (a held state stops
+        being held; a checkpoint leaves the cache), and gives back the sets it holds from the
+        boundary before, so its next append takes no new sets: what a scheduler does rather than
+        preempt a request that runs alone and cannot otherwise grow (vLLM would preempt it, and
+        could so livelock). False when it lent none."""
+        lent = self._lent.pop(request_id, None) if self._lent else None
+        if lent is None:
+            return False
+        self._release_held(request_id)
+        ids, key = lent
+        if key is not None:
+            assert self.prefix_cache is not None
+            self.prefix_cache.detach_held(key)
+            self.use[ids] = BlockUse.STATE
+        return True
+
+    def _release_held(self, request_id: RequestId) -> None:
+        """Give back the sets the request lent a boundary before its current one: a held state
+        goes back to the pool (pending-free while a copy not yet run touches it), a checkpoint
+        becomes evictable (at the back of the LRU queue)."""
+        held = self._held.pop(request_id, None) if self._held else None
+        if held is None:
+            return
+        ids, key = held
+        if key is None:
+            self.pool.ref_counts[ids] = 0
+            self._give_back(ids)
+        else:
+            assert self.prefix_cache is not None
+            self.prefix_cache.release_held(key)
 
     def fork(self, parent_id: RequestId, child_id: RequestId) -> BlockCopies:
         """A child sharing the parent's KV (reference counts) with a private copy of its state.
@@ -474,7 +627,9 @@ class ManagerCore:
     def usage(self) -> Usage:
         counts = np.bincount(self.use, minlength=len(BlockUse))
         host_total = self.host_pool.num_usable if self.host_pool else 0
-        host_used = host_total - self.host_pool.num_free if self.host_pool else 0
+        tier = self.prefix_cache.tier if self.prefix_cache is not None else None
+        host_cached = tier.num_blocks if tier is not None else 0
+        host_used = host_total - self.host_pool.num_free - host_cached if self.host_pool else 0
         return Usage(
             self.layout.num_blocks,
             int(counts[BlockUse.FREE]),
@@ -488,6 +643,7 @@ class ManagerCore:
             host_used,
             self.layout.bytes_per_block,
             int(counts[BlockUse.PENDING_FREE]),
+            host_cached,
         )
 
     # ---- internals -----------------------------------------------------------------------------
@@ -577,8 +733,16 @@ class ManagerCore:
         self.pool.ref_counts[ids] = 0
         self._give_back(ids)
 
-    def _release_all(self, rec: RequestRecord) -> None:
-        """Give back a running request's blocks in one pool operation and its table row."""
+    def _release_all(self, rec: RequestRecord, keep_state: bool = False) -> None:
+        """Give back a running request's blocks in one pool operation and its table row
+        (``keep_state``: all but its live state sets, which the caller has handed on)."""
+        if keep_state:
+            owned = self._set_ids(rec.spec)
+            self.pool.ref_counts[owned] = 0
+            self._give_back(np.concatenate((owned, self._release_kv(rec.kv_blocks, rec.block_keys))))
+            self.tables.give_back(rec)
+            rec.run = None
+            return
         if rec.run is not None and not (self._pin_chunks and self._pin_of[rec.run[0] : rec.run[1]].any()):
             start, end = rec.run  # one private id run: slices, no sort, no fancy indexing
             self.pool.ref_counts[start:end] = 0

@@ -138,8 +138,38 @@ class SwapPlan:
         self._abort(self)
 
 
+class TierCopies(NamedTuple):
+    """Copies between the device pool and the host pool for the prefix cache's host tier:
+    ``device_blocks[i] <-> host_blocks[i]``, direction ``OUT`` (device -> host: an offload of an
+    evicted cached block) or ``IN`` (host -> device: a host hit). Shaped like a :class:`SwapPlan`
+    (``ops.swap_blocks`` takes it as a plan); nothing to commit: the manager's books already say
+    the copy happened, the pins (docs/contract.md) keep its blocks until it ran."""
+
+    device_blocks: np.ndarray  # int32
+    host_blocks: np.ndarray  # int32
+    direction: SwapDirection
+
+    def __len__(self) -> int:  # type: ignore[override]
+        return int(self.device_blocks.size)
+
+
+class TierPlan(NamedTuple):
+    """The host tier's copies handed out since the last ``take_tier_copies()``: ``offload``
+    (device -> host) runs first, before every other copy of the plan; ``onload`` (host -> device)
+    after the plan's swaps and before its other copies and the forward (docs/contract.md)."""
+
+    offload: TierCopies
+    onload: TierCopies
+
+    def __len__(self) -> int:  # type: ignore[override]
+        return len(self.offload) + len(self.onload)
+
+
 class Usage(NamedTuple):
-    """Device blocks by category (they add up to ``total``), host blocks, and bytes per block."""
+    """Device blocks by category (they add up to ``total``), host blocks, and bytes per block.
+
+    ``host_used``: host blocks held by swapped requests and swap plans; ``host_cached``: host
+    blocks the prefix cache's host tier holds (evictable: a swap-out takes them first)."""
 
     total: int
     free: int
@@ -153,6 +183,7 @@ class Usage(NamedTuple):
     host_used: int
     bytes_per_block: int
     pending_free: int = 0  # given back, free once the copies that touch them ran (``release_pins``)
+    host_cached: int = 0  # host blocks of the prefix cache's host tier (KV blocks and checkpoints)
 
     @property
     def used(self) -> int:

@@ -6,7 +6,7 @@ import numpy as np
 
 from hybridkv.blockmgr.lifecycle import ManagerCore
 from hybridkv.blockmgr.records import BlockCopies, BlockUse, RequestId
-from hybridkv.errors import NoFreeBlocksError
+from hybridkv.errors import NoFreeBlocksError, RequestStateError
 from hybridkv.planner.layout import NULL_BLOCK
 from hybridkv.units import as_count, cdiv
 
@@ -26,6 +26,11 @@ class SpeculationMixin(ManagerCore):
         """
         rec = self._running(request_id)
         num_speculative = as_count(num_speculative, "num_speculative")
+        if num_speculative and request_id in self._lent:
+            raise RequestStateError(
+                f"request {request_id!r}: its live sets are lent in place (PrefixCacheConfig.in_place_state), "
+                "which does not combine with speculative decoding"
+            )
         missing = num_speculative - rec.spec.shape[0]
         if missing > 0:
             need = missing * self.num_state_blocks

@@ -22,20 +22,34 @@ class SwapMixin(ManagerCore):
     """Methods of :class:`~hybridkv.blockmgr.manager.HybridBlockManager`: a part that adds no state."""
 
     # ---- swap ----------------------------------------------------------------------------------
+    @property
+    def num_available_host_blocks(self) -> int:
+        """Host blocks a swap-out can take now: free, plus those the prefix cache's host tier gives
+        way with (its units no queued or unreleased copy touches)."""
+        if self.host_pool is None:
+            return 0
+        tier = self.prefix_cache.tier if self.prefix_cache is not None else None
+        return self.host_pool.num_free + (tier.num_evictable if tier is not None else 0)
+
     def can_swap_out(self, request_id: RequestId) -> bool:
         rec = self._running(request_id)
         n = rec.num_kv_blocks + self.num_state_blocks
-        return self.host_pool is not None and n <= self.host_pool.num_free
+        return self.host_pool is not None and n <= self.num_available_host_blocks
 
     def swap_out(self, request_id: RequestId) -> SwapPlan:
         """Reserve host blocks for the request's KV and live state; the plan lists the copies.
 
-        Commit frees the device blocks (speculative sets included); abort frees the host blocks.
+        A swap-out wins over the host tier: cached units are dropped from the host (least recently
+        used first) until the blocks fit. Commit frees the device blocks (speculative sets
+        included); abort frees the host blocks (the dropped units stay dropped).
         """
         rec = self._running(request_id)
         device = np.concatenate((rec.kv_blocks, rec.state[self._state_mask]))
-        if self.host_pool is None or device.size > self.host_pool.num_free:
-            raise HostPoolExhaustedError(device.size, self.host_pool.num_free if self.host_pool else 0)
+        if self.host_pool is None or device.size > self.num_available_host_blocks:
+            raise HostPoolExhaustedError(device.size, self.num_available_host_blocks)
+        tier = self.prefix_cache.tier if self.prefix_cache is not None else None
+        if tier is not None and device.size > self.host_pool.num_free:
+            tier.stats.given_to_swaps += tier.make_room(device.size)
         host = self.host_pool.allocate(device.size)
         rec.pending = SwapPlan(request_id, SwapDirection.OUT, device, host, self._commit_out, self._abort_out)
         return rec.pending
@@ -81,7 +95,12 @@ class SwapMixin(ManagerCore):
     def _commit_in(self, plan: SwapPlan) -> None:
         rec = self._settle(plan, SwapDirection.IN)
         assert self.host_pool is not None
-        self.host_pool.release(rec.host_blocks)
+        if self._pin_epoch and self.prefix_cache is not None and self.prefix_cache.tier is not None:
+            # the swap-in's copies (host -> device) may not have run: an offload of the host tier
+            # (its copies run first in a plan) may not take these host blocks until release_pins
+            self._host_pending.append((self._pin_epoch, rec.host_blocks))
+        else:
+            self.host_pool.release(rec.host_blocks)
         n_kv = plan.device_blocks.size - self.num_state_blocks
         self.tables.take(rec, n_kv)
         rec.kv[:n_kv], rec.num_kv_blocks = plan.device_blocks[:n_kv], n_kv

@@ -150,6 +150,8 @@ def _rows(out: dict[str, Any]) -> list[list[str]]:
         ("  waste: padded slack", lambda s: format_bytes(s[waste]["padded_slack_bytes"]), "all"),
         ("  waste: padding layers", lambda s: format_bytes(s[waste]["padding_layer_bytes"]), "all"),
         ("  waste: KV last-block tail", lambda s: format_bytes(s[waste]["kv_tail_bytes"]), "kv"),
+        # per-token side tensors (indexer keys) narrower than their segments on some layers
+        ("  waste: side-tensor slack", lambda s: format_bytes(s[waste].get("side_slack_bytes", 0)), "side"),
         ("  waste total", _waste_total, "all"),
         ("max concurrent requests", lambda s: f"{s['max_requests']:,}", "all"),
     ]

@@ -60,6 +60,47 @@ def same_step_branch(
         manager.raise_branch(req.request_id, best)
 
 
+def state_cached_this_step(
+    manager: ManagerInterface,
+    requests: Mapping[RequestId, SchedRequest],
+    ids: Sequence[int],
+    cached: int,
+    scheduled: Sequence[ScheduledRequest],
+) -> bool:
+    """``vllm_align``: whether a waiting request with token ids ``ids`` and prefix hit ``cached``
+    would hit deeper on a state that a row scheduled in this step keeps matchable (vLLM caches a
+    block when it schedules it, so the request finds it, but it refuses a Mamba block cached in the
+    same step, ``MambaManager.get_num_blocks_to_allocate``: the request waits for the next step and
+    admission stops there). False under every other policy."""
+    cache = manager.prefix_cache
+    if cache is None or not cache.aligns_chunks or not scheduled:
+        return False
+    bs, limit = manager.block_size, len(ids) - 1
+    for row in scheduled:
+        other = requests[row.request_id]
+        rec = manager.requests.get(row.request_id)
+        theirs = other.prompt_token_ids
+        if theirs is None or rec is None or rec.token_ids is None:
+            continue
+        start, end = row.num_computed_tokens, row.num_computed_tokens + row.num_scheduled_tokens
+        for p in range((start // bs + 1) * bs, min(end, limit) + 1, bs):  # its blocks cached this step
+            if p <= cached or not cache.retains_checkpoint(p, len(rec.token_ids), rec.branch_tokens):
+                continue
+            if tuple(ids[:p]) == tuple(rec.token_ids[:p]):
+                return True
+    return False
+
+
+def branch_stop(manager: ManagerInterface, request_id: RequestId, start: int) -> int:
+    """Where a prefill chunk from ``start`` stops at the request's branch point (vLLM's
+    shared-prefix junction, floored to a block from ``start``), or 0 when the branch is not ahead."""
+    branch = manager.requests[request_id].branch_tokens
+    if branch <= start:
+        return 0
+    bs = manager.block_size
+    return start + (branch - start) // bs * bs
+
+
 def export_blocks(manager: ManagerInterface, exports: bool, req: SchedRequest, n: int) -> int:
     """State blocks of the checkpoint the prefill kernel exports from ``req``'s next ``n`` tokens
     (made at update(); vLLM allocates its block with the chunk), or 0 (``exports``: the prefix

@@ -283,9 +283,11 @@ class _DecodePreemptor(Preemptor):
                 return PreemptionMode.RECOMPUTE  # the room is promised to requests that can only swap
         return mode
 
-    def preempt(self, req: SchedRequest, allow_swap: bool = True) -> tuple[PreemptionMode, SwapPlan | None]:
+    def preempt(
+        self, req: SchedRequest, allow_swap: bool = True, keep_state: bool = False
+    ) -> tuple[PreemptionMode, SwapPlan | None]:
         if req.request_id not in self.manager.swap_only:
-            return super().preempt(req, allow_swap)
+            return super().preempt(req, allow_swap, keep_state)
         if not allow_swap:
             raise RequestStateError(f"request {req.request_id!r} has no token ids here: it cannot be recomputed")
         plan = self.manager.swap_out(req.request_id)  # its host room is reserved

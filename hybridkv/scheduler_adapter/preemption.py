@@ -54,15 +54,21 @@ class Preemptor:
             return PreemptionMode.RECOMPUTE
         return self.cost(req).mode if self.mode is PreemptionMode.AUTO else PreemptionMode.SWAP
 
-    def preempt(self, req: SchedRequest, allow_swap: bool = True) -> tuple[PreemptionMode, SwapPlan | None]:
+    def preempt(
+        self, req: SchedRequest, allow_swap: bool = True, keep_state: bool = False
+    ) -> tuple[PreemptionMode, SwapPlan | None]:
         """Give the victim's device blocks back: a settled swap-out plan, or everything freed
         (a failed swap copy falls back to recompute; ``allow_swap=False`` recomputes). Returns the
-        mode used and the plan."""
+        mode used and the plan. ``keep_state``: a recomputed victim's live state becomes the
+        checkpoint it owes at its position (``free_keeping_state``)."""
         if allow_swap and self.mode_for(req) is PreemptionMode.SWAP:
             plan = self.manager.swap_out(req.request_id)
             if self.settle(plan):
                 return PreemptionMode.SWAP, plan
-        self.manager.free(req.request_id)
+        if keep_state:
+            self.manager.free_keeping_state(req.request_id)
+        else:
+            self.manager.free(req.request_id)
         return PreemptionMode.RECOMPUTE, None
 
     def settle(self, plan: SwapPlan) -> bool:

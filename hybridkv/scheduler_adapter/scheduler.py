@@ -29,7 +29,13 @@ import numpy as np
 
 from hybridkv.blockmgr.records import BlockCopies, RequestId, SwapPlan
 from hybridkv.errors import DuplicateRequestError, RequestStateError, UnknownRequestError
-from hybridkv.scheduler_adapter.align import aligned_chunk, export_blocks, same_step_branch
+from hybridkv.scheduler_adapter.align import (
+    aligned_chunk,
+    branch_stop,
+    export_blocks,
+    same_step_branch,
+    state_cached_this_step,
+)
 from hybridkv.scheduler_adapter.cost import PreemptionCost, PreemptionMode
 from hybridkv.scheduler_adapter.interface import ManagerInterface
 from hybridkv.scheduler_adapter.preemption import Preemptor, SwapExecutor
@@ -256,9 +262,9 @@ class Scheduler:
             raise RequestStateError("update() without a step: call step() first")
         rows = self._check_outputs(plan, outputs)  # raises before anything changes
         self._pending = None
-        self._update_epoch = self.manager.begin_pin_epoch()
-        if self._in_place:  # the plan's copies ran with its forward
-            self.manager.release_pins(before=self._update_epoch)
+        last_update, self._update_epoch = self._update_epoch, self.manager.begin_pin_epoch()
+        if self._in_place:  # the plan's copies ran with its forward (the last update's checkpoints: below)
+            self.manager.release_pins(before=self._update_epoch, checkpoints_from=last_update + 1)
         done: list[RequestId] = []
         for row, req, tokens, accepted in rows:
             rid = row.request_id
@@ -290,6 +296,9 @@ class Scheduler:
                 self.running.remove(req)
                 self._retire(req, RequestState.FINISHED)
                 done.append(rid)
+        if self._in_place:  # the checkpoints were held while this update's were made (vLLM
+            # allocates a chunk's state block before it frees the block of the chunk before)
+            self.manager.release_pins(before=self._update_epoch)
         self._release_if_idle()
         return StepResult(tuple(done))
 
@@ -354,8 +363,11 @@ class Scheduler:
                     if alone and owed + export:
                         owed = export = 0
                         continue
-                    if alone and self._in_place and len(s.checkpoints) and self._cancel_checkpoints(s):
-                        continue
+                    if alone and self._in_place and self.manager.reclaim_lent(req.request_id):
+                        continue  # (in_place_state: it runs on in its lent sets rather than preempt itself)
+                    rescues = alone and self._in_place and len(s.checkpoints)
+                    if rescues and self._cancel_rescues(req, n, drafts, owed + export, s):
+                        continue  # (only when that lets it run: else it preempts itself, as vLLM does)
                     self._preempt(victim, s)
                     if victim is req:
                         break
@@ -366,6 +378,17 @@ class Scheduler:
             self._owed.discard(req.request_id)
             s.reserved += export
             self._run(req, n, drafts, s)
+
+    def _cancel_rescues(self, req: SchedRequest, n: int, drafts: int, extra: int, s: _StepBuilder) -> bool:
+        """Cancel the last update's checkpoints if their blocks let ``req`` grow by ``n + drafts``;
+        True when it did."""
+        cache = self.manager.prefix_cache
+        if cache is None:
+            return False
+        held = sum(1 for e in cache.pinned.values() if e == self._update_epoch) * self.manager.num_state_blocks
+        if not self._can_grow(req, n + drafts, drafts, extra - held, s.reserved):
+            return False
+        return self._cancel_checkpoints(s)
 
     def _cancel_checkpoints(self, s: _StepBuilder) -> bool:
         """Drop the checkpoints of the last update (their copies are still in this step's hands)
@@ -419,6 +442,10 @@ class Scheduler:
             n = min(total - cached, s.budget)
             if ids is not None and not aligned_chunk(self.manager, self.config, req, cached, n):
                 return  # vllm_align: no block-aligned first chunk fits this step's budget
+            if self._in_place and ids is not None and state_cached_this_step(
+                self.manager, self.requests, ids, cached, s.scheduled
+            ):
+                return  # vllm_align: its hit would be a state cached in this step (vLLM waits a step)
             if ids is not None and self.manager.plan_admission(cached + n, k, ids).num_cached_tokens != cached:
                 # the manager would admit it as a miss (the hit pins more than it saves): do so
                 # without token ids, so the first chunk is one allocation
@@ -513,7 +540,9 @@ class Scheduler:
             pos = self.manager.next_checkpoint_position(req.request_id)
             if pos is not None and start < pos < start + n:
                 exported = self._exports and self.manager.exported_checkpoint_position(req.request_id, start, start + n)
-                if exported != pos:  # (a position the kernel exports from inside the chunk: no cut)
+                # (a position the kernel exports from inside the chunk: no cut, unless it is also
+                # the branch point, where vLLM stops whatever the kernel exports)
+                if exported != pos or pos == branch_stop(self.manager, req.request_id, start):
                     n = pos - start
         return n, 0
 
@@ -556,7 +585,10 @@ class Scheduler:
     def _preempt(self, victim: SchedRequest, s: _StepBuilder) -> None:
         # a child forked since the last update holds no state until this plan's first copies run:
         # a swap-out (run inside step() by a swap executor) would save nothing, so it recomputes
-        mode, plan = self.preemptor.preempt(victim, allow_swap=victim.request_id not in self._forked)
+        # vllm_align: a victim owing the checkpoint at its position leaves its live state there
+        # (vLLM's block of the chunk's end state is cached in place before the next chunk)
+        keep = self._in_place and victim.request_id in self._owed
+        mode, plan = self.preemptor.preempt(victim, allow_swap=victim.request_id not in self._forked, keep_state=keep)
         self.running.remove(victim)
         victim.num_preemptions += 1
         victim.num_spec_sets = 0  # a swap-out commit and a free both drop the speculative sets

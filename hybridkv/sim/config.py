@@ -54,6 +54,7 @@ def build(cfg: SimConfig) -> Built:
             eviction=EvictionPolicy(cfg.prefix),
             export_alignment=cfg.checkpoint_export or None,
             **({"demote_tail": False, "evict_batch_fraction": 0.0} if vllm else {}),
+            in_place_state=vllm and not host_blocks and not cfg.speculative,
         )
     manager = HybridBlockManager(layout, num_host_blocks=host_blocks, watermark=cfg.watermark, prefix_cache=prefix)
     sched_cfg = SchedulerConfig(

@@ -20,6 +20,7 @@ from hybridkv.blockmgr.prefix.config import _EMPTY, PrefixHit, _miss
 from hybridkv.blockmgr.prefix.registration import Registration
 from hybridkv.blockmgr.records import BlockUse
 
+HELD = 1 << 62  # the pin of a checkpoint held by its request (PrefixCache.hold), never released by epoch
 
 class PrefixCache(Registration):
     """The cache's books; all block movements go through the manager's pool and ``use`` bytes."""
@@ -35,18 +36,21 @@ class PrefixCache(Registration):
         bs = self.block_size
         limit = (tokens.size - 1) // bs  # the chain over the whole input: branch point
         max_blocks = min(max(max_tokens, 0), tokens.size - 1) // bs
-        if limit <= 0 or not self._slot:
+        tier = self.tier if self.tier is not None and self.tier.num_units else None
+        if limit <= 0 or not (self._slot or tier is not None):
             return _miss()
         h = memo.block_hashes(limit, bs)
-        if self.host._has_kv and key_from_hash(int(h[0]), ROOT_KEY) not in self._slot:
+        if self.host._has_kv and self._uncached_first(key_from_hash(int(h[0]), ROOT_KEY)):
             return _miss()  # the first block is not cached: a miss
         karr = keys_from_hashes(h[:limit])
         keys = karr.tolist()
         slots = self._lookup(karr if self._fast else keys)
         ok = self._verified(slots, tokens)
         if not self.host._has_kv:
-            return self._match_state_only(keys, slots, ok, max_blocks)
+            return self._match_state_only(keys, slots, ok, max_blocks, tokens if tier is not None else None)
         s = np.where(ok, slots, 0)
+        if tier is not None:
+            return self._match_tiered(keys, slots, s, ok, tokens, limit, max_blocks)
         ok &= self._kv[s] > 0
         n = limit if ok.all() else int(np.argmin(ok))  # the cached chain: blocks [0, n)
         m = min(n, max_blocks)
@@ -62,6 +66,49 @@ class PrefixCache(Registration):
             return PrefixHit(best * bs, kv, None, n * bs, keys[:best], None)
         ck = int(self._ck[s[best - 1]])
         return PrefixHit(best * bs, kv, keys[best - 1], n * bs, keys[:best], self._ck_ids[ck])
+
+    def _uncached_first(self, key: int) -> bool:
+        """Whether the chain's first block (key ``key``) is cached neither on the device nor on the host."""
+        return key not in self._slot and (self.tier is None or key not in self.tier.kv)
+
+    def _match_tiered(self, keys: list[int], slots: np.ndarray, s: np.ndarray, ok: np.ndarray, tokens: np.ndarray,
+                      limit: int, max_blocks: int) -> PrefixHit:
+        """:meth:`match` of a KV model with the host tier: a block is cached when its KV is on the
+        device or (its node absent or without KV) on the host; a checkpoint, when it is on either
+        (the device's preferred). Host-resident blocks and checkpoint are named in the hit."""
+        tier = self.tier
+        assert tier is not None
+        bs = self.block_size
+        dev = ok & (self._kv[s] > 0)
+        host = tier.kv_blocks(keys, tokens)
+        host[dev | ((slots >= 0) & ~ok)] = -1  # on the device, or a device node with other tokens: not from the host
+        avail = dev | (host >= 0)
+        n = limit if avail.all() else int(np.argmin(avail))  # the cached chain: blocks [0, n)
+        m = min(n, max_blocks)
+        host_ck = None
+        ck_key = None
+        if self.host.num_state_groups == 0:
+            best = m
+        else:
+            dev_ck = ok[:m] & (self._ck[s[:m]] >= 0)
+            best = 0
+            for j in range(m - 1, -1, -1):
+                if dev_ck[j]:
+                    best, ck_key = j + 1, keys[j]
+                    break
+                if tier.ck:
+                    ids = tier.checkpoint_at(keys[j], tokens[j * bs : (j + 1) * bs])
+                    if ids is not None:
+                        best, host_ck = j + 1, ids
+                        break
+        if not best:
+            return _miss(n * bs)
+        on_dev = dev[:best]
+        kv = self._kv[s[:best]][on_dev]
+        host_index = (~on_dev).nonzero()[0]
+        host_kv = host[host_index].astype(np.int32)
+        ck_ids = self._ck_ids[int(self._ck[s[best - 1]])] if ck_key is not None else None
+        return PrefixHit(best * bs, kv, ck_key, n * bs, keys[:best], ck_ids, host_index, host_kv, host_ck)
 
     def _recent_tokens(self, token_ids: Sequence[int] | np.ndarray | TokenArray) -> TokenArray | None:
         """``token_ids`` as a :class:`TokenArray` whose block hashes serve the next match of the same
@@ -79,15 +126,28 @@ class PrefixCache(Registration):
         if recent is not None and recent.same_as(tokens):
             return recent
         bs = self.block_size
-        if self.host._has_kv and tokens.size > bs and chain_keys_array(tokens, bs, 0, 1)[0] not in self._slot:
+        if self.host._has_kv and tokens.size > bs and self._uncached_first(int(chain_keys_array(tokens, bs, 0, 1)[0])):
             return None
         self._recent = memo = TokenArray(tokens)
         return memo
 
-    def _match_state_only(self, keys: list[int], slots: np.ndarray, ok: np.ndarray, max_blocks: int) -> PrefixHit:
+    def _match_state_only(self, keys: list[int], slots: np.ndarray, ok: np.ndarray, max_blocks: int,
+                          tokens: np.ndarray | None = None) -> PrefixHit:
         """No KV: a hit needs only the deepest checkpoint on the request's chain (chain keys hash
         every earlier block, and that block's tokens are compared); the branch point is the deepest
-        block any cached chain reached (bare nodes may have been trimmed: an estimate)."""
+        block any cached chain reached (bare nodes may have been trimmed: an estimate). ``tokens``
+        (with the host tier): a checkpoint on the host counts too, when it is deeper."""
+        if tokens is not None and self.tier is not None and self.tier.ck:
+            bs = self.block_size
+            for j in range(min(len(keys), max_blocks) - 1, -1, -1):
+                if ok[j] and self._ck[slots[j]] >= 0:
+                    break  # the deepest checkpoint on the device is at least as deep
+                ids = self.tier.checkpoint_at(keys[j], tokens[j * bs : (j + 1) * bs])
+                if ids is not None:
+                    found = np.flatnonzero(ok)
+                    matched = max(int(found[-1]) + 1 if found.size else 0, j + 1)
+                    return PrefixHit((j + 1) * bs, _EMPTY, None, matched * bs, keys[: j + 1], None,
+                                     _EMPTY, _EMPTY, ids)
         found = np.flatnonzero(ok)
         if not found.size:
             return _miss()
@@ -118,31 +178,100 @@ class PrefixCache(Registration):
             self._kv_evictable[ids] = False
             self.host.pool.incref(ids)
             self.host.use[ids] = BlockUse.KV
+        if hit.host_kv.size:
+            self.stats.hit_tokens_host += int(hit.host_kv.size) * self.block_size
         if hit.checkpoint_key is not None:
             ck = int(self._ck[self._slot[hit.checkpoint_key]])
             self._ticks[ck] = now
             self._ck_order[ck] = order = self._next_order(1)
             self._enqueue_one(-1 - ck, order)
-            self.pinned[hit.checkpoint_key] = self.host.pin_epoch
+            self._reads[hit.checkpoint_key] = self.host.pin_epoch
+            if self.pinned.get(hit.checkpoint_key) != HELD:  # (a held one stays held by its request)
+                self.pinned[hit.checkpoint_key] = self.host.pin_epoch
         self.stats.hit_tokens += hit.num_tokens
         return ids
 
     def cancel_checkpoints(self, epoch: int) -> np.ndarray:
         """Drop the checkpoints pinned in ``epoch`` (taken then, their copies not yet handed to an
-        executor); returns their block ids (the caller frees them and drops the copies)."""
-        keys = [k for k, e in self.pinned.items() if e == epoch]
+        executor); returns their block ids (the caller frees them and drops the copies). A checkpoint a
+        hit's copy reads (not yet run) is kept: dropping it would free the copy's source."""
+        keys = [k for k, e in self.pinned.items() if e == epoch and k not in self._reads]
         parts = []
         for key in keys:
             del self.pinned[key]
             parts.append(self._drop_checkpoint(int(self._ck[self._slot[key]])))
         return np.concatenate(parts) if parts else np.empty(0, dtype=np.int32)
 
-    def release_pins(self, before: int | None = None) -> None:
-        """The copies reading or writing checkpoints pinned in epochs ``< before`` (all: None) ran."""
-        if before is None:
+    def release_pins(self, before: int | None = None, since: int = 0) -> None:
+        """The copies reading or writing checkpoints pinned in epochs ``< before`` (all: None) ran;
+        checkpoints pinned in epochs ``< since`` stay unevictable (a later call releases them)."""
+        if self.aligns_chunks and self.pinned:  # vllm_align: queued by when vLLM frees their block
+            done = [k for k, e in self.pinned.items() if (before is None or e < before) and since <= e < HELD]
+            self._requeue_checkpoints(done)
+        if before is None and not since and HELD not in self.pinned.values():
             self.pinned.clear()
-        elif self.pinned:
-            self.pinned = {k: e for k, e in self.pinned.items() if e >= before}
+            self._reads.clear()
+        elif self.pinned:  # (held ones stay: their requests release them)
+            self.pinned = {k: e for k, e in self.pinned.items()
+                           if (before is not None and e >= before) or e < since or e == HELD}  # fmt: skip
+            self._reads = {k: e for k, e in self._reads.items() if (before is not None and e >= before) or e < since}
+
+    def is_held(self, key: int) -> bool:
+        """Whether node ``key``'s checkpoint is held (:meth:`hold`)."""
+        return self.pinned.get(key) == HELD
+
+    def hold(self, key: int) -> None:
+        """Pin the checkpoint of node ``key`` until :meth:`release_held`: a request's lent live sets
+        (``in_place_state``), held as vLLM holds the block until the request's next step."""
+        self.pinned[key] = HELD
+
+    def detach_held(self, key: int) -> np.ndarray:
+        """Take the held checkpoint of node ``key`` out of the cache (its request keeps running in
+        those sets); returns its block ids."""
+        self.pinned.pop(key, None)
+        ids = self._drop_checkpoint(int(self._ck[self._slot[key]]))
+        self.stats.checkpoints_evicted -= 1  # (not an eviction)
+        return ids
+
+    def release_held(self, key: int) -> None:
+        """End :meth:`hold`: the checkpoint is evictable, at the back of the LRU queue."""
+        if self.pinned.get(key) == HELD:
+            read = self._reads.get(key)
+            if read is not None:  # a hit's copy still reads it: its epoch releases it (and queues it)
+                self.pinned[key] = read
+            else:
+                del self.pinned[key]
+                self._requeue_checkpoints([key])
+
+    def _requeue_checkpoints(self, keys: list[int]) -> None:
+        """Put the checkpoints of nodes ``keys`` at the back of the LRU queue (``vllm_align``: a
+        checkpoint's block is the request's until vLLM frees it, which queues it then)."""
+        for key in keys:
+            slot = self._slot.get(key)
+            if slot is None or self._ck[slot] < 0:
+                continue
+            ck = int(self._ck[slot])
+            self._ck_order[ck] = order = self._next_order(1)
+            self._enqueue_one(-1 - ck, order)
+
+    def adopt(self, keys: list[int], tokens: np.ndarray, index: np.ndarray, blocks: np.ndarray) -> None:
+        """A host hit's onloaded KV: block ``index[i]`` of the chain ``keys`` (tokens ``tokens``) is
+        cached again in the device block ``blocks[i]`` (referenced by the hit's request; its copy
+        host -> device runs before any forward reads it). Nodes are created where missing."""
+        if not index.size:
+            return
+        bs = self.block_size
+        karr = np.array([keys[j] for j in index.tolist()], dtype=np.int64)
+        slots = self._lookup(karr if self._fast else karr.tolist())
+        miss = (slots < 0).nonzero()[0]
+        if miss.size:
+            j = index[miss]
+            rows = tokens[: (int(index[-1]) + 1) * bs].reshape(-1, bs)[j]
+            slots[miss] = self._new_slots(karr[miss], (j + 1) * bs, rows)
+        if self._bare:
+            for k in karr.tolist():
+                self._bare.pop(k, None)
+        self._map_kv(slots, blocks)
 
     def check(self) -> list[str]:
         """Problems with the cache's own books (slots, block and checkpoint arrays); used by
@@ -161,7 +290,8 @@ class PrefixCache(Registration):
             problems.append("cached KV blocks and the nodes holding them disagree")
         elif not np.array_equal(self._node_of[kv[kv > 0]], slots[kv > 0]):
             problems.append("a cached KV block is not mapped to its node")
-        if int(self._kv_evictable.sum()) != self._n_evictable or (self._kv_evictable & (self._node_of < 0)).any():
+        unmapped = self._kv_evictable & (self._node_of < 0)
+        if int(self._kv_evictable.sum()) != self._n_evictable or (unmapped != self._stale).any():
             problems.append("the prefix cache's evictable KV blocks are miscounted or not cached")
         ck = self._ck[slots]
         held = slots[ck >= 0]
@@ -187,4 +317,6 @@ class PrefixCache(Registration):
             problems.append("the LRU queue disagrees with the evictable KV blocks and checkpoints")
         if any(not self.has_checkpoint(k) for k in self.pinned):
             problems.append("a pinned key has no checkpoint")
+        if self.tier is not None:
+            problems += self.tier.check()
         return problems

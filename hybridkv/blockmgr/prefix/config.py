@@ -56,9 +56,22 @@ class PrefixCacheConfig:
     # ``prefill_checkpoint_alignment``; FlashInfer's GDN prefill: 64), so that chunk is not split
     # there; None: no export (the chunk stops at that boundary)
     export_alignment: int | None = None
+    # the host tier (docs/blockmgr.md): cached KV blocks and checkpoints evicted from the device are
+    # offloaded to the manager's host pool (shared with swap preemption, which wins: the tier gives
+    # its least recently used units back) and stay matchable; needs num_host_blocks > 0
+    host_tier: bool = False
+    # vllm_align: the state a forward ends on at a block boundary stays in the request's live sets
+    # where they are (a checkpoint there, or held unmatchable) and the request's next append takes new
+    # live sets and copies the state over, as vLLM writes each chunk's state into a block of its own
+    # and takes a new one for the next chunk (so the blocks are taken when vLLM takes them); a
+    # checkpoint made after the forward is a copy otherwise. Not with a host pool or speculative
+    # decoding (the manager refuses those on a request whose sets are lent).
+    in_place_state: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "checkpoint", CheckpointPolicy(self.checkpoint))
+        if self.in_place_state and self.checkpoint is not CheckpointPolicy.VLLM_ALIGN:
+            raise ValueError(f"in_place_state needs checkpoint='vllm_align', got {self.checkpoint.value!r}")
         object.__setattr__(self, "eviction", EvictionPolicy(self.eviction))
         align = (self.align_tokens,) if isinstance(self.align_tokens, int) else tuple(self.align_tokens)
         if not align or any(not isinstance(a, int) or a <= 0 for a in align):
@@ -97,11 +110,21 @@ class PrefixHit(NamedTuple):
     num_matched_tokens: int  # tokens whose KV blocks are cached (>= num_tokens): the branch point
     keys: list[int]  # chain keys of the blocks below num_tokens
     checkpoint_ids: np.ndarray | None = None  # the checkpoint's flat block ids (read by the hit's copy)
+    # host tier: positions (block indices below num_tokens) whose KV is on the host only, their host
+    # blocks, and the checkpoint's host ids when it is on the host only (then checkpoint_key is None)
+    host_index: np.ndarray = _EMPTY
+    host_kv: np.ndarray = _EMPTY
+    host_checkpoint: np.ndarray | None = None
 
     @property
     def num_blocks(self) -> int:
-        """KV blocks the hit shares."""
+        """KV blocks the hit shares (on the device: host-resident ones take new device blocks)."""
         return int(self.kv_blocks.size)
+
+    @property
+    def on_host(self) -> bool:
+        """Whether the hit reads blocks of the host tier (host -> device copies)."""
+        return bool(self.host_kv.size) or self.host_checkpoint is not None
 
 
 def _miss(matched_tokens: int = 0) -> PrefixHit:
@@ -111,6 +134,7 @@ def _miss(matched_tokens: int = 0) -> PrefixHit:
 @dataclass(slots=True)
 class _Counters:
     hit_tokens: int = 0
+    hit_tokens_host: int = 0  # of hit_tokens, those whose KV came from the host tier
     checkpoints_made: int = 0
     checkpoints_evicted: int = 0
     kv_evicted: int = 0

@@ -51,10 +51,33 @@ class Eviction(CheckpointPlacement):
             kv, ck = self._lru_victims(target, protect, protect_ckpt)
         else:
             kv, ck = self._flop_aware_victims(target, protect, protect_ckpt)
+        if self.tier is not None:
+            self._offload(kv, ck)
         ids = self._drop_all(kv, ck)
         kernels.put(self.host.pool.ref_counts, ids, 0)
         kernels.put(self.host.use, ids, BlockUse.FREE.value)
         return ids
+
+    def _offload(self, kv: np.ndarray, ck_slots: np.ndarray) -> None:
+        """The host tier keeps the victims (KV blocks in victim order, then checkpoints) it has room
+        for: their copies device -> host are queued before the device blocks go back."""
+        tier = self.tier
+        assert tier is not None
+        tier.begin_eviction()
+        try:
+            if kv.size and self._stale[kv].any():  # second copies (adopt_copies): their node has the newer
+                kv = kv[~self._stale[kv]]
+            if kv.size:
+                slots = self._node_of[kv]
+                keys = self._key[slots].tolist()
+                toks = self._tok[slots]
+                for i in range(kv.size):
+                    tier.offload(keys[i], toks[i], kv[i : i + 1], False)
+            for ck in ck_slots.tolist():
+                slot = self._ck_node[ck]
+                tier.offload(int(self._key[slot]), self._tok[slot], self._ck_ids[ck], True)
+        finally:
+            tier.end_eviction()
 
     def _held_checkpoints(self, protect_ckpt: set[int]) -> list[int]:
         """Slots of the checkpoints eviction may not take: protected or pinned."""
@@ -263,9 +286,12 @@ class Eviction(CheckpointPlacement):
         parts = [kv.astype(np.int32)]
         if kv.size:
             slots = self._node_of[kv]
+            if (slots < 0).any():  # stale second copies on no node (adopt_copies): nothing to unmap
+                self._stale[kv] = False
+                slots = slots[slots >= 0]
             self._kv[slots] = 0
             self._node_of[kv] = -1
-            self._n_mapped -= int(kv.size)
+            self._n_mapped -= int(slots.size)
             self._kv_evictable[kv] = False
             self._n_evictable -= int(kv.size)
             self.stats.kv_evicted += int(kv.size)

@@ -33,6 +33,7 @@ from hybridkv.blockmgr.prefix.config import (
     PrefixCacheConfig,
     _Counters,
 )
+from hybridkv.blockmgr.prefix.host_tier import HostTier
 from hybridkv.blockmgr.prefix.slotmap import SlotMap
 from hybridkv.models.flops import flop_coefficients
 
@@ -44,6 +45,7 @@ class CacheHost(Protocol):
 
     layout: Layout
     pool: BlockPool
+    host_pool: BlockPool | None  # the host (swap) pool: the host tier's blocks
     use: np.ndarray  # int8 [num_blocks]: BlockUse of each block, written by the cache for its blocks
     block_size: int
     num_state_groups: int
@@ -89,6 +91,9 @@ class ChainIndex:
         self._memo_gen = (-1, -1)
         # ---- cached KV blocks, by block id
         self._node_of = np.full(nb, -1, dtype=np.int64)  # KV block -> slot of the node it caches
+        # vllm_align: evictable KV blocks on no node, second copies whose node caches a newer one
+        # (Registration.adopt_copies); evicted in their turn
+        self._stale = np.zeros(nb, dtype=bool)
         self._n_mapped = 0  # KV blocks mapped to nodes
         # whether each unit is evictable (a KV block) or live (a checkpoint, by slot), and the LRU
         # order it was last queued with: one array each, indexed like the LRU queue's codes (a KV
@@ -130,6 +135,9 @@ class ChainIndex:
         # manager's pin epoch: evicting one before the executor ran the copy would hand its blocks
         # to another writer
         self.pinned: dict[int, int] = {}
+        # of those, the keys a hit's copy reads (with the epoch of the last such hit): never cancelled
+        self._reads: dict[int, int] = {}
+
         # state-only models: chain nodes that hold nothing (they mark where cached prefixes go, for
         # branch points), least recently used first, at most _bare_cap of them
         self._bare: OrderedDict[int, None] = OrderedDict()
@@ -139,6 +147,11 @@ class ChainIndex:
         self._bytes_per_block = layout.bytes_per_block
         self._rank_flops = self.config.eviction is EvictionPolicy.FLOP_AWARE
         self._recent: TokenArray | None = None  # the tokens last matched (see _recent_tokens)
+        self.tier: HostTier | None = None
+        if self.config.host_tier:
+            if host.host_pool is None:
+                raise ValueError("PrefixCacheConfig(host_tier=True) needs a host pool: pass num_host_blocks > 0")
+            self.tier = HostTier(host.host_pool, bs, host.num_state_blocks, lambda: host.pin_epoch)
         self._chain_memo = bool(host.num_state_groups) and (
             self.config.demote_tail or self.config.checkpoint is CheckpointPolicy.BRANCH_SPACED)
 

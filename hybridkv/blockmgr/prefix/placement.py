@@ -11,6 +11,7 @@ import numpy as np
 from hybridkv.blockmgr.prefix.config import CheckpointPolicy
 from hybridkv.blockmgr.prefix.index import ChainIndex
 from hybridkv.blockmgr.prefix.placement_rules import (
+    aligned_end,
     back_off_points,
     spaced_grids,
     spaced_positions,
@@ -82,6 +83,19 @@ class CheckpointPlacement(ChainIndex):
             return True  # every block boundary a forward ends on
         wanted = self._wanted_positions(input_len, branch, below)
         return wanted is not None and (final or position in wanted)
+
+    def retains_checkpoint(self, position: int, input_len: int, branch: int) -> bool:
+        """Whether a checkpoint the policy takes at ``position`` stays matchable once its forward
+        ran. Every policy keeps what it takes, except ``vllm_align``, which holds the state of every
+        block boundary a forward ends on (vLLM writes it into a block of its own) but keeps only its
+        semantic checkpoints matchable (vLLM 0.33's default ``prefix_cache_retention_interval=0``):
+        the input's last block boundary before its last token (the replay boundary) and the branch
+        point floored to a block (the shared-prefix junction). The others are transient: their
+        blocks are free again once the copy into them ran."""
+        if self.config.checkpoint is not CheckpointPolicy.VLLM_ALIGN:
+            return True
+        bs = self.block_size
+        return position in (aligned_end(max(input_len - 1, 0), bs), aligned_end(branch, bs))
 
     def _wanted_positions(self, input_len: int, branch: int, below: int) -> set[int] | None:
         """The input positions the policy checkpoints (None: ``none``, and ``every_n_blocks``, whose

@@ -122,8 +122,9 @@ def vllm_align_stops(num_tokens: int, input_len: int, branch: int, block_size: i
     floored to a block (``branch``: where the request's cached KV prefix ended beyond its hit; vLLM's
     ``shared_prefix_boundary``), and the input's last block boundary before its last token (the
     state a later identical input resumes from: ``get_mamba_prefill_checkpoint_position``). Every
-    other chunk end is floored to a block boundary by the scheduler, and the state is kept at every
-    block boundary a forward ends on (decode included)."""
+    other chunk end is floored to a block boundary by the scheduler, and the state is held at every
+    block boundary a forward ends on (decode included), matchable only at the last two positions
+    (``CheckpointPlacement.retains_checkpoint``)."""
     stops = set()
     if num_tokens % block_size:
         stops.add(aligned_end(num_tokens, block_size) + block_size)
