@@ -384,6 +384,7 @@ COMPARE_VALUES = {
     "gpu-memory": "8GiB,16GiB",
     "budget": "8GiB,16GiB",
     "host-memory": "0,64GiB",
+    "host-cache": "0,64GiB",
     "block-size": "32,64",
     "speculative": "0,2",
     "max-num-seqs": "64,128",

@@ -130,15 +130,19 @@ class DataExecutor:
     def run(self, step_plan, tables, run_aborted: bool) -> StepOutputs:
         led, sh = self.ledger, self.shadow
         what = f"plan {step_plan.step}"
-        tier = self.run_tier(f"{what} stage 0 (host tier offloads)", ("offload",))
+        tier = step_plan.tier_copies  # the scheduler took the tier's copies into the plan
+        if len(tier.offload):
+            event("host tier: offloads")
+        if len(tier.onload):
+            event("host tier: host hits (onloads)")
+        led.run_tier(tier, f"{what} stage 0 (host tier offloads)", ("offload",))
         led.run_copies(step_plan.checkpoint_copies, f"{what} stage 1 (checkpoint and fork copies)")
         if not self.sync_swaps:
             for p in step_plan.swap_out:
                 led.run_swap(p, f"{what} stage 2 (swap-out)")
             for p in step_plan.swap_in:
                 led.run_swap(p, f"{what} stage 3 (swap-in)")
-        if tier is not None:
-            led.run_tier(tier, f"{what} stage 3b (host tier onloads)", ("onload",))
+        led.run_tier(tier, f"{what} stage 3b (host tier onloads)", ("onload",))
         led.run_copies(step_plan.copies, f"{what} stage 4 (copy-on-write, prefix hits)")
         assert not led.queue, f"{what}: handed out before its forward but in no plan (they never run): {led.queue}"
         sampled, accepted = {}, {}

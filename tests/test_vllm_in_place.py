@@ -13,6 +13,8 @@ checks the whole runs against vLLM's real scheduler).
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -22,8 +24,9 @@ from hybridkv.blockmgr.integrity import check_integrity
 from hybridkv.blockmgr.prefix import CheckpointPolicy, PrefixCacheConfig
 from hybridkv.errors import RequestStateError
 from hybridkv.scheduler_adapter.cost import PreemptionMode
-from tests.test_scheduler_data import EXAMPLES, WORKLOAD, _manager, run_data_workload
+from tests.test_scheduler_data import WORKLOAD, _manager, run_data_workload
 
+EXAMPLES = int(os.environ.get("IN_PLACE_EXAMPLES", "120"))
 IN_PLACE = PrefixCacheConfig(
     checkpoint=CheckpointPolicy.VLLM_ALIGN, demote_tail=False, evict_batch_fraction=0.0, in_place_state=True
 )

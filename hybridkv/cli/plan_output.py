@@ -176,6 +176,8 @@ def _rows(out: dict[str, Any]) -> list[list[str]]:
                 )
             )
     show = {"all", "kv" if has_kv else "nokv"}
+    if any(s[waste].get("side_slack_bytes", 0) for s in summaries):  # (indexed attention's side tensors)
+        show.add("side")
     rows = [["", *(s["layout"] for s in summaries)]]
     rows += [[label, *(cell(s) for s in summaries)] for label, cell, which in spec if which in show]
     return rows

@@ -110,6 +110,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         f"{ACTIVATION_RESERVE_GIB} GiB for activations, whole GiB; MiniMax-M1 TP8 on H200: 14GiB)",
     )
     m.add_argument("--host-memory", default="256GiB", help="host swap pool per GPU, 0 = none (default 256GiB)")
+    m.add_argument(
+        "--host-cache",
+        default="0",
+        help="the prefix cache's host tier per GPU, added to the host pool swaps use (swaps win); 0 = none (default)",
+    )
     s = p.add_argument_group("layout and scheduler")
     s.add_argument("--engine", choices=["hybridkv", "vllm"], default="hybridkv",
                    help="vllm: vLLM 0.33's policies on its own layout, emulated (fixes layout, block size, "
@@ -186,12 +191,13 @@ _TRACE_ONLY = ("trace_limit", "trace_start", "trace_end")
 # --compare key (as expand spells it) -> the flag (argparse dest) that sets the same field
 _COMPARE_FLAG = {"layout": "layout", "preemption": "preemption", "prefix": "prefix", "checkpoint": "checkpoint",
                  "gpu-memory": "gpu_memory", "budget": "gpu_memory", "host-memory": "host_memory",
+                 "host-cache": "host_cache",
                  "block-size": "block_size", "speculative": "speculative", "max-num-seqs": "max_num_seqs",
                  "max-batched-tokens": "max_batched_tokens", "model": "model", "tp": "tp", "gpu": "gpu",
                  "watermark": "watermark", "admission": "admission", "engine": "engine"}
 # what --engine vllm fixes (hybridkv.sim.engines.VLLM_POLICIES and its block size / checkpoints): flag dests
-_VLLM_FIXES = ("layout", "admission", "preemption", "host_memory", "watermark", "speculative", "accept_rate",
-               "block_size", "checkpoint")
+_VLLM_FIXES = ("layout", "admission", "preemption", "host_memory", "host_cache", "watermark", "speculative",
+               "accept_rate", "block_size", "checkpoint")
 
 
 def _flag(dest: str) -> str:
@@ -280,9 +286,9 @@ def check_args(args: argparse.Namespace) -> None:
             raise ValueError(f"{_flag(bad[0])} needs --trace FILE: the synthetic workload has no trace window")
     from hybridkv.units import parse_bytes
 
-    for dest in ("gpu_memory", "host_memory"):  # sizes: named by their flag (--compare's values by their key)
+    for dest in ("gpu_memory", "host_memory", "host_cache"):  # sizes: named by their flag (--compare's by their key)
         text = getattr(args, dest)
-        if text is not None and not (dest == "host_memory" and text == "0"):
+        if text is not None and not (dest in ("host_memory", "host_cache") and text == "0"):
             try:
                 parse_bytes(text)
             except ValueError as e:
@@ -309,6 +315,8 @@ def check_args(args: argparse.Namespace) -> None:
             raise ValueError(f"--prefix {args.prefix}: vLLM's prefix cache evicts lru (--prefix lru or none)")
     if "checkpoint" in given and args.prefix == "none" and "prefix" not in compared:
         raise ValueError("--checkpoint with --prefix none changes nothing: checkpoints are the prefix cache's")
+    if "host_cache" in given and args.host_cache != "0" and args.prefix == "none" and "prefix" not in compared:
+        raise ValueError("--host-cache with --prefix none changes nothing: the host tier is the prefix cache's")
     speculative = "speculative" in compared or args.speculative > 0
     if "accept_rate" in given and not speculative:
         raise ValueError("--accept-rate needs --speculative K > 0 (or --compare speculative=...): no draft to accept")
@@ -407,6 +415,7 @@ def run(args: argparse.Namespace) -> int:
         gpu_calibration=args.calibration,
         gpu_memory=args.gpu_memory,
         host_memory=args.host_memory,
+        host_cache=args.host_cache,
         block_size=args.block_size,
         layout=args.layout,
         preemption=args.preemption,
@@ -426,8 +435,9 @@ def run(args: argparse.Namespace) -> int:
     for c in configs:  # bad sizes, models, GPU files: one line each, before any run starts
         build_layout(c)
         load_gpu(c.gpu, c.gpu_calibration)
-        if c.host_memory not in ("0", ""):
-            parse_bytes(c.host_memory)
+        for size in (c.host_memory, c.host_cache):
+            if size not in ("0", ""):
+                parse_bytes(size)
     workload = _workload(args)
     workload.check_runnable()  # an empty trace or window: one line, exit 2, no zero-step run
     if args.ray is not None:

@@ -18,7 +18,15 @@ if TYPE_CHECKING:
 
     from hybridkv.blockmgr.pool import BlockPool
     from hybridkv.blockmgr.prefix import PrefixCache
-    from hybridkv.blockmgr.records import AdmissionPlan, Allocation, BlockCopies, RequestId, RequestRecord, SwapPlan
+    from hybridkv.blockmgr.records import (
+        AdmissionPlan,
+        Allocation,
+        BlockCopies,
+        RequestId,
+        RequestRecord,
+        SwapPlan,
+        TierPlan,
+    )
     from hybridkv.planner.layout import Layout
 
 
@@ -64,6 +72,7 @@ class ManagerInterface(Protocol):
     def fork(self, parent_id: RequestId, child_id: RequestId) -> BlockCopies: ...
     def free(self, request_id: RequestId) -> None: ...
     def free_keeping_state(self, request_id: RequestId) -> bool: ...
+    def take_tier_copies(self) -> TierPlan: ...
     def reclaim_lent(self, request_id: RequestId) -> bool: ...
 
     # speculative decoding

@@ -15,8 +15,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from hybridkv.blockmgr.records import BlockCopies, RequestId, SwapPlan
+import numpy as np
+
+from hybridkv.blockmgr.records import BlockCopies, RequestId, SwapDirection, SwapPlan, TierCopies, TierPlan
 from hybridkv.scheduler_adapter.cost import PreemptionMode
+
+_NONE = np.empty(0, dtype=np.int32)
+NO_TIER_COPIES = TierPlan(TierCopies(_NONE, _NONE, SwapDirection.OUT), TierCopies(_NONE, _NONE, SwapDirection.IN))
 
 
 class RequestState(enum.Enum):
@@ -119,11 +124,15 @@ class Preemption(NamedTuple):
 class StepPlan(NamedTuple):
     """What one step runs. Before the forward the executor runs, in this order:
 
+    0. ``tier_copies.offload``: the prefix cache's host tier, device -> host (cached blocks evicted
+       from the device since the last plan; their device blocks may be reused by what follows);
     1. ``checkpoint_copies``: live state -> prefix-cache checkpoint, taken after the previous
        forward (first: their sources may be freed and reused by this step's swaps);
     2. the copies of ``swap_out`` (device -> host), then of ``swap_in`` (host -> device):
        ``plan.device_blocks[j] <-> plan.host_blocks[j]``;
-    3. ``copies``: device block copies of this step (copy-on-write, prefix hits' checkpoint -> live).
+    3. ``tier_copies.onload`` (host hits, host -> device), then ``copies``: device block copies of
+       this step (copy-on-write, prefix hits' checkpoint -> live).
+    (docs/contract.md; the tier's copies are empty without ``PrefixCacheConfig.host_tier``.)
 
     The swap plans are already settled with the manager; stream order makes that safe (blocks a
     swap-out frees are written only by later copies and the forward).
@@ -139,6 +148,7 @@ class StepPlan(NamedTuple):
     checkpoint_copies: BlockCopies
     copies: BlockCopies
     num_batched_tokens: int
+    tier_copies: TierPlan = NO_TIER_COPIES
 
     @property
     def request_ids(self) -> list[RequestId]:

@@ -246,6 +246,7 @@ class Scheduler:
             s.checkpoints,
             s.copies,
             self.config.max_num_batched_tokens - s.budget,
+            self.manager.take_tier_copies(),  # (since the last plan: the last update's included)
         )
         self.num_steps += 1
         self._pending = plan

@@ -39,6 +39,7 @@ _KEYS: dict[str, tuple[str, type]] = {
     "gpu-memory": ("gpu_memory", str),
     "budget": ("gpu_memory", str),
     "host-memory": ("host_memory", str),
+    "host-cache": ("host_cache", str),
     "block-size": ("block_size", int),
     "speculative": ("speculative", int),
     "max-num-seqs": ("max_num_seqs", int),
@@ -111,8 +112,8 @@ def _value(key: str, field: str, kind: type, text: str) -> Any:
         if not 0.0 <= f <= 1.0:
             raise ValueError(f"--compare {key}: must be in [0, 1], got {text}")
         return f
-    if field in ("gpu_memory", "host_memory"):
-        if not (field == "host_memory" and text == "0"):
+    if field in ("gpu_memory", "host_memory", "host_cache"):
+        if not (field in ("host_memory", "host_cache") and text == "0"):
             try:
                 parse_bytes(text)
             except ValueError as e:
@@ -127,7 +128,7 @@ def _value(key: str, field: str, kind: type, text: str) -> Any:
 
 def _identity(field: str, value: Any) -> Any:
     """What makes two values of ``field`` the same configuration (``8GiB`` and ``8192MiB`` are one)."""
-    if field in ("gpu_memory", "host_memory"):
+    if field in ("gpu_memory", "host_memory", "host_cache"):
         return 0 if value == "0" else parse_bytes(value)
     if field in ("gpu", "model"):
         return value.lower()

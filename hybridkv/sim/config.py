@@ -43,6 +43,8 @@ def build(cfg: SimConfig) -> Built:
     layout = build_layout(cfg)
     gpu = load_gpu(cfg.gpu, cfg.gpu_calibration)
     host_blocks = parse_bytes(cfg.host_memory) // layout.bytes_per_block if cfg.host_memory not in ("0", "") else 0
+    tier_blocks = parse_bytes(cfg.host_cache) // layout.bytes_per_block if cfg.host_cache not in ("0", "") else 0
+    host_blocks += tier_blocks if cfg.prefix != "none" else 0
     prefix = None
     if cfg.prefix != "none":
         policy = CheckpointPolicy(cfg.checkpoint)
@@ -55,6 +57,7 @@ def build(cfg: SimConfig) -> Built:
             export_alignment=cfg.checkpoint_export or None,
             **({"demote_tail": False, "evict_batch_fraction": 0.0} if vllm else {}),
             in_place_state=vllm and not host_blocks and not cfg.speculative,
+            host_tier=tier_blocks > 0,
         )
     manager = HybridBlockManager(layout, num_host_blocks=host_blocks, watermark=cfg.watermark, prefix_cache=prefix)
     sched_cfg = SchedulerConfig(

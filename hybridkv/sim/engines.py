@@ -42,6 +42,7 @@ VLLM_POLICIES: dict[str, Any] = {
     "admission": "full_prompt",
     "preemption": "recompute",
     "host_memory": "0",
+    "host_cache": "0",  # (vLLM 0.33 keeps no host tier of its own: connectors do)
     "watermark": 0.0,
     "speculative": 0,
 }
@@ -76,6 +77,7 @@ _SWITCHES: tuple[tuple[str, ...], ...] = (  # the fields of one column's switch,
     ("layout", "block_size"),
     ("state_dtype",),
     ("preemption", "host_memory", "watermark"),
+    ("host_cache",),
     ("prefix", "checkpoint", "checkpoint_export", "speculative"),
 )
 

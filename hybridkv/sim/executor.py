@@ -48,6 +48,8 @@ class Executed(NamedTuple):
     time: StepTime
     recomputed_tokens: int = 0
     recompute_s: float = 0.0
+    tier_offload_blocks: int = 0  # the prefix cache's host tier: device -> host (priced as swap-outs)
+    tier_onload_blocks: int = 0  # and host -> device (host hits, priced as swap-ins)
 
 
 class SimExecutor:
@@ -56,7 +58,8 @@ class SimExecutor:
     def __init__(self, manager: HybridBlockManager, cost: StepCostModel) -> None:
         self.manager = manager
         self.cost = cost
-        self.totals = {"checkpoint_copy_blocks": 0, "swap_out_blocks": 0, "swap_in_blocks": 0, "copy_blocks": 0}
+        self.totals = {"checkpoint_copy_blocks": 0, "swap_out_blocks": 0, "swap_in_blocks": 0, "copy_blocks": 0,
+                       "tier_offload_blocks": 0, "tier_onload_blocks": 0}
 
     def run(self, plan: StepPlan, computed_before: Mapping[RequestId, int] | None = None) -> Executed:
         """Execute ``plan`` (before the forward, in contract order), then the forward; raises
@@ -64,6 +67,8 @@ class SimExecutor:
 
         ``computed_before[request_id]``: the most tokens the request had computed in earlier steps
         (the caller's record); the part of a row below it is counted as recomputed."""
+        tier = plan.tier_copies  # stage 0 (offloads) and 3b (onloads), on the host link like swaps
+        offload, onload = len(tier.offload), len(tier.onload)
         ckpt = self._copies(plan.checkpoint_copies, "checkpoint_copies")
         out = sum(self._swap(p, SwapDirection.OUT) for p in plan.swap_out)
         rows = {r.request_id for r in plan.scheduled}
@@ -77,11 +82,13 @@ class SimExecutor:
         t["swap_out_blocks"] += out
         t["swap_in_blocks"] += swap_in
         t["copy_blocks"] += copies
+        t["tier_offload_blocks"] += offload
+        t["tier_onload_blocks"] += onload
         work = self.cost.work(
             [(r.num_computed_tokens, r.num_scheduled_tokens, r.num_drafts) for r in plan.scheduled],
             ckpt + copies,
-            out,
-            swap_in,
+            out + offload,
+            swap_in + onload,
         )
         redo = 0
         recompute_s = 0.0
@@ -94,7 +101,7 @@ class SimExecutor:
                     redo += end - r.num_computed_tokens
             if again:
                 recompute_s = self.cost.work(again).flops / self.cost.gpu.effective_flops_per_s
-        return Executed(ckpt, out, swap_in, copies, work, self.cost.time(work), redo, recompute_s)
+        return Executed(ckpt, out, swap_in, copies, work, self.cost.time(work), redo, recompute_s, offload, onload)
 
     def _copies(self, copies: BlockCopies, what: str) -> int:
         n = len(copies)

@@ -150,6 +150,10 @@ def summarize(raw: dict[str, Any]) -> dict[str, Any]:
             "swap_out_bytes": totals["swap_out_blocks"] * bpb,
             "swap_in_bytes": totals["swap_in_blocks"] * bpb,
             "copy_bytes": (totals["copy_blocks"] + totals["checkpoint_copy_blocks"]) * bpb,
+            # the prefix cache's host tier (--host-cache): its copies, priced on the host link with the swaps
+            "host_tier_offload_bytes": totals.get("tier_offload_blocks", 0) * bpb,
+            "host_tier_onload_bytes": totals.get("tier_onload_blocks", 0) * bpb,
+            "host_hit_tokens": int(raw.get("host_hit_tokens", 0)),
             "peak_running": int(s["running"].max(initial=0)),
             "peak_waiting": int(s["waiting"].max(initial=0)),
             "peak_swapped": int(s["swapped"].max(initial=0)),
@@ -237,6 +241,10 @@ _TABLE: tuple[tuple[str, Cell, str], ...] = (
      "bytes copied device -> host / host -> device by swaps (blocks x bytes per block)"),
     ("prefix hit rate", lambda s, u: _pct(s["totals"]["prefix_hit_rate"]),
      "prompt tokens served from the prefix cache, summed over admissions, over finished requests' prompt tokens"),
+    ("host tier out / in", lambda s, u: f"{_in(s['totals'].get('host_tier_offload_bytes', 0), u['swap'])} / "
+     f"{_in(s['totals'].get('host_tier_onload_bytes', 0), u['swap'])} {u['swap'][0]}",
+     "bytes the prefix cache's host tier (--host-cache) copied device -> host (evicted cached blocks) / host -> "
+     "device (host hits), on the host link with the swaps"),
     ("steps", lambda s, u: f"{s['totals']['steps']:,}", "scheduler steps (forwards) the run took"),
 )  # fmt: skip
 

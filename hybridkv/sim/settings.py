@@ -34,6 +34,9 @@ class SimConfig:
     gpu_calibration: str | None = None  # measured JSON (see cost.calibrate)
     gpu_memory: str = DEFAULT_BUDGET  # cache budget per GPU
     host_memory: str = "256GiB"  # host swap pool per GPU ("0" = no swap)
+    # the prefix cache's host tier per GPU ("0" = none): added to the host pool, which swaps and
+    # the tier share (swaps win); evicted cached blocks and checkpoints stay matchable there
+    host_cache: str = "0"
     block_size: int | None = None  # tokens per KV block (default 64; padded: minimum)
     layout: str = "paged"
     preemption: str = "auto"
@@ -77,6 +80,8 @@ class SimConfig:
             parts.append(f"bs={self.block_size}")
         if self.speculative:
             parts.append(f"k={self.speculative}")
+        if self.host_cache not in ("0", ""):
+            parts.append(f"host-cache={self.host_cache}")
         return f"{self.model} TP{self.tp} " + " ".join(parts) + f" {self.gpu_memory}"
 
     def with_changes(self, **changes: Any) -> SimConfig:

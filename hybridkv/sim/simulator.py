@@ -283,6 +283,7 @@ def simulate(cfg: SimConfig, workload: Workload, progress: bool = False, positio
         "stalled": stalled,
         "gaps": gaps,
         "executor_totals": dict(executor.totals),
+        "host_hit_tokens": manager.prefix_cache.stats.hit_tokens_host if manager.prefix_cache is not None else 0,
         "series": {k: np.asarray(v) for k, v in series.items()},
         "requests": [_request_dict(t) for t in track.values()],
     }
