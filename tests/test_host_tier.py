@@ -89,6 +89,17 @@ class Rig:
 A = list(range(100, 124))  # 6 blocks of 4 tokens
 
 
+
+def offloaded_a() -> Rig:
+    """A rig whose request "a" ran A, finished, and had its cached blocks pushed to the host tier by
+    a flood of other requests."""
+    r = Rig()
+    r.run("a", A)
+    r.m.free("a")
+    r.m.release_pins()
+    r.flood("b")
+    return r
+
 def test_evicted_kv_and_checkpoints_come_back_from_the_host():
     r = Rig()
     assert r.run("a", A) == 0
@@ -107,11 +118,7 @@ def test_evicted_kv_and_checkpoints_come_back_from_the_host():
 
 
 def test_a_host_hit_takes_exactly_the_blocks_admission_counts():
-    r = Rig()
-    r.run("a", A)
-    r.m.free("a")
-    r.m.release_pins()
-    r.flood("b")
+    r = offloaded_a()
     m = r.m
     hit = m.prefix_cache.match(A, len(A))
     assert hit.on_host and hit.host_index.size
@@ -208,11 +215,7 @@ def test_units_a_pending_copy_touches_do_not_give_way():
 
 
 def test_a_failed_allocate_on_a_host_hit_changes_nothing():
-    r = Rig()
-    r.run("a", A)
-    r.m.free("a")
-    r.m.release_pins()
-    r.flood("b")
+    r = offloaded_a()
     m = r.m
     assert m.prefix_cache.match(A, len(A)).on_host
     m.allocate("big", (m.num_available_blocks - 6) * 4)  # leaves too little for a2
@@ -233,11 +236,7 @@ def test_the_host_tier_needs_a_host_pool():
 
 
 def test_integrity_counts_the_tier_host_blocks():
-    r = Rig()
-    r.run("a", A)
-    r.m.free("a")
-    r.m.release_pins()
-    r.flood("b")
+    r = offloaded_a()
     r.m.check_integrity()
     hb = next(iter(r.tier.kv.values()))
     r.m.host_pool.ref_counts[hb] = 0  # a tier block the pool thinks free
@@ -265,11 +264,7 @@ def test_a_state_only_model_keeps_checkpoints_on_the_host():
 
 
 def test_usage_and_stats_after_offload():
-    r = Rig()
-    r.run("a", A)
-    r.m.free("a")
-    r.m.release_pins()
-    r.flood("b")
+    r = offloaded_a()
     u = r.m.usage()
     assert u.host_used == 0 and u.host_cached == r.tier.num_blocks > 0
     ids = np.concatenate(r.tier.host_ids())

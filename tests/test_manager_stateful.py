@@ -207,16 +207,24 @@ class ManagerMachine(RuleBasedStateMachine):
         tokens = t[:shared] + self._new_tokens(own)
         n = len(tokens)
         ids = tokens if n and (with_ids or self.TIER_ONLY or data.draw(st.booleans())) else None
+        self._admit(data, tokens, ids, k)
+
+    def _admit(self, data, tokens, ids, k, exact=False):
+        """Allocate a new request of ``tokens`` (with token ids ``ids`` or none); ``exact``: check
+        that the available count drops by exactly what ``blocks_to_admit`` says."""
+        n = len(tokens)
         ok = self.m.can_allocate(n, k, ids)
+        avail = self.m.num_available_blocks
+        taken = self.m.blocks_to_admit(n, k, ids) if exact else 0
         r = self.next_id = self.next_id + 1
         try:
             alloc = self.m.allocate(r, n, k, token_ids=ids)
         except AllocationError:
             assert not ok
             return
-        assert ok
+        assert ok and (not exact or self.m.num_available_blocks == avail - taken)  # the one count
         c = alloc.num_cached_tokens
-        self.tokens[r] = tokens
+        self.tokens[r] = list(tokens)
         if ids is not None and self.m.prefix_cache is not None:
             self.given[r] = n
         self.kv_done[r] = self.state_pos[r] = c
@@ -233,25 +241,7 @@ class ManagerMachine(RuleBasedStateMachine):
         tokens = data.draw(st.sampled_from(self.history[-6:])) + self._new_tokens(own)
         if not tokens:
             return
-        n = len(tokens)
-        ok = self.m.can_allocate(n, k, tokens)
-        avail = self.m.num_available_blocks
-        taken = self.m.blocks_to_admit(n, k, tokens)
-        r = self.next_id = self.next_id + 1
-        try:
-            alloc = self.m.allocate(r, n, k, token_ids=tokens)
-        except AllocationError:
-            assert not ok
-            return
-        assert ok and self.m.num_available_blocks == avail - taken  # the one count, host hits included
-        c = alloc.num_cached_tokens
-        self.tokens[r] = list(tokens)
-        self.given[r] = n
-        self.kv_done[r] = self.state_pos[r] = c
-        self.fwd[r] = (c, n)
-        if data.draw(st.booleans()):
-            self.forward(data, r)
-        self._end_of_rule()
+        self._admit(data, tokens, tokens, k, exact=True)  # (host hits included in the one count)
 
     @rule(data=st.data(), k=st.integers(0, 1), short=st.integers(0, 2))
     def allocate_all(self, data, k, short):
