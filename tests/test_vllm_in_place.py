@@ -121,3 +121,23 @@ def test_in_place_state_refuses_what_it_cannot_follow():
     with pytest.raises(RequestStateError, match="speculative"):
         m.begin_speculation("a", 1)
     check_integrity(m)
+
+
+def test_a_failed_append_keeps_the_held_sets():
+    """An append that cannot take its blocks raises and changes nothing: the sets held from the
+    boundary before stay held (they are given back only by an append that goes through)."""
+    from hybridkv.errors import NoFreeBlocksError
+
+    m = _manager("uniform", 24, 0, 0.0, IN_PLACE)
+    m.begin_pin_epoch()
+    _lend_one(m)
+    m.append("a", 1)  # new live sets; the lent ones are held now
+    m.release_pins()
+    assert "a" in m._held
+    m.allocate("hog", (m.num_available_blocks - m.num_state_blocks) * m.block_size)  # what is left
+    before = (m.num_available_blocks, m.pool.num_free, dict(m._held), m.requests["a"].num_tokens)
+    with pytest.raises(NoFreeBlocksError):
+        m.append("a", 64)  # needs far more than the held sets give back
+    after = (m.num_available_blocks, m.pool.num_free, dict(m._held), m.requests["a"].num_tokens)
+    assert after[0:2] == before[0:2] and after[2].keys() == before[2].keys() and after[3] == before[3]
+    check_integrity(m)

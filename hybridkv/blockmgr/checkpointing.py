@@ -61,10 +61,7 @@ class CheckpointMixin(ManagerCore):
             start = len(rec.block_keys)
             cache.register(rec.token_ids, rec.block_keys, rec.kv_blocks, pos)
             if cache.aligns_chunks:  # vllm_align: the request's own copies replace evictable twins
-                stale = cache.adopt_copies(rec.block_keys, rec.kv_blocks, start, pos // bs)
-                if stale.size:
-                    self.pool.ref_counts[stale] = 0
-                    self._give_back(stale)
+                cache.adopt_copies(rec.block_keys, rec.kv_blocks, start, pos // bs)
         copies = _NO_COPIES
         if exported is not None and 0 < exported < pos and not exported % bs:
             copies = self._keep_state(rec, exported, final=False)

@@ -431,7 +431,7 @@ class ManagerCore:
             ids, key = held
             if key is None:
                 gain += int(np.count_nonzero(self._pin_of[ids] == 0)) if self._pin_chunks else ids.size
-            elif cache is not None and cache.is_held(key):
+            elif cache is not None and cache.held_release_frees(key):
                 gain += self.num_state_blocks
         return gain
 
@@ -454,10 +454,12 @@ class ManagerCore:
             token_ids = as_token_array(token_ids)  # checked (TypeError) before the request grows
         total = rec.num_tokens + num_new_tokens
         lent = bool(self._lent) and num_new_tokens > 0 and request_id in self._lent
-        if num_new_tokens and request_id in self._held:
-            self._release_held(request_id)  # (vLLM frees the block of the boundary before at its next step)
+        # (in_place_state: the sets lent a boundary before go back at this step, as vLLM frees them)
+        held = bool(self._held) and num_new_tokens > 0 and request_id in self._held
         # decode fast path: the tokens fit the last, private block (no Python beyond a few compares)
         if num_new_tokens and total <= rec.num_kv_blocks * self.block_size and not self._needs_cow(rec) and not lent:
+            if held:
+                self._release_held(request_id)
             rec.num_tokens = total
             if rec.token_ids is not None:
                 self._cache_tokens(rec, token_ids)
@@ -467,6 +469,9 @@ class ManagerCore:
             raise NoFreeBlocksError(
                 f"append of {num_new_tokens} tokens to {request_id!r}", need, self.num_available_blocks
             )
+        if held:  # (after the check: a failed append changes nothing; the count above included them)
+            self._release_held(request_id)
+            need = self._new_blocks(rec, num_new_tokens)  # what is left to take, the held sets given back
         copies = _NO_COPIES
         if lent:  # new live sets, the state copied over from the lent ones (held from now on)
             rec.run = None

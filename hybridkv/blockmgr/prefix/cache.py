@@ -216,9 +216,10 @@ class PrefixCache(Registration):
                            if (before is not None and e >= before) or e < since or e == HELD}  # fmt: skip
             self._reads = {k: e for k, e in self._reads.items() if (before is not None and e >= before) or e < since}
 
-    def is_held(self, key: int) -> bool:
-        """Whether node ``key``'s checkpoint is held (:meth:`hold`)."""
-        return self.pinned.get(key) == HELD
+    def held_release_frees(self, key: int) -> bool:
+        """Whether :meth:`release_held` makes node ``key``'s checkpoint evictable at once (it is
+        held, and no hit's copy still reads it)."""
+        return self.pinned.get(key) == HELD and key not in self._reads
 
     def hold(self, key: int) -> None:
         """Pin the checkpoint of node ``key`` until :meth:`release_held`: a request's lent live sets
@@ -229,9 +230,7 @@ class PrefixCache(Registration):
         """Take the held checkpoint of node ``key`` out of the cache (its request keeps running in
         those sets); returns its block ids."""
         self.pinned.pop(key, None)
-        ids = self._drop_checkpoint(int(self._ck[self._slot[key]]))
-        self.stats.checkpoints_evicted -= 1  # (not an eviction)
-        return ids
+        return self._drop_checkpoint(int(self._ck[self._slot[key]]), evicted=False)
 
     def release_held(self, key: int) -> None:
         """End :meth:`hold`: the checkpoint is evictable, at the back of the LRU queue."""

@@ -300,13 +300,14 @@ class Eviction(CheckpointPlacement):
             parts.append(self._drop_checkpoint(ck))
         return np.concatenate(parts)
 
-    def _drop_checkpoint(self, ck: int) -> np.ndarray:
-        """Drop the checkpoint in slot ``ck``; its block ids (the node goes if it holds nothing now)."""
+    def _drop_checkpoint(self, ck: int, evicted: bool = True) -> np.ndarray:
+        """Drop the checkpoint in slot ``ck``; its block ids (the node goes if it holds nothing now).
+        ``evicted``: counted as an eviction in the stats."""
         ids = self._ck_ids.pop(ck)
         slot = self._ck_node.pop(ck)
         self._ck[slot] = -1
         self._ck_live[ck] = False
-        self.stats.checkpoints_evicted += 1
+        self.stats.checkpoints_evicted += int(evicted)
         if not self._kv[slot]:  # the node holds nothing now
             key = int(self._key[slot])
             del self._slot[key]

@@ -321,18 +321,17 @@ class Registration(Eviction):
         kernels.put(self.host.use, blocks, BlockUse.CHECKPOINT.value)
         self.stats.checkpoints_made += 1
 
-    def adopt_copies(self, keys: list[int], kv_blocks: np.ndarray, start: int, end: int) -> np.ndarray:
+    def adopt_copies(self, keys: list[int], kv_blocks: np.ndarray, start: int, end: int) -> None:
         """Nodes of ``keys[start:end]`` whose cached KV block is evictable (no request holds it)
         while the request owning ``kv_blocks`` computed the same content into a block of its own
         (:meth:`register` left that one private) cache the request's block instead, so the copy that
         is released last is the one kept, as vLLM's hash table, which keeps every copy, frees the
         newest last. The stale blocks stay evictable where they are in the LRU queue, on no node
-        (as vLLM's second copy, evicted in its turn, losing nothing); returns none of them, so the
-        caller gives nothing back (kept for callers that drop stale copies). Checkpoints stay on
-        their nodes."""
+        (as vLLM's second copy, evicted in its turn, losing nothing): no block changes hands.
+        Checkpoints stay on their nodes."""
         end = min(end, len(keys), kv_blocks.size)
         if end <= start or not self.host._has_kv:
-            return _EMPTY
+            return
         slots = self._lookup(keys[start:end])
         blocks = kv_blocks[start:end].astype(np.int64)
         found = slots >= 0
@@ -341,7 +340,7 @@ class Registration(Eviction):
         stale = (old != 0) & (old != blocks) & (self._node_of[blocks] < 0)
         stale &= self._kv_evictable[old]
         if not stale.any():
-            return _EMPTY
+            return
         slots, blocks, old = slots[stale], blocks[stale], old[stale]
         self._node_of[old] = -1  # on no node: still evictable, queued where it was
         self._stale[old] = True
@@ -349,4 +348,3 @@ class Registration(Eviction):
         self._node_of[blocks] = slots
         if self._rank_flops:
             self._lfpb[blocks] = self._lfpb[old]
-        return _EMPTY
