@@ -127,6 +127,8 @@ class CheckpointMixin(ManagerCore):
             slot = cache.ensure(rec.token_ids.view(), rec.block_keys, rec.kv_blocks, pos // bs - 1)
         ids = self._take(self.num_state_blocks)  # (the room is made: no eviction now)
         cache.add_checkpoint(slot, ids)
+        if pos != rec.num_tokens and cache.config.in_place_state:  # a kernel's export (freed at the next step)
+            self._exports[rec.request_id] = (int(key), ids.copy())
         # pinned: the live blocks it reads must not be reused (request finished, aborted, swapped
         # out) nor the checkpoint evicted before the executor ran the copy
         return self._pin(BlockCopies(self._set_ids(rec.state).copy(), ids.copy()))
@@ -155,6 +157,8 @@ class CheckpointMixin(ManagerCore):
         ids = self._set_ids(rec.state).copy()
         cache.add_checkpoint(slot, ids)
         self._release_all(rec, keep_state=True)
+        if self._exports and request_id in self._exports:
+            self._release_export(request_id)
         del self.requests[request_id]
         return True
 

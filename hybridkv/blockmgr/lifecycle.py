@@ -106,6 +106,13 @@ class ManagerCore:
         # held until the request's next append (or its free), as vLLM frees a state block then
         self._lent: dict[RequestId, tuple[np.ndarray, int | None]] = {}
         self._held: dict[RequestId, tuple[np.ndarray, int | None]] = {}
+        # in_place_state: checkpoints a prefill kernel exported from inside a request's last chunk
+        # (node key, block ids), pinned by their copy until the request's next append frees them as
+        # vLLM frees the export's block; their blocks while that copy is not handed out yet (loose:
+        # an eviction may take them, dropping the copy) and the copies' blocks so dropped
+        self._exports: dict[RequestId, tuple[int, np.ndarray]] = {}
+        self._loose: set[int] = set()
+        self._dropped: list[np.ndarray] = []
         if self.prefix_cache is not None and self.prefix_cache.config.in_place_state and self.host_pool is not None:
             raise ValueError("PrefixCacheConfig(in_place_state=True) does not combine with a host pool")
 
@@ -183,6 +190,7 @@ class ManagerCore:
             for ids in done:
                 self.host_pool.release(ids)  # type: ignore[union-attr]
         if not self._pin_chunks:
+            self._loose.clear()
             return
         keep = []
         for epoch, ids in self._pin_chunks:
@@ -191,6 +199,8 @@ class ManagerCore:
             else:
                 keep.append((epoch, ids))
         self._pin_chunks = keep
+        if self._loose:  # (their copies were handed out and ran: plain cached checkpoints now)
+            self._loose = {b for b in self._loose if self._pin_of[b]}
         if self._pin_held:
             held = np.concatenate(self._pin_held)
             ready = self._pin_of[held] == 0
@@ -457,6 +467,8 @@ class ManagerCore:
         # (in_place_state: the sets lent a boundary before go back at this step, as vLLM frees them)
         held = bool(self._held) and num_new_tokens > 0 and request_id in self._held
         # decode fast path: the tokens fit the last, private block (no Python beyond a few compares)
+        if self._exports and num_new_tokens and request_id in self._exports:
+            self._release_export(request_id)  # (no count changes: it only makes blocks available)
         if num_new_tokens and total <= rec.num_kv_blocks * self.block_size and not self._needs_cow(rec) and not lent:
             if held:
                 self._release_held(request_id)
@@ -522,6 +534,8 @@ class ManagerCore:
             # then its lent and held checkpoints: vLLM frees a request's KV blocks before its state
             # blocks, so the states are queued after them (evicted later)
             self._release_held(request_id)
+            if self._exports and request_id in self._exports:
+                self._release_export(request_id)
             if lent is not None and lent[1] is not None:  # its live sets are a checkpoint now
                 assert self.prefix_cache is not None
                 self.prefix_cache.release_held(lent[1])
@@ -558,6 +572,30 @@ class ManagerCore:
         else:
             assert self.prefix_cache is not None
             self.prefix_cache.release_held(key)
+
+    def _release_export(self, request_id: RequestId) -> None:
+        """``in_place_state``: the checkpoint the prefill kernel exported from the request's last
+        chunk becomes evictable (at the back of the LRU queue), as vLLM frees the export's block at
+        the request's next step. Its copy (standing for the kernel's write) may not be handed out
+        yet: until it is, an eviction that takes those blocks drops it (:meth:`take_dropped_copies`)."""
+        key, ids = self._exports.pop(request_id)
+        cache = self.prefix_cache
+        assert cache is not None
+        if not cache.release_pinned(key, int(ids[0])):
+            return
+        if self._pin_chunks:
+            self._loose.update(ids[self._pin_of[ids] != 0].tolist())
+
+    def take_dropped_copies(self) -> np.ndarray:
+        """Destination blocks of checkpoint copies not handed to an executor yet whose checkpoint
+        an eviction took since the last call (``in_place_state``: a kernel's export, freed at its
+        request's next step as vLLM frees it): the caller drops the copies writing them. Empty
+        otherwise."""
+        if not self._dropped:
+            return _EMPTY
+        out = np.concatenate(self._dropped)
+        self._dropped = []
+        return out
 
     def fork(self, parent_id: RequestId, child_id: RequestId) -> BlockCopies:
         """A child sharing the parent's KV (reference counts) with a private copy of its state.
@@ -709,8 +747,17 @@ class ManagerCore:
         short = num_blocks - self.pool.num_free
         if short > 0 and self.prefix_cache is not None:
             # through _give_back like every other return to the pool; nothing evictable is pinned
-            # (a pinned KV block is held by its copy, a pinned checkpoint is passed over)
-            self._give_back(self.prefix_cache.evict(short, protect, protect_ckpt))
+            # (a pinned KV block is held by its copy, a pinned checkpoint is passed over), but for
+            # loose exports, whose copies are dropped instead (_release_export)
+            freed = self.prefix_cache.evict(short, protect, protect_ckpt)
+            if self._loose and freed.size:
+                cut = np.isin(freed, np.fromiter(self._loose, dtype=np.int64, count=len(self._loose)))
+                if cut.any():
+                    cut_ids = freed[cut]
+                    self._pin_of[cut_ids] = 0  # their copy will not run
+                    self._loose.difference_update(cut_ids.tolist())
+                    self._dropped.append(cut_ids.astype(np.int32))
+            self._give_back(freed)
 
     def _take(self, num_blocks: int) -> np.ndarray:
         self._make_room(num_blocks)
@@ -720,6 +767,8 @@ class ManagerCore:
         """Drop one reference; cached blocks that reach zero become evictable; returns the rest.
         ``chain``: the releasing request's chain keys (the prefix cache demotes what lies past its
         deepest checkpoint)."""
+        cache = self.prefix_cache
+        twins = cache.twins(ids, chain) if cache is not None and chain and cache.aligns_chunks else None
         zero = self.pool.decref(ids)
         if self._pin_chunks and zero.size:
             held = self._pin_of[zero] != 0
@@ -728,7 +777,11 @@ class ManagerCore:
                 self.pool.incref(kept)
                 self._pin_held.append(kept)
                 zero = zero[~held]
-        return zero if self.prefix_cache is None else self.prefix_cache.release(zero, chain)
+        if cache is None:
+            return zero
+        if twins is not None and twins.size and zero.size:
+            cache.keep_twins(twins[np.isin(twins, zero)])
+        return cache.release(zero, chain)
 
     def _drop_kv(self, ids: np.ndarray) -> None:
         self._give_back(self._release_kv(ids))

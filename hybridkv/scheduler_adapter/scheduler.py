@@ -235,6 +235,11 @@ class Scheduler:
             self._resume_swapped(s)
         if not s.preempted and not self.swapped:
             self._admit_waiting(s)
+        if self._in_place:  # exports an eviction took: their copies are void
+            dropped = self.manager.take_dropped_copies()
+            if dropped.size:
+                keep = ~np.isin(s.checkpoints.dst, dropped)
+                s.checkpoints = BlockCopies(s.checkpoints.src[keep], s.checkpoints.dst[keep])
         plan = StepPlan(
             self.num_steps,
             tuple(s.scheduled),

@@ -245,6 +245,11 @@ class Registration(Eviction):
             return ids
         now = self._now()
         keep = self._node_of[ids] >= 0
+        if self._n_twins:  # second copies kept as vLLM keeps them (keep_twins): queued with the rest
+            twin = self._stale[ids] & ~self._kv_evictable[ids]
+            if twin.any():
+                keep |= twin
+                self._n_twins -= int(np.count_nonzero(twin))
         kept = ids[keep]
         if kept.size:
             # a request's blocks come in chain order; queue the tail first, so that among blocks
@@ -268,6 +273,33 @@ class Registration(Eviction):
             else:
                 self._enqueue(queued, orders)
         return ids[~keep]
+
+    def twins(self, ids: np.ndarray, chain: list[int]) -> np.ndarray:
+        """Of a request's KV blocks ``ids`` (in chain order, the first ``len(chain)`` full and
+        registered under ``chain``), those that are second copies: on no node, while their node
+        caches another block (the request computed the block while another request's copy was
+        held, so :meth:`register` left its own private)."""
+        k = min(len(chain), ids.size)
+        if not k or not self._n_mapped:
+            return _EMPTY
+        own = ids[:k]
+        private = self._node_of[own] < 0
+        if not private.any():
+            return _EMPTY
+        slots = self._lookup(chain[:k])
+        node_kv = np.where(slots >= 0, self._kv[np.maximum(slots, 0)], 0)
+        twin = private & (node_kv != 0) & (node_kv != own)
+        return own[twin].astype(np.int64)
+
+    def keep_twins(self, ids: np.ndarray) -> None:
+        """``vllm_align``: second copies (:meth:`twins`) whose last reference goes in the
+        :meth:`release` that follows stay evictable, on no node, in the LRU queue where that release
+        puts them, as vLLM's block hash table keeps every copy of a block until it is evicted
+        (matching finds the node's copy; evicting a twin loses nothing). Not with ``demote_tail``,
+        whose order reads each released block's node."""
+        if ids.size and not self.config.demote_tail:
+            self._stale[ids] = True
+            self._n_twins += int(ids.size)
 
     def _dead_tail(self, kept: np.ndarray, chain: list[int] | None) -> np.ndarray | None:
         """Which of ``kept`` (cached blocks in chain order) lie past the deepest checkpoint (a mask),
