@@ -52,6 +52,7 @@ def check_integrity(m: ManagerCore) -> None:
             kv.append(plan.device_blocks[:n_kv])
             state.append(plan.device_blocks[n_kv:])
     kv.extend(m._pin_held)  # references held by copies not yet run (their owners gave them back)
+    kv.extend(m._export_kv)  # references held by pending prefix exports (a peer reads them)
     state.extend(ids for ids, key in m._held.values() if key is None)  # held states (in_place_state)
     cache = getattr(m, "prefix_cache", None)
     cached_kv = cache.cached_kv_blocks() if cache is not None else np.empty(0, np.int32)

@@ -99,6 +99,8 @@ class ManagerCore:
         # KV blocks whose last reference dropped while a copy not yet run reads or writes them: the
         # copy holds one reference until release_pins (a cached one would otherwise be evictable)
         self._pin_held: list[np.ndarray] = []
+        # KV references held by pending prefix exports (blockmgr.transfer_host), one per block per export
+        self._export_kv: list[np.ndarray] = []
         self.prefix_cache = PrefixCache(self, prefix_cache) if prefix_cache is not None else None
         # PrefixCacheConfig.in_place_state: requests whose live sets hold the state of their last
         # block boundary, lent where they are (flat ids, and the node key when they are its

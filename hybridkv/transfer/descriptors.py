@@ -2,7 +2,10 @@
 
 A pool (``hybridkv.ops.allocate_pools``) is laid out ``[group_size, num_segments, num_blocks,
 segment_bytes]``: every (layer slot, segment) pair is a **plane** of ``num_blocks`` pieces of
-``segment_bytes``, and block ``b`` of plane ``(slot, seg)`` starts ``b * segment_bytes`` into it. A
+``segment_bytes``, and block ``b`` of plane ``(slot, seg)`` starts ``b * block_stride`` into it
+(``block_stride = segment_bytes`` there; a host pool, ``ops.allocate_host_pools``, is block-major,
+``[num_blocks, group_size, num_segments, segment_bytes]``, so its planes interleave and its stride is
+one host block, :meth:`PoolRegions.block_major`). A
 request's bytes are, in every plane that holds one of its layers, its KV blocks (whole pieces, in KV
 slots) and its live state sets (state slots, cut to the layer's real state bytes: a state's last
 block may be partly unused, and in a plane where it is unused it is left out).
@@ -142,6 +145,10 @@ class PoolRegions:
     until it drops them (``close``); ``regions_of_array`` and ``regions_of_pools`` set it. Regions
     built from bare addresses (``owner=None``) rely on the caller to keep the memory alive.
 
+    ``block_stride``: bytes from block ``b`` to block ``b + 1`` of a plane (None: ``segment_bytes``,
+    the device pools' planes; a block-major host pool's is one host block). ``null_block``: block 0
+    is the null block, never moved (device pools); host pools have none (ids ``0..num_blocks-1``).
+
     Construction checks that every plane of ``num_blocks`` blocks lies inside its region (a peer's
     regions arrive through :meth:`from_wire`, which checks the message too), so descriptors built
     from these regions never point outside them.
@@ -153,6 +160,8 @@ class PoolRegions:
     plane_region: np.ndarray  # int64 [group_size, num_segments]
     plane_offset: np.ndarray  # int64 [group_size, num_segments]
     owner: Any = field(default=None, repr=False, compare=False)
+    block_stride: int | None = None
+    null_block: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.layout, Layout):
@@ -183,18 +192,30 @@ class PoolRegions:
             planes.append(a.astype(np.int64))
             object.__setattr__(self, name, planes[-1])
         region, offset = planes
+        seg_b = self.layout.segment_bytes
+        stride = seg_b if self.block_stride is None else _count(self.block_stride, "block_stride", 1)
+        if stride < seg_b:
+            raise TransferError(f"block_stride {stride} is shorter than a segment ({seg_b} bytes): blocks overlap")
+        object.__setattr__(self, "block_stride", stride)
+        if not isinstance(self.null_block, bool):
+            raise TransferError(f"null_block must be a bool, got {self.null_block!r}")
         if ((region < 0) | (region >= len(regions))).any():
             raise TransferError(
                 f"plane_region names regions {sorted(set(region.ravel().tolist()))}, the pool has "
                 f"{len(regions)} (0..{len(regions) - 1})"
             )
         lengths = np.array([r.length for r in regions], dtype=np.int64)
-        extent = n * self.layout.segment_bytes
+        extent = (n - 1) * stride + seg_b
         if (offset < 0).any() or (offset + extent > lengths[region]).any():
             raise TransferError(
-                f"a plane of {n} blocks of {self.layout.segment_bytes} bytes does not fit in its region at its "
+                f"a plane of {n} blocks of {seg_b} bytes ({stride} bytes apart) does not fit in its region at its "
                 "offset: the pool's num_blocks, offsets or region lengths are wrong"
             )
+
+    @property
+    def first_block(self) -> int:
+        """The lowest id a request's blocks may have: 1 with a null block, else 0."""
+        return 1 if self.null_block else 0
 
     @staticmethod
     def contiguous(
@@ -262,6 +283,28 @@ class PoolRegions:
         index = np.arange(grid.size, dtype=np.int64).reshape(grid.shape)
         return PoolRegions(layout, n, regions, index, np.zeros_like(index), owner)
 
+    @staticmethod
+    def block_major(
+        layout: Layout,
+        address: int,
+        num_blocks: int,
+        device_id: int = 0,
+        kind: MemoryKind | str = "DRAM",
+        owner: Any = None,
+    ) -> PoolRegions:
+        """One block-major ``[num_blocks, group_size, num_segments, segment_bytes]`` buffer at
+        ``address``: the manager's host pool as ``ops.allocate_host_pools`` lays it out (ids
+        ``0..num_blocks-1``, no null block). Plane ``(slot, seg)`` of block ``b`` starts
+        ``b * group_size * num_segments * segment_bytes + (slot * num_segments + seg) * segment_bytes``.
+        KV scale segments (``block_wise_fp8``) are not in host pools, so not here either."""
+        n = _count(num_blocks, "num_blocks", 1)
+        seg_b, nseg = layout.segment_bytes, layout.num_segments
+        stride = layout.group_size * nseg * seg_b
+        slot, seg = np.meshgrid(np.arange(layout.group_size), np.arange(nseg), indexing="ij")
+        region = Region(_count(address, "address"), n * stride, _count(device_id, "device_id"), _memory_kind(kind))
+        offset = ((slot * nseg + seg) * seg_b).astype(np.int64)
+        return PoolRegions(layout, n, (region,), np.zeros_like(offset), offset, owner, stride, False)
+
     # ---- the wire ------------------------------------------------------------------------------
     def to_wire(self) -> dict[str, Any]:
         """Plain data a peer needs to address this pool (with :func:`layout_signature` to check)."""
@@ -271,13 +314,16 @@ class PoolRegions:
             "regions": [[r.address, r.length, r.device_id, r.kind.value] for r in self.regions],
             "plane_region": self.plane_region.tolist(),
             "plane_offset": self.plane_offset.tolist(),
+            "block_stride": self.block_stride,
+            "null_block": self.null_block,
         }
 
     @staticmethod
     def from_wire(layout: Layout, msg: dict[str, Any]) -> PoolRegions:
         """The peer's pool, checked against ``layout`` and for consistency: raises :class:`TransferError`
         on a layout mismatch or a malformed message (a missing key, a plane naming a region that is not
-        there, a plane running past its region), before anything uses it."""
+        there, a plane running past its region), before anything uses it. ``block_stride`` and
+        ``null_block`` may be absent (a device pool's: ``segment_bytes``, True)."""
         if not isinstance(msg, dict):
             raise TransferError(f"a pool message must be a mapping, got {type(msg).__name__}")
         missing = [k for k in ("signature", "num_blocks", "regions", "plane_region", "plane_offset") if k not in msg]
@@ -308,7 +354,13 @@ class PoolRegions:
             if a.dtype.kind not in "iu":
                 raise TransferError(f"malformed pool message: {name} must be integers, got {a.dtype}")
             planes.append(a.astype(np.int64))
-        return PoolRegions(layout, _count(msg["num_blocks"], "num_blocks", 1), tuple(regions), *planes)
+        stride = msg.get("block_stride")
+        stride = None if stride is None else _count(stride, "block_stride", 1)
+        null_block = msg.get("null_block", True)
+        if not isinstance(null_block, bool):
+            raise TransferError(f"malformed pool message: null_block must be true or false, got {null_block!r}")
+        return PoolRegions(layout, _count(msg["num_blocks"], "num_blocks", 1), tuple(regions), *planes, None,
+                           stride, null_block)
 
 
 def check_compatible(layout: Layout, peer_signature: dict[str, Any]) -> None:
@@ -416,7 +468,7 @@ def _cat(parts: list[np.ndarray]) -> np.ndarray:
 
 def _locate(pool: PoolRegions, pieces: _Pieces, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     region = pool.plane_region.ravel()[pieces.plane]
-    offset = pool.plane_offset.ravel()[pieces.plane] + ids[pieces.index] * pool.layout.segment_bytes
+    offset = pool.plane_offset.ravel()[pieces.plane] + ids[pieces.index] * pool.block_stride
     return region, offset
 
 
@@ -425,8 +477,15 @@ def check_request_blocks(
 ) -> None:
     """Raise :class:`TransferError` unless ``blocks`` is a well-formed request of ``pool``'s layout:
     as many KV blocks as its token count needs, one set of ``blocks_per_state`` blocks per state
-    group, every id a block of the pool other than the null block (``distinct``: and no id twice,
-    as a manager hands them out; offers from a peer are checked so)."""
+    group, every id a block of the pool other than the null block (from id 0 in a pool without
+    one, a host pool; ``distinct``: and no id twice, as a manager hands them out; offers from a peer
+    are checked so)."""
+    _check_shape(pool, blocks, side)
+    ids = blocks.ids()
+    _check_ids(pool, ids, side, distinct)
+
+
+def _check_shape(pool: PoolRegions, blocks: RequestBlocks, side: str) -> None:
     if not isinstance(pool, PoolRegions):
         raise TypeError(f"{side}: expected PoolRegions, got {type(pool).__name__}")
     if not isinstance(blocks, RequestBlocks):
@@ -445,9 +504,12 @@ def check_request_blocks(
             f"{side}: state sets of {[s.size for s in blocks.state_blocks]} blocks, the layout has "
             f"{list(layout.blocks_per_state)}"
         )
-    ids = blocks.ids()
-    if ids.size and (ids.min() < 1 or ids.max() >= pool.num_blocks):
-        raise TransferError(f"{side}: block ids must lie in [1, {pool.num_blocks}), got {ids.min()}..{ids.max()}")
+
+
+def _check_ids(pool: PoolRegions, ids: np.ndarray, side: str, distinct: bool) -> None:
+    lo = pool.first_block
+    if ids.size and (ids.min() < lo or ids.max() >= pool.num_blocks):
+        raise TransferError(f"{side}: block ids must lie in [{lo}, {pool.num_blocks}), got {ids.min()}..{ids.max()}")
     if distinct and np.unique(ids).size != ids.size:
         raise TransferError(f"{side}: a block id appears twice in the request: {ids.tolist()}")
 
@@ -490,6 +552,71 @@ def pair_descriptors(
     return DescriptorPairs(
         _merged(s_region, s_offset, pieces.length, starts), _merged(d_region, d_offset, pieces.length, starts)
     )
+
+
+class TieredPairs(NamedTuple):
+    """The pairs of a request whose source blocks lie in two pools: ``device`` reads the source's
+    device pool, ``host`` its host pool; both write the destination's one pool."""
+
+    device: DescriptorPairs
+    host: DescriptorPairs
+
+    def __len__(self) -> int:  # type: ignore[override]
+        return len(self.device) + len(self.host)
+
+    @property
+    def num_bytes(self) -> int:
+        return self.device.num_bytes + self.host.num_bytes
+
+
+def pair_tiered_descriptors(
+    src_device: PoolRegions,
+    src_host: PoolRegions,
+    src_blocks: RequestBlocks,
+    src_on_host: np.ndarray,
+    dst_pool: PoolRegions,
+    dst_blocks: RequestBlocks,
+) -> TieredPairs:
+    """:func:`pair_descriptors` for a source whose blocks lie partly in its host pool (a cached
+    prefix some of which the prefix cache's host tier holds): ``src_on_host`` (bool ``[N]``, in
+    :meth:`RequestBlocks.ids` order) says which ids are host block ids. The pieces are the same as
+    for one pool and in the same order; each part is coalesced on its own (a block-major host pool
+    interleaves its planes, so a host-side piece joins its neighbour only within one block).
+
+    Raises :class:`TransferError` when a layout differs from the destination's, the shapes differ,
+    or an id is not a block of the pool it names (``TypeError`` for arguments of the wrong type)."""
+    for pool in (src_device, src_host, dst_pool):
+        if not isinstance(pool, PoolRegions):
+            raise TypeError(f"pair_tiered_descriptors takes PoolRegions, got {type(pool).__name__}")
+    for src in (src_device, src_host):
+        check_compatible(src.layout, layout_signature(dst_pool.layout))
+    _check_shape(src_device, src_blocks, "source")
+    check_request_blocks(dst_pool, dst_blocks, "destination")
+    ids = src_blocks.ids()
+    on_host = np.asarray(src_on_host)
+    if on_host.dtype != np.bool_ or on_host.shape != ids.shape:
+        raise TransferError(f"src_on_host must be a bool array of shape {list(ids.shape)}, got {on_host.dtype} "
+                            f"of shape {list(on_host.shape)}")
+    _check_ids(src_device, ids[~on_host], "source (device pool)", False)
+    _check_ids(src_host, ids[on_host], "source (host pool)", False)
+    if not src_blocks.same_shape(dst_blocks):
+        raise TransferError(
+            f"source ({src_blocks.num_tokens} tokens, {src_blocks.kv_blocks.size} KV blocks) and destination "
+            f"({dst_blocks.num_tokens} tokens, {dst_blocks.kv_blocks.size} KV blocks) differ: import the prefix "
+            "with the source's token count"
+        )
+    pieces = _pieces(src_device.layout, src_blocks.kv_blocks.size)
+    d_region, d_offset = _locate(dst_pool, pieces, dst_blocks.ids())
+    from_host = on_host[pieces.index]
+    parts = []
+    for src, take in ((src_device, ~from_host), (src_host, from_host)):
+        sub = _Pieces(pieces.plane[take], pieces.index[take], pieces.length[take])
+        s_region, s_offset = _locate(src, sub, ids)
+        dr, do = d_region[take], d_offset[take]
+        starts = _coalesce_starts([(s_region, s_offset), (dr, do)], sub.length)
+        parts.append(DescriptorPairs(_merged(s_region, s_offset, sub.length, starts),
+                                     _merged(dr, do, sub.length, starts)))
+    return TieredPairs(*parts)
 
 
 def _coalesce_starts(sides: list[tuple[np.ndarray, np.ndarray]], length: np.ndarray) -> np.ndarray:

@@ -42,15 +42,39 @@ def regions_of_array(layout: Layout, pool: np.ndarray) -> PoolRegions:
     return PoolRegions.contiguous(layout, pool.ctypes.data, pool.shape[2], 0, MemoryKind.DRAM, owner=pool)
 
 
+def host_pool_array(layout: Layout, num_blocks: int, fill: int = 0) -> np.ndarray:
+    """A host pool as numpy: uint8 ``[num_blocks, group_size, num_segments, segment_bytes]``, the
+    block-major layout of ``ops.allocate_host_pools`` (ids ``0..num_blocks-1``, no null block)."""
+    return np.full((num_blocks, layout.group_size, layout.num_segments, layout.segment_bytes), fill, dtype=np.uint8)
+
+
+def regions_of_host_array(layout: Layout, pool: np.ndarray) -> PoolRegions:
+    """:class:`PoolRegions` of a :func:`host_pool_array` (one DRAM region, block-major; ``owner``
+    is the array)."""
+    if not isinstance(pool, np.ndarray):
+        raise TypeError(f"regions_of_host_array takes a numpy array, got {type(pool).__name__}")
+    if not pool.flags.c_contiguous or pool.dtype != np.uint8 or pool.ndim != 4:
+        raise ValueError("expected a C-contiguous uint8 [num_blocks, group_size, num_segments, segment_bytes] array")
+    if pool.shape[1:] != (layout.group_size, layout.num_segments, layout.segment_bytes):
+        raise ValueError(
+            f"array of shape {list(pool.shape)} does not match the layout's [num_blocks, group_size, num_segments, "
+            f"segment_bytes] = {['n', layout.group_size, layout.num_segments, layout.segment_bytes]}"
+        )
+    return PoolRegions.block_major(layout, pool.ctypes.data, pool.shape[0], 0, MemoryKind.DRAM, owner=pool)
+
+
 def regions_of_pools(pools: Any) -> PoolRegions:
     """:class:`PoolRegions` of an ``hybridkv.ops.BlockPools`` (torch or paddle; host or device memory).
 
-    Device (slot-major) pools only: one region over the backing tensor. The regions keep ``pools``
-    alive (``owner``).
+    One region over the backing tensor: a device pool (``allocate_pools``, slot-major; VRAM on a
+    GPU) or a host pool (``allocate_host_pools``, block-major, pinned or not: DRAM, device id 0, as
+    NIXL's ``DRAM_SEG`` and Mooncake's ``cpu`` locations name host memory). The regions keep
+    ``pools`` alive (``owner``).
     """
-    pools.require_slot_major("regions_of_pools")
     t = pools.torch_data
     kind = MemoryKind.VRAM if t.device.type == "cuda" else MemoryKind.DRAM
+    if pools.block_major:
+        return PoolRegions.block_major(pools.layout, t.data_ptr(), pools.num_blocks, 0, MemoryKind.DRAM, owner=pools)
     return PoolRegions.contiguous(pools.layout, t.data_ptr(), pools.num_blocks, t.device.index or 0, kind, owner=pools)
 
 
@@ -103,7 +127,7 @@ class LoopbackHub:
         self.notifications: dict[str, list[tuple[str, bytes]]] = {}  # receiver -> [(sender, message)]
 
 
-def _check_registered(registered: PoolRegions, pool: PoolRegions, descs: Descriptors, side: str) -> None:
+def _check_registered(registered: tuple[PoolRegions, ...], pool: PoolRegions, descs: Descriptors, side: str) -> None:
     """Every byte ``descs`` name (addressed through ``pool``, which came from a message) must lie in a
     region the owning engine registered: a wrong address in an offer is refused, never copied."""
     if not len(descs):
@@ -111,7 +135,7 @@ def _check_registered(registered: PoolRegions, pool: PoolRegions, descs: Descrip
     a = descs.addresses(pool)
     start, end = a[:, 0], a[:, 0] + a[:, 1]
     inside = np.zeros(len(descs), dtype=bool)
-    for r in registered.regions:
+    for r in (r for p in registered for r in p.regions):
         inside |= (start >= np.uint64(r.address)) & (end <= np.uint64(r.address + r.length))
     if not inside.all():
         raise TransferError(
@@ -126,22 +150,31 @@ class LoopbackEngine(TransferEngine):
     that peer registered, before a byte moves.
 
     The engine holds ``pool`` (and so its ``owner``, the memory) while it is registered; the peers
-    it reaches are held by the hub until they close.
+    it reaches are held by the hub until they close. ``host_pool``: the instance's host pool,
+    registered too, so a peer can READ the blocks its prefix cache's host tier holds (this side's
+    own transfers still move into and out of ``pool``).
     """
 
-    def __init__(self, name: str, pool: PoolRegions, hub: LoopbackHub) -> None:
+    def __init__(self, name: str, pool: PoolRegions, hub: LoopbackHub, host_pool: PoolRegions | None = None) -> None:
         if not isinstance(name, str) or not name:
             raise TypeError(f"an engine name must be a non-empty str, got {name!r}")
         if not isinstance(pool, PoolRegions):
             raise TypeError(f"pool must be PoolRegions, got {type(pool).__name__}")
+        if host_pool is not None and not isinstance(host_pool, PoolRegions):
+            raise TypeError(f"host_pool must be PoolRegions or None, got {type(host_pool).__name__}")
         if not isinstance(hub, LoopbackHub):
             raise TypeError(f"hub must be a LoopbackHub, got {type(hub).__name__}")
         if name in hub.engines:
             raise TransferError(f"an engine named {name!r} is already on this hub: use a new name")
-        self.name, self.pool, self.hub = name, pool, hub
+        self.name, self.pool, self.hub, self.host_pool = name, pool, hub, host_pool
         self._peers: set[str] = set()
         hub.engines[name] = self
         hub.notifications[name] = []
+
+    @property
+    def registered(self) -> tuple[PoolRegions, ...]:
+        """The pools whose memory peers may read or write: the pool, and the host pool if given."""
+        return (self.pool,) if self.host_pool is None else (self.pool, self.host_pool)
 
     def connect(self, exchange: Exchange) -> str:
         if not callable(exchange):
@@ -173,7 +206,7 @@ class LoopbackEngine(TransferEngine):
         _check_bounds(*src, "source")
         _check_bounds(*dst, "destination")
         remote, side = (src, "source") if op == "READ" else (dst, "destination")
-        _check_registered(self.hub.engines[peer].pool, *remote, side)
+        _check_registered(self.hub.engines[peer].registered, *remote, side)
         if not np.array_equal(src[1].length, dst[1].length):
             raise TransferError("source and destination descriptors differ in lengths")
         s, d = src[1].addresses(src[0]), dst[1].addresses(dst[0])

@@ -41,8 +41,12 @@ def _as_str(notification: bytes) -> str:
 class MooncakeEngine(OneSidedEngine):
     """One Mooncake engine on ``hostname`` (its RPC port is picked by Mooncake) with ``pool`` registered.
 
-    ``protocol``: ``"tcp"`` (or ``"rdma"`` with ``device_name``). Raises :class:`TransferUnavailableError`
-    when Mooncake is not installed, :class:`TransferError` when it does not start.
+    ``protocol``: ``"tcp"`` (or ``"rdma"`` with ``device_name``). ``host_pool``: the instance's host
+    pool (DRAM), registered as well so a peer can READ the prefix blocks its host tier holds; Mooncake
+    takes no memory kind (``batch_register_memory`` registers with its wildcard location, and the
+    engine finds whether an address is host or GPU memory itself: ``TransferEngine::registerLocalMemory``
+    in kvcache-ai/Mooncake). Raises :class:`TransferUnavailableError` when Mooncake is not installed,
+    :class:`TransferError` when it does not start.
     """
 
     def __init__(
@@ -53,7 +57,10 @@ class MooncakeEngine(OneSidedEngine):
         protocol: str = "tcp",
         device_name: str = "",
         max_batch: int = DEFAULT_MAX_BATCH,
+        host_pool: PoolRegions | None = None,
     ) -> None:
+        if host_pool is not None and not isinstance(host_pool, PoolRegions):
+            raise TypeError(f"host_pool must be PoolRegions or None, got {type(host_pool).__name__}")
         try:
             from mooncake.engine import TransferEngine as _Engine
             from mooncake.engine import TransferNotify, TransferOpcode
@@ -63,16 +70,18 @@ class MooncakeEngine(OneSidedEngine):
                 "mooncake-transfer-engine-non-cuda==0.3.13.post1 "
                 "(and apt-get install --no-install-recommends libibverbs1)"
             ) from e
-        if any(r.kind is not MemoryKind.DRAM for r in pool.regions) and protocol == "tcp":
+        pools = (pool,) if host_pool is None else (pool, host_pool)
+        if any(r.kind is not MemoryKind.DRAM for p in pools for r in p.regions) and protocol == "tcp":
             raise TransferError("Mooncake over TCP moves host memory here: register DRAM pools (or use rdma)")
-        self.name, self.pool, self.max_batch = name, pool, max_batch
+        self.name, self.pool, self.max_batch, self.host_pool = name, pool, max_batch, host_pool
         self._notify_cls, self._opcode = TransferNotify, TransferOpcode
         self.engine: Any = _Engine()
         rc = self.engine.initialize(hostname, "P2PHANDSHAKE", protocol, device_name)
         if rc != 0:
             raise TransferError(f"Mooncake engine did not start on {hostname!r} over {protocol} (code {rc})")
         self.session = f"{hostname}:{self.engine.get_rpc_port()}"
-        addresses, lengths = [r.address for r in pool.regions], [r.length for r in pool.regions]
+        regions = [r for p in pools for r in p.regions]
+        addresses, lengths = [r.address for r in regions], [r.length for r in regions]
         if self.engine.batch_register_memory(addresses, lengths) != 0:
             raise TransferError(f"Mooncake could not register the pool's {len(addresses)} regions")
         self._registered = addresses

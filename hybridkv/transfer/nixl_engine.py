@@ -38,16 +38,33 @@ def _kind(pool: PoolRegions) -> str:
     return kinds.pop()
 
 
+def _regs(pool: PoolRegions) -> list[tuple[int, int, int, str]]:
+    """``register_memory``'s list: ``(address, length, device_id, name)`` per region (DRAM regions
+    carry device id 0, as NIXL's host segments do)."""
+    return [(r.address, r.length, r.device_id, "") for r in pool.regions]
+
+
 class NixlEngine(OneSidedEngine):
     """One NIXL agent named ``name`` with ``pool`` registered. ``backends``: NIXL backends (UCX).
 
     ``poll_interval_s``: sleep between state polls (0 spins; the notification and transfer polls
-    both honour it). Raises :class:`TransferUnavailableError` when nixl is not installed.
+    both honour it). ``host_pool``: the instance's host pool (``PoolRegions.block_major``, DRAM),
+    registered as well (its own ``register_memory`` call with its own memory type, as NIXL takes
+    one type per registration), so a peer can READ the prefix blocks its host tier holds; this
+    side's own transfers move into and out of ``pool``. Raises :class:`TransferUnavailableError`
+    when nixl is not installed.
     """
 
     def __init__(
-        self, name: str, pool: PoolRegions, backends: tuple[str, ...] = ("UCX",), poll_interval_s: float = 2e-4
+        self,
+        name: str,
+        pool: PoolRegions,
+        backends: tuple[str, ...] = ("UCX",),
+        poll_interval_s: float = 2e-4,
+        host_pool: PoolRegions | None = None,
     ) -> None:
+        if host_pool is not None and not isinstance(host_pool, PoolRegions):
+            raise TypeError(f"host_pool must be PoolRegions or None, got {type(host_pool).__name__}")
         try:
             from nixl._api import nixl_agent, nixl_agent_config
         except ImportError as e:
@@ -59,8 +76,10 @@ class NixlEngine(OneSidedEngine):
         self.poll_interval_s = poll_interval_s
         self._mem = _kind(pool)
         self.agent: Any = nixl_agent(name, nixl_agent_config(backends=list(backends)))
-        regs = [(r.address, r.length, r.device_id, "") for r in pool.regions]
-        self._registration: Any = self.agent.register_memory(regs, self._mem)
+        self.host_pool = host_pool
+        self._registrations: list[Any] = [self.agent.register_memory(_regs(pool), self._mem)]
+        if host_pool is not None:  # before the metadata is taken: the peer learns both pools' memory
+            self._registrations.append(self.agent.register_memory(_regs(host_pool), _kind(host_pool)))
         self._peers: set[str] = set()
         self._notifs: dict[str, list[bytes]] = {}
         self._closed = False
@@ -86,7 +105,8 @@ class NixlEngine(OneSidedEngine):
                 self.disconnect(peer)
             except Exception:  # noqa: BLE001 - a peer that vanished cannot be told; keep closing
                 pass
-        self.agent.deregister_memory(self._registration)
+        for registration in self._registrations:
+            self.agent.deregister_memory(registration)
 
     # ---- transfers -----------------------------------------------------------------------------
     def _transfer(

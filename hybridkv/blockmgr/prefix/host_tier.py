@@ -84,6 +84,7 @@ class HostTier:
         self._pins: dict[int, int] = {}  # unit -> pin epoch of its last copy (with pins on)
         self._protect: set[int] = set()  # units a hit being taken needs (not evictable meanwhile)
         self._fresh: set[int] = set()  # units offloaded by the eviction in progress
+        self._holds: dict[int, int] = {}  # unit -> holds of pending prefix exports (hold / unhold)
         self._out_dev: list[np.ndarray] = []
         self._out_host: list[np.ndarray] = []
         self._in_dev: list[np.ndarray] = []
@@ -104,13 +105,13 @@ class HostTier:
         return self.num_state_blocks if self._unit[first][1] else 1
 
     def _held(self, first: int) -> bool:
-        return first in self._undrained or first in self._protect or first in self._fresh or (
+        return first in self._undrained or first in self._protect or first in self._fresh or first in self._holds or (
             first in self._pins and self._epoch() > 0)
 
     @property
     def num_evictable(self) -> int:
         """Host blocks the tier can give back now (to a swap-out, or to an offload)."""
-        held = {u for u in (*self._undrained, *self._protect, *self._fresh) if u in self._unit}
+        held = {u for u in (*self._undrained, *self._protect, *self._fresh, *self._holds) if u in self._unit}
         if self._epoch() > 0:
             held.update(u for u in self._pins if u in self._unit)
         return self._n_blocks - sum(self._size(u) for u in held)
@@ -247,6 +248,25 @@ class HostTier:
         if epoch:
             self._pins[first] = epoch
 
+    # ---- holds (prefix exports: a peer reads the units) -----------------------------------------------
+    def hold(self, units: Sequence[int]) -> None:
+        """Keep ``units`` (first host ids) on the host until :meth:`unhold`: neither the tier's LRU
+        nor a swap-out takes them (a peer reads them, ``blockmgr.transfer_host``). Holds count."""
+        missing = [u for u in units if u not in self._unit]
+        if missing:
+            raise KeyError(f"host tier units {missing} are not held by the tier")
+        for u in units:
+            self._holds[u] = self._holds.get(u, 0) + 1
+
+    def unhold(self, units: Sequence[int]) -> None:
+        """End one :meth:`hold` of each of ``units``."""
+        for u in units:
+            n = self._holds[u] - 1
+            if n:
+                self._holds[u] = n
+            else:
+                del self._holds[u]
+
     # ---- handing out ---------------------------------------------------------------------------------
     def take_copies(self) -> TierPlan:
         """The queued copies (offloads first, then onloads), in queue order; the units they touch
@@ -296,6 +316,8 @@ class HostTier:
                 break
         if any(u not in self._unit for u in self._undrained):
             problems.append("host tier: a queued copy touches a unit the tier no longer holds")
+        if any(u not in self._unit or n <= 0 for u, n in self._holds.items()):
+            problems.append("host tier: a prefix export holds a unit the tier no longer holds")
         return problems
 
 
