@@ -64,6 +64,8 @@ class Scenario:
     preempts: bool = False
     late_out: tuple[int, int] | None = None  # outputs of the second half of the requests (default: `out`)
     late_every: int = 1  # the second half arrives one request every this many steps, after the first half
+    prefixes: int = 1  # distinct shared prompts (with `prefix`), request i uses prompt i % prefixes
+    host: int = 0  # host blocks of the prefix cache's host tier (0: no tier)
 
 
 SCENARIOS = {
@@ -75,6 +77,11 @@ SCENARIOS = {
     ),
     # a hit that pins more than it saves and barely fits (MiniMax-M1's 56-block checkpoint for 16 KV blocks)
     "prefix-pressure": Scenario(pool=90, seqs=3, n=8, prefix=True, prompt=(50, 400), out=(150, 300)),
+    # three shared prompts on a pool that holds about one: the others are offloaded to the host tier
+    # and served from it when their turn comes again (E9)
+    "prefix-host": Scenario(
+        pool=100, seqs=3, n=18, prefix=True, prefixes=3, prompt=(1100, 1400), out=(2, 6), arrivals=1, host=4000
+    ),
     "aborts": Scenario(pool=400, abort_every=3, out=(20, 40)),
     "short-60": Scenario(pool=60, seqs=16, n=60, prompt=(10, 100), out=(2, 8), arrivals=4),
     "chunked": Scenario(pool=400, budget=256, prompt=(800, 3000)),
@@ -84,11 +91,11 @@ SCENARIOS = {
 
 
 def make_requests(sc: Scenario, rng: random.Random) -> list[Request]:
-    system = [rng.randrange(50_000) for _ in range(SHARED_PREFIX)]
+    systems = [[rng.randrange(50_000) for _ in range(SHARED_PREFIX)] for _ in range(sc.prefixes)]
     out = []
     for i in range(sc.n):
         length = sc.long_prompt if sc.long_prompt and i % 2 == 0 else rng.randrange(*sc.prompt)
-        head = system if sc.prefix else []
+        head = systems[i % sc.prefixes] if sc.prefix else []
         tail = [rng.randrange(50_000) for _ in range(max(length - len(head), 1))]
         outs = sc.late_out if sc.late_out and i >= sc.n // 2 else sc.out
         out.append(Request(f"r{i}", head + tail, max_tokens=rng.randrange(*outs)))
@@ -99,8 +106,8 @@ def build(preset: str, sc: Scenario, *, v1_mode: bool, patched: bool, role: str 
     layout = preset_layout(preset, 64)
     S = sum(layout.blocks_per_state)
     total = sc.seqs * S + sc.pool + 1
-    cfg = PrefixCacheConfig() if sc.prefix else None
-    fd = FastDeployBlockManager(HybridBlockManager(layout, prefix_cache=cfg))
+    cfg = PrefixCacheConfig(host_tier=sc.host > 0) if sc.prefix else None
+    fd = FastDeployBlockManager(HybridBlockManager(layout, num_host_blocks=sc.host, prefix_cache=cfg))
     rm = RMv1(
         fd, max_num_seqs=sc.seqs, max_num_batched_tokens=sc.budget, v1_mode=v1_mode, prefix=sc.prefix,
         patched=patched, role=role, enc_dec_block_num=2, prealloc_threshold=12,
@@ -148,6 +155,10 @@ def run_mixed(preset: str, name: str, *, v1_mode: bool, seed: int = 0, max_steps
         "live": usage.kv_live + usage.state_live, "over_slots": list(rm.over_slots), "swallowed": list(rm.swallowed),
         "zero_block_chunks": rm.zero_block_chunks, "backup_calls": rm.backup_calls, "metrics": rm.metrics,
         "free_device": fd.num_free_device_blocks, "usable": m.pool.num_usable, "total": total,
+        "host_hit_tokens": m.prefix_cache.stats.hit_tokens_host if m.prefix_cache else 0,
+        "cpu_match_tokens": fd.metrics.total_cpu_matched_token_num,
+        "cpu_reported": rm.main_metrics["prefix_cpu_cache_token_num"],
+        "host_back": m.host_pool is None or m.host_pool.num_free + m.usage().host_cached == m.host_pool.num_usable,
     }  # fmt: skip
 
 
@@ -166,6 +177,9 @@ def check_outcome(out: dict, name: str) -> None:
         assert out["aborted"] > 0
     if name == "zero-block-chunks":
         assert out["zero_block_chunks"] > 0
+    # host hits: what FastDeploy is told equals the manager's count (a rescheduled request's are not reported)
+    assert out["cpu_match_tokens"] == out["host_hit_tokens"] >= out["cpu_reported"] and out["host_back"], out
+    assert (out["host_hit_tokens"] > 0) == (sc.host > 0), out
 
 
 MATRIX = [
@@ -193,6 +207,8 @@ def test_unpatched_engine_stops_at_its_first_call(preset, name, v1_mode):
     for r in make_requests(sc, random.Random(0)):
         rm.add_request(r)
     first = "release_block_ids" if sc.prefix and not v1_mode else "request_finish" if sc.prefix else "can_allocate"
+    if sc.host and not v1_mode:  # num_cpu_blocks > 0: the legacy engine checks the prompt fits before matching
+        first = "can_allocate"
     with pytest.raises(EnginePatchError, match=rf"{first}\w*: no engine bound"):
         rm.schedule()  # a prefix match's error is swallowed by FastDeploy; the _free_blocks after it is not
     assert not fd.manager.requests and not rm.over_slots and not rm.running

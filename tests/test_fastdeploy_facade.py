@@ -1,10 +1,12 @@
 """The facade's own surface: the engine contract (bind_engine, tickets), exact counts and the metrics
 an operator reads, v1's ``[]``, the calls 7808a119 added, pending prefix matches, and the two
-``allocate_gpu_blocks`` forms. The call order of FastDeploy's scheduler is in
-``tests/test_fastdeploy_conformance.py``."""
+``allocate_gpu_blocks`` forms, and the host tier: FastDeploy's CPU-cache config, host hits admitted
+at their match and reported in ``hit_info`` / ``match_result`` as FastDeploy reports them. The call
+order of FastDeploy's scheduler is in ``tests/test_fastdeploy_conformance.py``."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import numpy as np
@@ -50,6 +52,7 @@ GUARDED = [
     ("task_fields", ("a",)),
     ("state_blocks_for", (Request("a", [1, 2], 1),)),
     ("update_cache_config", (SimpleNamespace(total_block_num=30),)),
+    ("take_tier_copies", ()),
 ]
 
 
@@ -328,4 +331,206 @@ def test_allocate_gpu_blocks_takes_both_forms_positionally_and_by_keyword():
     with pytest.raises(ValueError, match=">= 0"):
         v1.allocate_gpu_blocks(SimpleNamespace(request_id="c"), -1)
     assert sorted(fd.manager.requests) == ["a", "b"] and sorted(v1.manager.requests) == ["c", "d"]
+    fd.manager.check_integrity()
+
+
+# ---- the host tier: FastDeploy's CPU-cache config, host hits reported as FastDeploy reports them --------------
+def _cache_config(**kw) -> SimpleNamespace:
+    base = {"block_size": BLOCK_SIZE, "enable_prefix_caching": True, "swap_space": None, "num_cpu_blocks": None}
+    return SimpleNamespace(**(base | kw))
+
+
+TIER_PREFIX = PrefixCacheConfig(checkpoint="every_n_blocks", every_n=2)
+
+
+def test_from_cache_config_maps_swap_space_and_num_cpu_blocks_to_the_host_tier():
+    layout = tiny_layout(40)
+    fd = FastDeployBlockManager.from_cache_config(layout, _cache_config(swap_space=1e-4), prefix=TIER_PREFIX)
+    host = int(1e-4 * 2**30 // layout.bytes_per_block)
+    assert fd.manager.host_pool.num_usable == host == fd.num_cpu_blocks > 0  # swap_space wins over num_cpu_blocks
+    assert fd.manager.prefix_cache.tier is not None and fd.manager.prefix_cache.config.every_n == 2
+    fd = FastDeployBlockManager.from_cache_config(layout, _cache_config(num_cpu_blocks=30))
+    assert fd.num_cpu_blocks == 30 and fd.manager.prefix_cache.config.host_tier
+    no_tier = FastDeployBlockManager.from_cache_config(layout, _cache_config(enable_prefix_caching=False, swap_space=1))
+    assert no_tier.manager.prefix_cache is None and no_tier.manager.host_pool is not None
+    assert no_tier.num_cpu_blocks == 0  # a swap-only host pool is not FastDeploy's CPU cache
+    plain = FastDeployBlockManager.from_cache_config(layout, _cache_config())
+    assert plain.manager.host_pool is None and plain.manager.prefix_cache.tier is None and plain.num_cpu_blocks == 0
+
+
+@pytest.mark.parametrize(
+    ("kw", "error", "match"),
+    [
+        ({"swap_space": -1}, ValueError, "swap_space"),
+        ({"swap_space": float("nan")}, ValueError, "swap_space"),
+        ({"swap_space": "4"}, TypeError, "swap_space"),
+        ({"swap_space": True}, TypeError, "swap_space"),
+        ({"swap_space": 1e-9}, ValueError, "holds no block"),
+        ({"num_cpu_blocks": -3}, ValueError, "num_cpu_blocks"),
+        ({"num_cpu_blocks": 2.5}, TypeError, "num_cpu_blocks"),
+        ({"block_size": 8}, ValueError, "block_size"),
+        ({"enable_prefix_caching": 1}, TypeError, "enable_prefix_caching"),
+    ],
+)
+def test_from_cache_config_refuses_a_bad_cpu_cache_config_before_building_anything(kw, error, match):
+    with pytest.raises(error, match=match):
+        FastDeployBlockManager.from_cache_config(tiny_layout(40), _cache_config(**kw))
+    with pytest.raises(ValueError, match="enable_prefix_caching is False"):
+        FastDeployBlockManager.from_cache_config(tiny_layout(40), _cache_config(enable_prefix_caching=False),
+                                                 prefix=TIER_PREFIX)  # fmt: skip
+
+
+PREFIX_A = list(range(100, 124))  # 6 blocks; checkpoints at 8, 16, 24 (every 2 blocks)
+
+
+def _offloaded(v1: bool = False, gpu=None, num_blocks: int = 40) -> FastDeployBlockManager:
+    """A bound facade whose request "a" ran PREFIX_A, finished, and had its cached blocks pushed to
+    the host tier by a request with tokens of its own that took the whole device."""
+    fd = FastDeployBlockManager.from_cache_config(tiny_layout(num_blocks), _cache_config(num_cpu_blocks=120),
+                                                  prefix=TIER_PREFIX, gpu=gpu)  # fmt: skip
+    fd.bind_engine(PATCH_SERIES, cache_manager_v1=v1, splitwise_role="mixed")
+    fd.begin_step()
+    a = Request("a", list(PREFIX_A), max_tokens=1)
+    fd.request_match_blocks(a, BLOCK_SIZE)
+    admit(fd, "a", 2 + STATE_BLOCKS, v1=v1)
+    for end in (8, 16, 24):  # three chunks of 2 blocks, a checkpoint after each
+        a.num_computed_tokens = end
+        fd.update_cache_blocks(a, BLOCK_SIZE, end)
+        fd.begin_step()
+        if end < 24:
+            fd.allocate_gpu_blocks(a, 2) if v1 else fd.allocate_gpu_blocks(2, "a")
+    fd.release_block_ids(a)
+    fd.begin_step()
+    big = fd.num_free_device_blocks - STATE_BLOCKS
+    admit(fd, "big", big + STATE_BLOCKS, v1=v1)  # evicts (offloads) everything cached
+    fd.take_tier_copies()
+    fd.release_block_ids(SimpleNamespace(request_id="big"))
+    fd.begin_step()
+    assert fd.manager.prefix_cache.num_cached_kv == 0 and fd.manager.prefix_cache.tier.num_units
+    return fd
+
+
+def test_a_host_hit_is_admitted_at_its_match_and_hit_info_splits_it_as_fastdeploy_does():
+    from hybridkv.scheduler_adapter.cost import GpuSpec
+
+    gpu = GpuSpec("test", flops_per_s=1e15, host_link_bytes_per_s=5.53e10, hbm_bytes_per_s=4.8e12)
+    fd = _offloaded(gpu=gpu)
+    m, stats = fd.manager, fd.manager.prefix_cache.stats
+    host_before, free_before = stats.hit_tokens_host, fd.num_free_device_blocks
+    b = Request("b", [*PREFIX_A, 7, 7, 7], max_tokens=1)
+    common, hit, info = fd.request_match_blocks(b, BLOCK_SIZE)
+    assert hit == 24 and b.num_cached_blocks == len(common) == 6
+    assert info["cpu_match_token_num"] == stats.hit_tokens_host - host_before == 24  # all of it from the host
+    assert info["gpu_match_token_num"] + info["cpu_match_token_num"] == hit
+    assert info["cpu_cache_blocks"] == len(info["gpu_recv_block_ids"]) == 6 and info["gpu_cache_blocks"] == 0
+    assert sorted(common) == sorted(info["match_gpu_block_ids"] + info["gpu_recv_block_ids"])
+    assert m.requests["b"].kv_blocks.tolist() == common  # admitted: the table names the receiving blocks
+    onload = 6 + STATE_BLOCKS  # its KV blocks, and the checkpoint at 24 straight into the live sets
+    assert info["cpu_cache_prepare_bytes"] == onload * m.layout.bytes_per_block
+    assert info["cpu_cache_prepare_time"] == pytest.approx(onload * m.layout.bytes_per_block / 5.53e10)
+    # the match took the receiving blocks (as FastDeploy's does); the state sets wait for E2's allocation
+    assert fd.num_free_device_blocks == free_before - 6
+    assert fd.state_blocks_for(b) == STATE_BLOCKS
+    before = fd.num_free_device_blocks
+    assert len(fd.allocate_gpu_blocks(1 + STATE_BLOCKS, "b")) == 1  # the last token's block
+    assert before - fd.num_free_device_blocks == 1 + STATE_BLOCKS and fd.state_blocks_for(b) == 0
+    copies = fd.take_tier_copies()
+    assert copies["onload"][0][:6] == info["gpu_recv_block_ids"] and len(copies["onload"][0]) == onload
+    assert fd.metrics.req_count == 2 and fd.metrics.total_cpu_matched_token_num == 24  # a's miss, b's host hit
+    assert fd.metrics.cpu_hit_token_ratio == fd.metrics.hit_token_ratio == 24 / (24 + 27)
+    m.check_integrity()
+
+
+def test_a_v1_host_hit_reports_its_host_nodes_and_the_whole_table():
+    fd = _offloaded(v1=True)
+    b = Request("b", [*PREFIX_A, 7, 7, 7], max_tokens=1)
+    fd.match_prefix(b)
+    r = b.match_result
+    assert r.matched_host_nums * BLOCK_SIZE == 24 and r.total_matched_blocks == 6 and r.matched_device_nums == 0
+    assert r.device_block_ids == fd.manager.requests["b"].kv_blocks.tolist()  # what the engine extends
+    fd.state_blocks_for(b)
+    before = fd.num_free_device_blocks
+    assert len(fd.allocate_gpu_blocks(b, 1 + STATE_BLOCKS)) == 1 and before - fd.num_free_device_blocks == 5
+    assert fd._prepare_time(10**6) == 0.0  # no GpuSpec: the facade does not time copies it does not run
+    fd.request_finish(b)
+    fd.begin_step()  # its host -> device copies were not handed out (no E9 yet): their blocks stay held
+    assert fd.num_free_device_blocks == fd.manager.pool.num_usable - 6 - STATE_BLOCKS
+    assert len(fd.take_tier_copies()["onload"][0]) == 6 + STATE_BLOCKS  # E9 of a later step
+    fd.begin_step()
+    assert fd.num_free_device_blocks == fd.manager.pool.num_usable
+    fd.manager.check_integrity()
+
+
+def test_a_host_hit_that_does_not_fit_changes_nothing_and_one_never_allocated_lapses():
+    from tests.test_manager_atomic import snapshot
+
+    fd = _offloaded()
+    m = fd.manager
+    admit(fd, "x", fd.num_free_device_blocks - 3)  # leaves 3 blocks: the hit needs 6 + 4
+    fd.take_tier_copies()
+    tier = m.prefix_cache.tier
+    before = snapshot(m), dict(tier.kv), list(tier._lru), replace(fd.metrics), fd.num_free_device_blocks
+    with pytest.raises(NoFreeBlocksError):
+        fd.request_match_blocks(Request("b", [*PREFIX_A, 7], max_tokens=1), BLOCK_SIZE)
+    after = snapshot(m), dict(tier.kv), list(tier._lru), fd.metrics, fd.num_free_device_blocks
+    assert after == before and fd.take_tier_copies() is None
+    fd.release_block_ids(SimpleNamespace(request_id="x"))
+    fd.begin_step()
+    free = fd.num_free_device_blocks
+    b = Request("b", [*PREFIX_A, 7], max_tokens=1)
+    assert fd.request_match_blocks(b, BLOCK_SIZE)[1] == 24 and "b" in m.requests
+    fd.begin_step()  # never allocated: given back, and its allocation refuses until matched again
+    assert "b" not in m.requests
+    fd.state_blocks_for(b)
+    with pytest.raises(RequestStateError, match="lapsed"):
+        fd.allocate_gpu_blocks(1 + STATE_BLOCKS, "b")
+    assert fd.take_tier_copies()["onload"][0]  # its onloads still run (the blocks they fill stay cached)
+    fd.begin_step()
+    assert fd.num_free_device_blocks == free == m.pool.num_usable
+    assert m.prefix_cache.match([*PREFIX_A, 7], 25).num_tokens == 24  # on the device now
+    m.check_integrity()
+
+
+def test_a_hit_partly_on_the_device_lists_its_blocks_in_chain_order_and_says_which_came_from_the_host():
+    fd = _offloaded()
+    c = Request("c", [*PREFIX_A[:8], 9, 9, 9], max_tokens=1)  # its host hit brings blocks 0, 1 back
+    assert fd.request_match_blocks(c, BLOCK_SIZE)[1] == 8
+    fd.state_blocks_for(c)
+    fd.allocate_gpu_blocks(1 + STATE_BLOCKS, "c")
+    fd.take_tier_copies()
+    fd.release_block_ids(c)
+    fd.begin_step()
+    b = Request("b", [*PREFIX_A, 7], max_tokens=1)
+    common, hit, info = fd.request_match_blocks(b, BLOCK_SIZE)
+    assert hit == 24 and (info["gpu_match_token_num"], info["cpu_match_token_num"]) == (8, 16)
+    assert common[:2] == info["match_gpu_block_ids"] and common[2:] == info["gpu_recv_block_ids"]
+    assert common == fd.manager.requests["b"].kv_blocks.tolist()
+    fd.state_blocks_for(b)
+    assert len(fd.allocate_gpu_blocks(1 + STATE_BLOCKS, "b")) == 1
+    onload = fd.take_tier_copies()["onload"]
+    assert onload[0][:4] == common[2:] and len(onload[0]) == 4 + STATE_BLOCKS  # and the checkpoint at 24
+    fd.manager.check_integrity()
+
+
+@pytest.mark.parametrize("v1", [False, True], ids=["legacy", "v1"])
+def test_a_refused_first_allocation_of_a_host_hit_changes_nothing(v1):
+    from tests.test_manager_atomic import snapshot
+
+    fd = _offloaded(v1=v1)
+    b = Request("b", [*PREFIX_A, 7], max_tokens=1)
+    fd.match_prefix(b) if v1 else fd.request_match_blocks(b, BLOCK_SIZE)
+    fd.state_blocks_for(b)
+    too_many = fd.num_free_device_blocks + 1
+    before = snapshot(fd.manager), fd.num_free_device_blocks
+    if v1:
+        assert fd.allocate_gpu_blocks(b, too_many) == []  # what CacheManager returns
+    else:
+        with pytest.raises(NoFreeBlocksError):
+            fd.allocate_gpu_blocks(too_many, "b")
+    assert (snapshot(fd.manager), fd.num_free_device_blocks) == before
+    with pytest.raises(RequestStateError, match="fewer than the 4 state blocks"):
+        fd.allocate_gpu_blocks(b, 3) if v1 else fd.allocate_gpu_blocks(3, "b")
+    assert (snapshot(fd.manager), fd.num_free_device_blocks) == before
+    ids = fd.allocate_gpu_blocks(b, too_many - 1) if v1 else fd.allocate_gpu_blocks(too_many - 1, "b")
+    assert len(ids) == too_many - 1 - STATE_BLOCKS and fd.num_free_device_blocks == 0
     fd.manager.check_integrity()

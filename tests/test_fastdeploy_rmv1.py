@@ -26,7 +26,16 @@ numbers are those of the 7808a119 text:
 ``patched=True`` applies the series of docs/fastdeploy.md: E0 ``bind_engine`` at the end of
 ``__init__``, E2 ``state_blocks_for`` in the WAITING/PREEMPTED branches and the two preallocations,
 E3 the chunk cap and the v1 ``update_cache_blocks`` calls, E4 ``begin_step``, E5 the task fields,
-E7 the metric line, S1-S3 the transfer steps. ``patched=False`` runs FastDeploy's text as it is over
+E7 the metric lines, E9 the host tier's copies on the first task of the batch, S1-S3 the transfer
+steps.
+
+The prefix-hit reporting of ``get_prefix_cached_blocks`` and ``_request_match_blocks`` is kept: the
+v1 metrics built from ``match_result`` (``matched_host_nums`` as ``cpu_match_token_num``), the
+revert of a whole-input hit by block membership, ``request.metrics.{gpu,cpu}_cache_token_num`` /
+``cpu_cache_prepare_time`` and the ``prefix_*_cache_token_num`` counters of
+``main_process_metrics`` (here ``main_metrics``); and, in legacy mode with ``num_cpu_blocks > 0``,
+the check before a match that the whole prompt fits ("to prevent block allocation for matching in
+hierarchical cache", in the WAITING and the PREEMPTED branch). ``patched=False`` runs FastDeploy's text as it is over
 the facade. Exceptions FastDeploy swallows are swallowed here too, and recorded in ``swallowed``.
 
 The driver also checks, at every allocation, that ``allocate_gpu_blocks(n)`` took exactly ``n``
@@ -98,7 +107,10 @@ class RMv1:
         self.over_slots: list = []
         self.swallowed: list[Exception] = []
         self.metrics: dict = {}
+        self.main_metrics = {"prefix_cache_token_num": 0, "prefix_gpu_cache_token_num": 0,
+                             "prefix_cpu_cache_token_num": 0}  # fmt: skip
         self.backup_calls = 0
+        self.tickets: set[str] = set()  # requests whose next allocation includes their state sets (E2)
         if patched:  # E0
             cache_manager.bind_engine(PATCH_SERIES, cache_manager_v1=v1_mode, splitwise_role=role)
 
@@ -154,11 +166,15 @@ class RMv1:
         return num_new_tokens
 
     def _state_blocks(self, request):  # E2: the ticket, where a new request's block need is computed
-        return self.cache_manager.state_blocks_for(request) if self.patched else 0
+        n = self.cache_manager.state_blocks_for(request) if self.patched else 0
+        if n:
+            self.tickets.add(request.request_id)
+        return n
 
     def _allocate_gpu_blocks(self, request, num_blocks):
         cm = self.cache_manager
-        first = request.request_id not in cm.manager.requests
+        first = request.request_id in self.tickets  # the engine charged its state sets (E2)
+        self.tickets.discard(request.request_id)
         before = cm.num_free_device_blocks
         if self.enable_cache_manager_v1:
             ids = cm.allocate_gpu_blocks(request, num_blocks)
@@ -266,6 +282,7 @@ class RMv1:
             self.cache_manager.update_cache_blocks(request, self.block_size, request.num_computed_tokens)
 
     def schedule(self):
+        self.tickets.clear()  # (tickets lapse at begin_step)
         if self.patched:  # E4
             self.cache_manager.begin_step()
         preempted_reqs, error_reqs, need_abort_requests, batch_request = [], [], [], []
@@ -322,6 +339,10 @@ class RMv1:
             if self.current_reserve == 0:
                 self.can_relax_prefill_strategy = True
         self.update_metrics()
+        if self.patched and batch_request:  # E9: the step's host-tier copies ride on its first task
+            tier = self.cache_manager.take_tier_copies()
+            if tier is not None:
+                batch_request[0].tier_copies = tier
         if self.enable_cache_manager_v1 and batch_request:  # line 1254
             self.cache_manager.issue_pending_backup_to_batch_request()
         if self.enable_cache_manager_v1:  # lines 1258-1259
@@ -340,6 +361,12 @@ class RMv1:
             if request.status == RequestStatus.PREEMPTED:
                 request.need_prefill_tokens = request.num_total_tokens
             if self.enable_prefix_caching and (was_waiting or self.splitwise_role != "decode"):
+                if not self.enable_cache_manager_v1 and self.cache_manager.num_cpu_blocks > 0:  # hierarchical cache
+                    whole = (request.need_prefill_tokens + self.block_size - 1) // self.block_size
+                    if not self.cache_manager.can_allocate_gpu_blocks(
+                        self._get_can_schedule_prefill_threshold_block(whole)
+                    ):
+                        break
                 if not self.get_prefix_cached_blocks(request):
                     self._free_blocks(request)
                     break
@@ -375,15 +402,18 @@ class RMv1:
     def get_prefix_cached_blocks(self, request):
         try:
             bs = self.block_size
-            if self.enable_cache_manager_v1:
+            if self.enable_cache_manager_v1:  # _request_match_blocks, v1 branch (line 1399)
                 self.cache_manager.match_prefix(request, True)
                 result = request.match_result
                 common_block_ids = result.device_block_ids
                 matched_token_num = result.total_matched_blocks * bs
-                metrics = {"gpu_match_token_num": result.matched_device_nums * bs, "cpu_match_token_num": 0}
-                metrics |= {"storage_match_token_num": 0, "cpu_cache_prepare_time": 0, "storage_cache_prepare_time": 0}
-                metrics |= {"match_gpu_block_ids": common_block_ids, "gpu_recv_block_ids": []}
-                metrics |= {"match_storage_block_ids": []}
+                metrics = {
+                    "gpu_match_token_num": result.matched_device_nums * bs,
+                    "cpu_match_token_num": result.matched_host_nums * bs,
+                    "storage_match_token_num": result.matched_storage_nums * bs,
+                    "match_gpu_block_ids": common_block_ids, "gpu_recv_block_ids": [], "match_storage_block_ids": [],
+                    "cpu_cache_prepare_time": 0, "storage_cache_prepare_time": 0,
+                }  # fmt: skip
                 request.cache_info = [
                     len(common_block_ids),
                     (request.need_prefill_tokens - matched_token_num + bs - 1) // bs,
@@ -400,8 +430,20 @@ class RMv1:
                 request.num_computed_tokens = matched_token_num - bs
             else:
                 request.num_computed_tokens = matched_token_num
+            if request.num_cached_tokens != request.num_computed_tokens:  # the revert, by block membership
+                revert = (request.num_cached_tokens - request.num_computed_tokens) // bs
+                for block_id in common_block_ids[len(common_block_ids) - revert :]:
+                    if block_id in metrics["match_gpu_block_ids"]:
+                        metrics["gpu_match_token_num"] -= bs
+                    elif block_id in metrics["gpu_recv_block_ids"]:
+                        metrics["cpu_match_token_num"] -= bs
             if not request.has_been_preempted_before:
                 request.metrics.gpu_cache_token_num = metrics["gpu_match_token_num"]
+                request.metrics.cpu_cache_token_num = metrics["cpu_match_token_num"]
+                request.metrics.cpu_cache_prepare_time = metrics["cpu_cache_prepare_time"]
+                self.main_metrics["prefix_cache_token_num"] += request.num_computed_tokens
+                self.main_metrics["prefix_gpu_cache_token_num"] += request.metrics.gpu_cache_token_num
+                self.main_metrics["prefix_cpu_cache_token_num"] += request.metrics.cpu_cache_token_num
             return True
         except Exception as e:  # "prefix match blocks error ... waiting reschedule"
             self.swallowed.append(e)
@@ -474,6 +516,11 @@ class RMv1:
             "gpu_cache_usage_perc": self.get_gpu_cache_usage_perc(),
             "batch_size": self.max_num_seqs - self.available_batch(),
         }
+        if self.patched and self.enable_prefix_caching:  # E7: the hit-rate gauges PrefixCacheManager sets itself
+            hits = self.cache_manager.metrics
+            self.metrics |= {"hit_req_rate": hits.hit_req_ratio, "hit_token_rate": hits.hit_token_ratio,
+                             "gpu_hit_token_rate": hits.gpu_hit_token_ratio,
+                             "cpu_hit_token_rate": hits.cpu_hit_token_ratio}  # fmt: skip
 
     # ---- splitwise -----------------------------------------------------------------------------------------
     def _prealloc_blocks(self, request):

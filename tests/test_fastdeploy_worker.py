@@ -4,7 +4,8 @@ The engine is :class:`tests.test_fastdeploy_rmv1.RMv1` (FastDeploy's ``ResourceM
 control flow) over the facade; its tasks go to :class:`StateTables` as FastDeploy's runner takes
 them in ``insert_tasks_v1``. Swaps are hybridkv's (FastDeploy preempts by recompute only): a swapped
 request leaves the running list with a ``SWAP_OUT`` task and comes back with a decode task carrying
-its new block ids.
+its new block ids. The host tier (patches E9, W6): the step's ``tier_copies`` run on torch CPU pools,
+every offloaded and onloaded block compared byte for byte, and every prefill chunk's reads checked.
 """
 
 import random
@@ -369,3 +370,233 @@ def test_worker_errors_are_typed():
         tables.set_row(-1, [[1, 2], [3, 4]])
     with pytest.raises(BlockIdError):
         tables.set_row(0, [[0, 2], [3, 4]])
+
+
+# ---- the host tier: FastDeploy's call order over real (torch CPU) pools, every byte checked ---------------------
+def _pattern(key: int, n: int) -> np.ndarray:
+    return np.random.default_rng(key & (2**63 - 1)).integers(0, 256, n, dtype=np.uint8)
+
+
+def _key(*parts) -> int:
+    return hash(parts) & (2**63 - 1)
+
+
+class ByteWorker:
+    """FastDeploy's runner over :class:`FastDeployCaches` and :class:`FastDeployHostCaches`: each step
+    runs the batch's ``tier_copies`` (W6), the tasks' ``state_copies``, a forward that writes every
+    KV block of the chunk and the live state sets with bytes that follow from the tokens, then the
+    ``checkpoint_copies``. Before a prefill chunk it checks every full KV block below the chunk and
+    the live state against those bytes; around the tier copies, that every offloaded device block's
+    bytes land in its host block and every onloaded host block's bytes in its device block."""
+
+    def __init__(self, fd: FastDeployBlockManager):
+        from hybridkv.scheduler_adapter.fastdeploy_worker import allocate_host_caches
+
+        self.fd, self.bs = fd, fd.block_size
+        self.caches = allocate_caches(fd.manager.layout, framework="torch")
+        self.host = allocate_host_caches(self.caches, fd.manager.host_pool.num_usable, pin_memory=False)
+        self.tensors = [t for segs in self.caches.segments for t in segs]
+        self.on_host: dict[int, bytes] = {}  # host block -> the bytes an offload put there
+        self.moved = {"offload": 0, "onload": 0, "bytes": 0}
+        self.prefill_checks = 0
+
+    def block(self, b: int) -> bytes:
+        return b"".join(t[b].numpy().tobytes() for t in self.tensors)
+
+    def host_block(self, h: int) -> bytes:
+        return self.host.pools.torch_data[h].numpy().tobytes()
+
+    def write(self, b: int, key: int) -> None:
+        import torch
+
+        for i, t in enumerate(self.tensors):
+            t[b] = torch.from_numpy(_pattern(_key(key, i), t.shape[1]))
+
+    def expected(self, key: int) -> bytes:
+        return b"".join(_pattern(_key(key, i), t.shape[1]).tobytes() for i, t in enumerate(self.tensors))
+
+    def run_tier(self, tasks) -> None:
+        from hybridkv.scheduler_adapter.fastdeploy_worker import run_tier_copies
+
+        for task in tasks:
+            copies = getattr(task, "tier_copies", None)
+            if copies is None:
+                continue
+            out, back = copies["offload"], copies["onload"]
+            before = {h: self.block(d) for d, h in zip(*out, strict=True)}
+            moved = run_tier_copies(self.caches, self.host, copies)
+            assert moved == (len(out[0]) + len(back[0])) * self.fd.manager.layout.bytes_per_block
+            for h, data in before.items():
+                assert self.host_block(h) == data  # the offloaded bytes are on the host
+            self.on_host.update(before)
+            for d, h in zip(*back, strict=True):
+                assert self.block(d) == self.on_host[h]  # ... and come back byte for byte
+            self.moved["offload"] += len(out[0])
+            self.moved["onload"] += len(back[0])
+            self.moved["bytes"] += moved
+
+    def step(self, tasks) -> None:
+        from hybridkv.scheduler_adapter.fastdeploy_worker import copy_blocks
+        from tests.test_fastdeploy_world import Request
+
+        self.run_tier(tasks)
+        prefills = [t for t in tasks if isinstance(t, Request)]
+        for t in tasks:
+            if getattr(t, "state_copies", None):
+                copy_blocks(self.caches, t.state_copies)
+        bs = self.bs
+        for t in prefills:
+            tokens, start, end = tuple(t.prompt_token_ids), t.prefill_start_index, t.prefill_end_index
+            states = [b for ids in t.state_block_tables for b in ids]
+            for j in range(start // bs):
+                assert self.block(t.block_tables[j]) == self.expected(_key("kv", tokens[: (j + 1) * bs])), (t, j)
+            if start:
+                for i, b in enumerate(states):
+                    assert self.block(b) == self.expected(_key("state", tokens[:start], i)), (t.request_id, i)
+            self.prefill_checks += 1
+            for j in range(start // bs, -(-end // bs)):
+                self.write(t.block_tables[j], _key("kv", tokens[: min((j + 1) * bs, end)]))
+            for i, b in enumerate(states):
+                self.write(b, _key("state", tokens[:end], i))
+        for t in prefills:
+            if getattr(t, "checkpoint_copies", None) and t.checkpoint_copies[0]:
+                copy_blocks(self.caches, t.checkpoint_copies)
+
+
+def _host_tier_facade(num_blocks: int = 40, host_blocks: int = 400):
+    from hybridkv.blockmgr.prefix import CheckpointPolicy, PrefixCacheConfig
+
+    cfg = SimpleNamespace(block_size=4, enable_prefix_caching=True, swap_space=None, num_cpu_blocks=host_blocks)
+    prefix = PrefixCacheConfig(CheckpointPolicy.EVERY_N_BLOCKS, every_n=2)
+    return FastDeployBlockManager.from_cache_config(tiny_layout(num_blocks), cfg, prefix=prefix)
+
+
+def _host_tier_workload(rng: random.Random):
+    """Two 16-token prefixes, used by three requests (the third hits the device), then pushed off
+    the device by requests with inputs of their own, then used again: from the host tier."""
+    from tests.test_fastdeploy_world import Request
+
+    prefixes = [[rng.randrange(1000) for _ in range(16)] for _ in range(2)]
+    waves = []
+    for rnd in range(3):
+        waves.append([Request(f"p{rnd}.{i}", prefixes[i % 2] + [rng.randrange(1000) for _ in range(5)], 2)
+                      for i in range(3)])  # fmt: skip
+        waves.append([Request(f"f{rnd}.{i}", [5000 + 100 * (3 * rnd + i) + j for j in range(44)], 2)
+                      for i in range(3)])  # fmt: skip
+    return waves
+
+
+@pytest.mark.parametrize("v1_mode", [False, True], ids=["legacy", "v1"])
+def test_host_hits_bring_back_every_offloaded_byte_and_their_metrics_match_the_manager(v1_mode):
+    fd = _host_tier_facade()
+    rm = RMv1(fd, max_num_seqs=2, max_num_batched_tokens=24, v1_mode=v1_mode, prefix=True)
+    worker = ByteWorker(fd)
+    stats, rng = fd.manager.prefix_cache.stats, random.Random(3)
+    waves = _host_tier_workload(rng)
+    steps = 0
+    while waves or rm.running or rm.waiting:
+        if waves and not rm.running and not rm.waiting:
+            for r in waves.pop(0):
+                rm.add_request(r)
+        tasks, _ = rm.schedule()
+        worker.step(tasks)
+        done = run_worker_step(rm, tasks, rng)
+        if done:
+            rm.finish_requests(done)
+        check_books(rm, fd)
+        steps += 1
+        assert steps < 500
+    fd.begin_step()
+    tier = fd.manager.prefix_cache.tier
+    assert not rm.swallowed and not rm.over_slots
+    assert tier.stats.offloaded_kv and tier.stats.onloaded_kv and worker.moved["onload"] > 0
+    # the host hits FastDeploy was told are the manager's, token for token (hit_info -> request.metrics)
+    assert stats.hit_tokens_host > 0
+    assert rm.main_metrics["prefix_cpu_cache_token_num"] == stats.hit_tokens_host
+    assert fd.metrics.total_cpu_matched_token_num == stats.hit_tokens_host
+    assert rm.main_metrics["prefix_cache_token_num"] == stats.hit_tokens == fd.metrics.matched_token_num
+    assert 0 < fd.metrics.cpu_hit_token_ratio < fd.metrics.hit_token_ratio
+    assert fd.metrics.gpu_hit_token_ratio > 0
+    # every onloaded block was checked against what its offload wrote; every block is back
+    m, moved = fd.manager, worker.moved
+    assert moved["onload"] == tier.stats.blocks_in(m.num_state_blocks)
+    assert moved["offload"] == tier.stats.blocks_out(m.num_state_blocks)
+    assert moved["bytes"] == (moved["onload"] + moved["offload"]) * m.layout.bytes_per_block
+    assert worker.prefill_checks > 10
+    assert not m.requests and fd.num_free_device_blocks == m.pool.num_usable
+    assert m.host_pool.num_free + tier.num_blocks == m.host_pool.num_usable and m.usage().host_used == 0
+    m.check_integrity()
+
+
+def _all_bytes(caches, host) -> list[bytes]:
+    out = [t.numpy().tobytes() for segs in caches.segments for t in segs]
+    out += [t.numpy().tobytes() for pair in caches.scales if pair is not None for t in pair]
+    out.append(host.pools.torch_data.numpy().tobytes())
+    return out + [t.numpy().tobytes() for pair in host.scales if pair is not None for t in pair]
+
+
+def test_tier_copies_move_every_segment_and_block_wise_fp8_scale_of_a_block():
+    import torch
+
+    from hybridkv.scheduler_adapter.fastdeploy_worker import allocate_host_caches, run_tier_copies
+    from tests.test_fastdeploy import minimax_layout
+
+    layout = minimax_layout("block_wise_fp8", num_blocks=8)
+    caches = allocate_caches(layout, framework="torch")
+    host = allocate_host_caches(caches, 4, pin_memory=False)
+    assert host.bytes_per_block == layout.bytes_per_block  # every segment row and both scale rows
+    gen = torch.Generator().manual_seed(0)
+    tensors = [t for segs in caches.segments for t in segs] + [t for p in caches.scales if p is not None for t in p]
+    for t in tensors:  # block 5: random bytes in every allocation (scales as float32 values)
+        t[5] = torch.randint(0, 256, t[5].shape, generator=gen).to(t.dtype)
+    original = [t[5].clone() for t in tensors]
+    moved = run_tier_copies(caches, host, {"offload": [[5], [3]], "onload": [[], []]})
+    for t in tensors:
+        t[5] = 0
+    moved += run_tier_copies(caches, host, {"offload": [[], []], "onload": [[7], [3]]})
+    assert moved == 2 * layout.bytes_per_block
+    assert all(torch.equal(t[7], o) for t, o in zip(tensors, original, strict=True))
+
+
+@pytest.mark.parametrize(
+    ("copies", "error"),
+    [
+        ({"offload": [[0], [1]], "onload": [[], []]}, ValueError),  # the null block
+        ({"offload": [[-1], [1]], "onload": [[], []]}, ValueError),  # the padding
+        ({"offload": [[3], [9]], "onload": [[], []]}, ValueError),  # past the host pool
+        ({"offload": [[3, 4], [1, 1]], "onload": [[], []]}, ValueError),  # a host block written twice
+        ({"offload": [[], []], "onload": [[3, 3], [1, 2]]}, ValueError),  # a device block written twice
+        ({"offload": [[3, 4], [1]], "onload": [[], []]}, ValueError),  # unequal lengths
+        ({"offload": [[3], [1]], "onload": [[2], [1.0]]}, TypeError),  # not an integer
+        ({"offload": [[3], [1]]}, TypeError),  # no onload list
+        ({"offload": [[3], [1]], "onload": "2,1"}, TypeError),
+    ],
+)
+def test_run_tier_copies_checks_both_lists_before_moving_a_byte(copies, error):
+    import torch
+
+    from hybridkv.scheduler_adapter.fastdeploy_worker import allocate_host_caches, run_tier_copies
+
+    caches = allocate_caches(tiny_layout(17), framework="torch")
+    host = allocate_host_caches(caches, 4, pin_memory=False)
+    for i, t in enumerate(t for segs in caches.segments for t in segs):
+        t[:] = torch.arange(t.numel(), dtype=torch.int64).reshape(t.shape).add(i).remainder(251).to(torch.uint8)
+    before = _all_bytes(caches, host)
+    with pytest.raises(error):
+        run_tier_copies(caches, host, copies)
+    assert _all_bytes(caches, host) == before
+
+
+def test_allocate_host_caches_refuses_bad_arguments():
+    from hybridkv.scheduler_adapter.fastdeploy_worker import allocate_host_caches, run_tier_copies
+
+    caches = allocate_caches(tiny_layout(17), framework="torch")
+    with pytest.raises(TypeError, match="FastDeployCaches"):
+        allocate_host_caches(object(), 4)
+    with pytest.raises(ValueError):
+        allocate_host_caches(caches, 0)
+    with pytest.raises(TypeError):
+        allocate_host_caches(caches, 2.0)
+    other = allocate_host_caches(allocate_caches(tiny_layout(20), framework="torch"), 4, pin_memory=False)
+    with pytest.raises(ValueError, match="another layout"):
+        run_tier_copies(caches, other, {"offload": [[], []], "onload": [[], []]})

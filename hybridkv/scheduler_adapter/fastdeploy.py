@@ -34,10 +34,22 @@ allocates within one ``schedule()``), and an allocation of that request then ref
 matched again. The state copies and tables a worker needs travel in the task
 (:meth:`FastDeployBlockManager.task_fields`); the worker side is
 :mod:`hybridkv.scheduler_adapter.fastdeploy_worker`.
+
+**Host tier** (``PrefixCacheConfig(host_tier=True)``, built from FastDeploy's ``swap_space`` by
+:meth:`FastDeployBlockManager.from_cache_config`): cached blocks evicted from the device are
+offloaded to the host pool and stay matchable. A hit on host-resident blocks is admitted at its
+match, as FastDeploy's ``PrefixCacheManager.request_match_blocks`` allocates its
+``gpu_recv_block_ids`` there: the block table FastDeploy gets then names the device blocks that
+receive the host blocks, and ``hit_info`` splits the hit into device (``gpu_*``) and host
+(``cpu_*``) parts. The step's device <-> host copies reach the worker through patch E9
+(:meth:`~FastDeployBlockManager.take_tier_copies` on the first task of the batch, field
+:data:`TIER_COPIES_FIELD`); copies handed out in a step stay pinned until the next
+:meth:`~FastDeployBlockManager.begin_step`.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import replace
 from typing import Any
@@ -45,8 +57,12 @@ from typing import Any
 import numpy as np
 
 from hybridkv.blockmgr.manager import HybridBlockManager
+from hybridkv.blockmgr.prefix import PrefixCacheConfig, PrefixHit
+from hybridkv.blockmgr.prefix.host_tier import HostTier
 from hybridkv.blockmgr.records import BlockCopies, RequestId, RequestStatus, SwapPlan
 from hybridkv.errors import NoFreeBlocksError, RequestStateError
+from hybridkv.planner.layout import Layout
+from hybridkv.scheduler_adapter.cost import GpuSpec
 from hybridkv.scheduler_adapter.fastdeploy_contract import EngineContractMixin, allocation_args
 from hybridkv.scheduler_adapter.fastdeploy_splitwise import SplitwiseMixin
 from hybridkv.scheduler_adapter.fastdeploy_types import (  # noqa: F401 (public names of this module too)
@@ -54,9 +70,12 @@ from hybridkv.scheduler_adapter.fastdeploy_types import (  # noqa: F401 (public 
     HYBRID_TASK_FIELDS,
     PATCH_SERIES,
     SPLITWISE_ROLES,
+    TIER_COPIES_FIELD,
     EnginePatchError,
+    HitMetrics,
     MatchResult,
     _FreeBlocks,
+    _Hit,
     _Node,
     _Pending,
     _token_ids,
@@ -80,14 +99,23 @@ class FastDeployBlockManager(EngineContractMixin, SplitwiseMixin):
     ``release_block_ids`` / ``request_finish``, or once ``recycle_gpu_blocks`` got all its KV ids.
     Raises ``ValueError`` for a manager with a watermark (FastDeploy reserves decode blocks itself)
     or without attention layers. Answers only an engine that bound itself (:meth:`bind_engine`).
+
+    ``gpu``: the device's :class:`~hybridkv.scheduler_adapter.cost.GpuSpec` (its measured host
+    link rate); with it, a host hit's ``cpu_cache_prepare_time`` is the modelled time of its host ->
+    device copies, without it 0.0 (the facade does not run the copies, so it cannot time them).
+    ``metrics``: prefix-hit counters over all matches (:class:`HitMetrics`, host hits included).
     """
 
-    def __init__(self, manager: HybridBlockManager, cache_config: Any = None) -> None:
+    def __init__(self, manager: HybridBlockManager, cache_config: Any = None, gpu: GpuSpec | None = None) -> None:
         if manager.watermark_blocks:
             raise ValueError("use watermark=0 under FastDeploy: its scheduler keeps its own decode reservation")
         if manager.layout.kv_group is None:
             raise ValueError("FastDeploy's scheduler needs a KV block table: the model has no attention layer")
+        if gpu is not None and not isinstance(gpu, GpuSpec):
+            raise TypeError(f"gpu must be a GpuSpec (its host link rate models cpu_cache_prepare_time), got {gpu!r}")
         self.manager = manager
+        self.gpu = gpu
+        self.metrics = HitMetrics()
         self.block_size = manager.block_size
         self.cache_config = cache_config
         self.enable_prefix_caching = manager.prefix_cache is not None
@@ -100,6 +128,66 @@ class FastDeployBlockManager(EngineContractMixin, SplitwiseMixin):
         self._tickets: set[RequestId] = set()  # requests whose first allocation includes their state sets
         self._stepped = False  # begin_step (patch E4) ran at least once: checkpoint pins get released
         self._transfers = {}  # decode role: pending import plans (SplitwiseMixin)
+        self._admitted: set[RequestId] = set()  # host hits admitted at their match, not allocated by the engine yet
+        self._take_epoch = 0  # pin epoch of the last take_tier_copies (host tier)
+
+    @classmethod
+    def from_cache_config(
+        cls,
+        layout: Layout,
+        cache_config: Any,
+        prefix: PrefixCacheConfig | None = None,
+        gpu: GpuSpec | None = None,
+    ) -> FastDeployBlockManager:
+        """Patch E1's facade from FastDeploy's ``CacheConfig`` (``fastdeploy/config.py``, read at
+        0009064e6f6ed105cfa5d39c4a52021251e275a2): its CPU-cache fields map to hybridkv's host pool.
+
+        - ``enable_prefix_caching`` (bool): a prefix cache (``prefix``, default ``PrefixCacheConfig()``);
+        - ``swap_space`` (GiB of host memory per rank; None: no CPU cache): a host pool of
+          ``floor(swap_space * 2**30 / layout.bytes_per_block)`` blocks of the hybrid layout (KV and
+          state blocks alike). FastDeploy's own ``num_cpu_blocks`` divides the same bytes by its
+          KV-only ``bytes_per_block``, so with ``swap_space`` set that count is not used;
+        - ``num_cpu_blocks`` (only when ``swap_space`` is None): that many host blocks of the layout;
+        - prefix caching and a host pool together turn the host tier on (``host_tier=True``):
+          evicted cached blocks go to the host pool, which swaps share.
+
+        ``block_size`` must equal the layout's. Raises ``TypeError`` / ``ValueError`` before
+        anything is built: a config without these fields' types, a negative or non-finite
+        ``swap_space``, one smaller than a block, a negative ``num_cpu_blocks``, ``prefix`` given
+        with prefix caching off.
+        """
+        if not isinstance(layout, Layout):
+            raise TypeError(f"from_cache_config needs a Layout, got {type(layout).__name__}")
+        if cache_config is None:
+            raise TypeError("from_cache_config needs FastDeploy's cache_config, got None")
+        block_size = getattr(cache_config, "block_size", layout.block_size)
+        if as_count(block_size, "cache_config.block_size", minimum=1) != layout.block_size:
+            raise ValueError(f"cache_config.block_size {block_size} differs from the layout's {layout.block_size}")
+        enable = getattr(cache_config, "enable_prefix_caching", False)
+        if not isinstance(enable, bool):
+            raise TypeError(f"cache_config.enable_prefix_caching must be a bool, got {enable!r}")
+        if prefix is not None and not enable:
+            raise ValueError("a PrefixCacheConfig was given but cache_config.enable_prefix_caching is False")
+        swap = getattr(cache_config, "swap_space", None)
+        if swap is not None:
+            if isinstance(swap, bool) or not isinstance(swap, int | float):
+                raise TypeError(f"cache_config.swap_space must be a number of GiB or None, got {swap!r}")
+            if not math.isfinite(swap) or swap < 0:
+                raise ValueError(f"cache_config.swap_space must be a finite number of GiB >= 0, got {swap}")
+            host = int(swap * 2**30 // layout.bytes_per_block)
+            if swap > 0 and host == 0:
+                raise ValueError(
+                    f"cache_config.swap_space {swap} GiB holds no block of {layout.bytes_per_block} bytes (the "
+                    "hybrid layout's block, KV and state)"
+                )
+        else:
+            cpu = getattr(cache_config, "num_cpu_blocks", None)
+            host = 0 if cpu is None else as_count(cpu, "cache_config.num_cpu_blocks")
+        config = (prefix or PrefixCacheConfig()) if enable else None
+        if config is not None and host > 0 and not config.host_tier:
+            config = replace(config, host_tier=True)
+        manager = HybridBlockManager(layout, num_host_blocks=host, prefix_cache=config)
+        return cls(manager, cache_config, gpu)
 
     # ---- counts ---------------------------------------------------------------------------------
     @property
@@ -122,8 +210,17 @@ class FastDeployBlockManager(EngineContractMixin, SplitwiseMixin):
 
     @property
     def num_cpu_blocks(self) -> int:
-        """0: FastDeploy's hierarchical (CPU) cache is not behind this facade; swap is the manager's."""
-        return 0
+        """Host blocks of the prefix cache's host tier (the host pool it shares with swaps); 0
+        without the tier (a swap-only host pool is not FastDeploy's CPU cache). FastDeploy reads
+        ``num_cpu_blocks > 0`` as "a match may take blocks" and checks, before each match, that the
+        whole prompt fits (``schedule()``'s WAITING branch, ``preallocate_resource_in_p``)."""
+        tier = self._tier
+        return self.manager.host_pool.num_usable if tier is not None and self.manager.host_pool is not None else 0
+
+    @property
+    def _tier(self) -> HostTier | None:
+        cache = self.manager.prefix_cache
+        return cache.tier if cache is not None else None
 
     @property
     def num_state_blocks_per_request(self) -> int:
@@ -135,8 +232,12 @@ class FastDeployBlockManager(EngineContractMixin, SplitwiseMixin):
         """Blocks an allocation can take now (free plus evictable), less the evictable blocks that
         pending matches pin. Each pinned block counts once, however many matches share it (a union,
         not a sum), and only while it is still evictable; a match pins until it lapses (see
-        :meth:`begin_step`)."""
-        return self.manager.num_available_blocks - self._pinned_by_matches()
+        :meth:`begin_step`). The state sets a host hit took at its match count as available until
+        the request's first allocation takes them (its count includes them, E2): FastDeploy matches
+        and allocates one request at a time, so the count its ``can_allocate_gpu_blocks`` sees is
+        exactly what that allocation takes."""
+        reserved = len(self._admitted) * self.manager.num_state_blocks
+        return self.manager.num_available_blocks - self._pinned_by_matches() + reserved
 
     def _pinned_by_matches(self, exclude: RequestId | None = None) -> int:
         """Evictable blocks the pending matches (but ``exclude``'s) hold on to, each counted once:
@@ -217,6 +318,8 @@ class FastDeployBlockManager(EngineContractMixin, SplitwiseMixin):
                 f"the prefix match of {rid!r} lapsed at begin_step (a match is allocated in the schedule() "
                 "that made it): call request_match_blocks / match_prefix again"
             )
+        if rid in self._admitted:
+            return self._allocate_admitted(rid, num_blocks)
         available = m.num_available_blocks - self._pinned_by_matches(exclude=rid)
         if num_blocks > available:
             raise NoFreeBlocksError(f"allocate_gpu_blocks for {rid!r}", num_blocks, self.num_free_device_blocks)
@@ -257,6 +360,33 @@ class FastDeployBlockManager(EngineContractMixin, SplitwiseMixin):
         if len(alloc.copies):
             self._copies[rid] = alloc.copies
         return rec.kv_blocks[shared:].tolist()
+
+    def _allocate_admitted(self, rid: RequestId, num_blocks: int) -> list[int]:
+        """The first allocation of a host hit admitted at its match: ``num_blocks`` includes the
+        state sets (E2's ticket), which the match took already; the rest are new KV blocks past the
+        hit. Returns their ids (the hit's ids went out with the match)."""
+        m = self.manager
+        if rid not in self._tickets:
+            raise EnginePatchError(
+                f"first allocate_gpu_blocks of {rid!r} ({num_blocks} blocks) without its state sets: patch E2 adds "
+                "cache_manager.state_blocks_for(request) where the engine computes a new request's block need "
+                "(docs/fastdeploy.md); without it the engine would get fewer KV ids than it asked for"
+            )
+        num_kv = num_blocks - m.num_state_blocks
+        if num_kv < 0:
+            raise RequestStateError(
+                f"first allocate_gpu_blocks of {rid!r} asks {num_blocks} blocks, fewer than the "
+                f"{m.num_state_blocks} state blocks state_blocks_for added"
+            )
+        if num_kv > m.num_available_blocks - self._pinned_by_matches(exclude=rid):
+            raise NoFreeBlocksError(f"allocate_gpu_blocks for {rid!r}", num_blocks, self.num_free_device_blocks)
+        copies = m.append(rid, num_kv * self.block_size) if num_kv else BlockCopies.empty()
+        self._admitted.discard(rid)
+        self._tickets.discard(rid)
+        if len(copies):
+            self._copies[rid] = self._copies.get(rid, BlockCopies.empty()).concat(copies)
+        rec = m.requests[rid]
+        return rec.kv_blocks[rec.num_kv_blocks - num_kv :].tolist()
 
     # ---- release --------------------------------------------------------------------------------
     def recycle_gpu_blocks(self, gpu_block_ids: Iterable[int] | int, req_id: RequestId | None = None) -> None:
@@ -315,6 +445,7 @@ class FastDeployBlockManager(EngineContractMixin, SplitwiseMixin):
 
     def _free(self, rid: RequestId) -> None:
         self._pending.pop(rid, None)
+        self._admitted.discard(rid)
         self._lapsed.discard(rid)
         self._recycled.pop(rid, None)
         self._copies.pop(rid, None)
@@ -330,48 +461,81 @@ class FastDeployBlockManager(EngineContractMixin, SplitwiseMixin):
         """Legacy match: ``(common_block_ids, matched_token_num, hit_info)``; the request is admitted by
         the next ``allocate_gpu_blocks`` in the same step (which shares these blocks and copies the
         checkpoint). The match replaces an earlier one of the request and lapses at the next
-        :meth:`begin_step`."""
+        :meth:`begin_step`.
+
+        ``hit_info`` has the keys of ``PrefixCacheManager.request_match_blocks`` (read at 000bd93d)
+        and its ``gpu_cache_blocks`` / ``cpu_cache_blocks``: ``match_gpu_block_ids`` are the hit's
+        device-resident blocks, ``gpu_recv_block_ids`` the device blocks that receive its
+        host-resident ones (a host hit is admitted here, as FastDeploy allocates those blocks at
+        its match), ``gpu_match_token_num`` / ``cpu_match_token_num`` their tokens (together
+        ``matched_token_num``). ``common_block_ids`` is the block table through the hit in chain
+        order (FastDeploy concatenates device then host blocks; hybridkv's host-resident blocks may
+        sit between device-resident ones). ``cpu_cache_prepare_time``: the **modelled** time of the
+        hit's host -> device copies (``cpu_cache_prepare_bytes`` over the ``gpu``'s host link
+        rate), 0.0 without a ``gpu``: the worker runs the copies after this call (patch E9), so the
+        facade cannot measure them. ``cpu_cache_prepare_bytes`` (hybridkv's key): those copies'
+        bytes, a host checkpoint's state blocks included."""
         self._require("request_match_blocks")
         block_size = as_count(block_size, "request_match_blocks block_size", minimum=1)
         if block_size != self.block_size:
             raise ValueError(f"block_size {block_size} differs from the layout's {self.block_size}")
-        p = self._match(task)
-        hit = p.num_cached_tokens
-        task.num_cached_blocks = task.cached_block_num = len(p.block_ids)
+        h = self._match(task)
+        bs = self.block_size
+        task.num_cached_blocks = task.cached_block_num = len(h.table)
+        gpu_tokens, cpu_tokens = len(h.device_ids) * bs, len(h.recv_ids) * bs
+        self.metrics.add(gpu_tokens, cpu_tokens, h.num_input_tokens)
         hit_info = {
-            "gpu_cache_blocks": len(p.block_ids),
-            "cpu_cache_blocks": 0,
-            "gpu_match_token_num": hit,
-            "cpu_match_token_num": 0,
+            "gpu_cache_blocks": len(h.device_ids),
+            "cpu_cache_blocks": len(h.recv_ids),
+            "gpu_match_token_num": gpu_tokens,
+            "cpu_match_token_num": cpu_tokens,
             "storage_match_token_num": 0,
-            "match_gpu_block_ids": list(p.block_ids),
-            "gpu_recv_block_ids": [],
+            "match_gpu_block_ids": list(h.device_ids),
+            "gpu_recv_block_ids": list(h.recv_ids),
             "match_storage_block_ids": [],
-            "cpu_cache_prepare_time": 0.0,
+            "cpu_cache_prepare_time": self._prepare_time(h.onload_bytes),
             "storage_cache_prepare_time": 0.0,
+            "cpu_cache_prepare_bytes": h.onload_bytes,
         }
-        return list(p.block_ids), hit, hit_info
+        return list(h.table), h.num_cached_tokens, hit_info
 
     def match_prefix(self, request: Any, skip_storage: bool = True) -> None:
-        """v1 match: sets ``request.match_result`` (device nodes = the hit's KV blocks). Pending like
+        """v1 match: sets ``request.match_result`` (device nodes = the hit's device-resident KV
+        blocks, host nodes = its host-resident ones, as ``CacheManager.match_prefix`` splits them).
+        7808a119's ``_request_match_blocks`` reads ``matched_host_nums`` as ``cpu_match_token_num``
+        and ``device_block_ids`` as the block table: for a host hit (admitted here, see
+        :meth:`request_match_blocks`) that is the whole table through the hit, the receiving
+        blocks included, so the engine's next allocation asks only for blocks past the hit (where
+        ``CacheManager`` hands the receiving blocks out in that allocation). Pending like
         :meth:`request_match_blocks`' match: taken by the next ``allocate_gpu_blocks(request, n)``,
-        replaced by a new match, dropped by ``request_finish``, lapsed at the next :meth:`begin_step`."""
+        replaced by a new match, dropped by ``request_finish``, lapsed at the next :meth:`begin_step`.
+        (7808a119 sets ``cpu_cache_prepare_time`` 0 in this mode, whatever the cache manager knows.)"""
         self._require("match_prefix")
-        p = self._match(request)
-        result = MatchResult([_Node(b) for b in p.block_ids])
+        h = self._match(request)
+        bs = self.block_size
+        self.metrics.add(len(h.device_ids) * bs, len(h.recv_ids) * bs, h.num_input_tokens)
+        table = list(h.table) if h.recv_ids else None
+        result = MatchResult([_Node(b) for b in h.device_ids], [_Node(b) for b in h.host_ids], table=table)
         request._match_result = result
         try:
             request.match_result = result
         except AttributeError:  # FastDeploy's Request exposes it as a read-only property
             pass
 
-    def _match(self, task: Any) -> _Pending:
+    def _prepare_time(self, num_bytes: int) -> float:
+        """Modelled seconds of ``num_bytes`` host -> device on the ``gpu``'s host link; 0.0 without one."""
+        return num_bytes / self.gpu.host_link_bytes_per_s if self.gpu is not None and num_bytes else 0.0
+
+    def _match(self, task: Any) -> _Hit:
         rid = getattr(task, "request_id", None)
         if rid is None:
             raise TypeError(f"a prefix match needs a request with request_id, got {type(task).__name__}")
         tokens = _token_ids(task)
+        num_input = len(tokens)
         self._pending.pop(rid, None)  # a new match of the request replaces its old one
         self._lapsed.discard(rid)
+        if rid in self._admitted:  # (a host hit admitted at its last match: given back first)
+            self._drop_admitted(rid)
         m, cache = self.manager, self.manager.prefix_cache
         if cache is None or rid in m.requests:
             p = _Pending(tokens, 0, [])
@@ -390,12 +554,45 @@ class FastDeployBlockManager(EngineContractMixin, SplitwiseMixin):
             # fit, which a larger first chunk does not change; _allocate refuses a hit that changed
             plan = m.plan_admission(hit.num_tokens, token_ids=tokens) if hit.num_tokens else None
             if plan is not None and plan.num_cached_tokens == hit.num_tokens:
+                if hit.on_host:
+                    return self._admit_host_hit(rid, tokens, hit, num_input)
                 blocks = hit.kv_blocks.tolist()
                 p = _Pending(tokens, hit.num_tokens, blocks, hit.checkpoint_key, branch)
             else:
                 p = _Pending(tokens, 0, [], None, branch)
         self._pending[rid] = p
-        return p
+        return _Hit(p.block_ids, p.num_cached_tokens, p.block_ids, [], [], 0, num_input)
+
+    def _admit_host_hit(self, rid: RequestId, tokens: list[int], hit: PrefixHit, num_input: int) -> _Hit:
+        """Admit a hit that reads host-resident blocks now, with its own tokens: its device blocks
+        (shared and receiving) are FastDeploy's block table through the hit, its checkpoint copy
+        waits in the request's copies and its host -> device copies in the tier's queue (E9). Raises
+        :class:`NoFreeBlocksError` when it does not fit, before any change (FastDeploy's own match
+        raises there too; its ``get_prefix_cached_blocks`` catches it and the request waits)."""
+        m = self.manager
+        alloc = m.allocate(rid, hit.num_tokens, token_ids=tokens)
+        if alloc.num_cached_tokens != hit.num_tokens:  # (plan_admission said hit a moment ago)
+            m.free(rid)
+            raise RequestStateError(f"prefix hit of {rid!r} changed during its admission: match again")
+        self._admitted.add(rid)
+        if len(alloc.copies):
+            self._copies[rid] = alloc.copies
+        n = hit.num_tokens // self.block_size
+        table = m.requests[rid].kv_blocks[:n]
+        on_dev = np.ones(n, dtype=bool)
+        on_dev[hit.host_index] = False
+        onload = int(hit.host_kv.size) + (m.num_state_blocks if hit.host_checkpoint is not None else 0)
+        return _Hit(
+            table.tolist(), hit.num_tokens, table[on_dev].tolist(), table[~on_dev].tolist(), hit.host_kv.tolist(),
+            onload * m.layout.bytes_per_block, num_input,
+        )  # fmt: skip
+
+    def _drop_admitted(self, rid: RequestId) -> None:
+        """Give back a host hit admitted at its match that no allocation took (its copies still run:
+        the blocks it filled stay cached)."""
+        self._admitted.discard(rid)
+        self._copies.pop(rid, None)
+        self.manager.free(rid)
 
     def update_cache_blocks(self, task: Any, block_size: int, num_computed_tokens: int) -> None:
         """After a prefill chunk is scheduled (``task`` is the prefill ``Request``, already prepared):
@@ -456,16 +653,50 @@ class FastDeployBlockManager(EngineContractMixin, SplitwiseMixin):
         allocates a request within one ``schedule()`` (and releases it when the allocation fails), so
         such a match was abandoned. It stops pinning blocks, and a later ``allocate_gpu_blocks`` of
         that request refuses (``RequestStateError`` in both forms) until it is matched again. Tickets
-        (:meth:`state_blocks_for`) of requests not admitted lapse too."""
+        (:meth:`state_blocks_for`) of requests not admitted lapse too, and so does a host hit admitted
+        at its match that no allocation took (it is given back).
+
+        With the host tier every copy handed out in a step is pinned (a pin epoch per step) until
+        this call: the worker ran them before this step's copies. Tier copies that E9 has not taken
+        yet (a step with an empty batch) keep their pins until a later step hands them out."""
         self._require("begin_step")
         self._stepped = True
         self._tickets.clear()
-        self.manager.release_pins()
+        for rid in sorted(self._admitted, key=repr):
+            self._drop_admitted(rid)
+            self._lapsed.add(rid)
+        tier = self._tier
+        if tier is not None and tier.has_queued():
+            self.manager.release_pins(before=self._take_epoch)
+        else:
+            self.manager.release_pins()
+        if tier is not None:
+            self.manager.begin_pin_epoch()
         self._fresh.clear()
         for rid in self._pending:
             if rid not in self.manager.requests:
                 self._lapsed.add(rid)
         self._pending.clear()
+
+    def take_tier_copies(self) -> dict[str, list[list[int]]] | None:
+        """Patch E9, the last lines of ``schedule()``: the host tier's copies of this step, for the
+        first task of the batch (field :data:`TIER_COPIES_FIELD`), or None when there are none (or
+        no tier). ``{"offload": [[device...], [host...]], "onload": [[device...], [host...]]}``,
+        ``device[i] <-> host[i]``: the worker runs the offloads (device -> host, cached blocks
+        evicted in this step) before anything else of the step, then the onloads (host -> device,
+        host hits), then the tasks' ``state_copies`` and the forward (W6, docs/contract.md stages 0
+        and 3b). Taken once per step, after every allocation and checkpoint reservation of the step;
+        the host blocks they touch stay held until the next :meth:`begin_step`."""
+        self._require("take_tier_copies")
+        tier = self._tier
+        if tier is None or not tier.has_queued():
+            return None
+        self._take_epoch = self.manager.pin_epoch
+        plan = self.manager.take_tier_copies()
+        return {
+            "offload": [plan.offload.device_blocks.tolist(), plan.offload.host_blocks.tolist()],
+            "onload": [plan.onload.device_blocks.tolist(), plan.onload.host_blocks.tolist()],
+        }
 
     # ---- configuration --------------------------------------------------------------------------
     def update_cache_config(self, cache_config: Any) -> None:
@@ -485,18 +716,21 @@ class FastDeployBlockManager(EngineContractMixin, SplitwiseMixin):
         host = m.host_pool.num_usable if m.host_pool is not None else 0
         config = m.prefix_cache.config if m.prefix_cache is not None else None
         self.manager = HybridBlockManager(layout, num_host_blocks=host, prefix_cache=config)
+        self._take_epoch = 0  # (the new manager's pin epochs start again)
 
-    # ---- v1 CacheManager's host backups (write_through_selective): no host tier behind the facade ----
+    # ---- v1 CacheManager's host backups (write_through_selective): the host tier offloads on eviction ----
     def issue_pending_backup_to_batch_request(self) -> None:
-        """``schedule()`` (v1 mode, a non-empty batch) attaches what this returns as evict metadata: no
-        host cache here, so no backup is pending: None, as ``CacheManager`` returns without one."""
+        """``schedule()`` (v1 mode, a non-empty batch) attaches what this returns as evict metadata:
+        hybridkv's host tier makes no backups (it offloads a cached block when it is evicted, and
+        those copies go through E9's :meth:`take_tier_copies`), so none is pending: None, as
+        ``CacheManager`` returns without one."""
         self._require("issue_pending_backup_to_batch_request")
         return None
 
     def check_and_add_pending_backup(self) -> None:
         """The last call of every v1 ``schedule()``: ``CacheManager`` queues device->host backups of hot
-        nodes when it has a host cache; this facade has none (``num_cpu_blocks`` 0), so nothing is
-        queued, as ``CacheManager`` does without one."""
+        nodes when it has a host cache; hybridkv's host tier offloads on eviction instead (no
+        backups), so nothing is queued, as ``CacheManager`` does without a host cache."""
         self._require("check_and_add_pending_backup")
 
     def get_pending_backup_count(self) -> int:
@@ -534,14 +768,16 @@ class FastDeployBlockManager(EngineContractMixin, SplitwiseMixin):
         """What the prefill ``Request`` / ``ScheduledDecodeTask`` of this step carries to the worker
         (:data:`HYBRID_TASK_FIELDS`): the state sets, ``[[src], [dst]]`` block copies to run before
         the forward (prefix-hit checkpoint -> live, copy-on-write) and after it (live -> checkpoint;
-        empty here, filled by :meth:`update_cache_blocks` on the prefill task). Taking them clears
-        the pending copies."""
+        empty here, filled by :meth:`update_cache_blocks` on the prefill task), and ``tier_copies``
+        None (patch E9 sets the step's host-tier copies on the batch's first task afterwards).
+        Taking them clears the pending copies."""
         self._require("task_fields")
         pre = self._copies.pop(request_id, BlockCopies.empty())
         return {
             "state_block_tables": self.state_block_table(request_id),
             "state_copies": [pre.src.tolist(), pre.dst.tolist()],
             "checkpoint_copies": [[], []],
+            TIER_COPIES_FIELD: None,
         }
 
     # ---- step metadata (hybridkv Scheduler path) ------------------------------------------------
@@ -580,8 +816,10 @@ __all__ = [
     "ALLOCATE_FORMS",
     "HYBRID_TASK_FIELDS",
     "PATCH_SERIES",
+    "TIER_COPIES_FIELD",
     "EnginePatchError",
     "FastDeployBlockManager",
+    "HitMetrics",
     "FastDeployCaches",
     "MatchResult",
     "StateLayerSlot",

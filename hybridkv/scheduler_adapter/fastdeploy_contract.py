@@ -16,12 +16,14 @@ from hybridkv.units import as_count, is_integer
 
 class EngineContractMixin:
     """Part of :class:`~hybridkv.scheduler_adapter.fastdeploy.FastDeployBlockManager`: the binding and
-    the tickets. Ownership: ``_binding`` is set once; ``_tickets`` holds ids of requests that hold no
-    blocks yet and whose next first allocation includes their state sets."""
+    the tickets. Ownership: ``_binding`` is set once; ``_tickets`` holds ids of requests the engine
+    has not allocated yet and whose next first allocation includes their state sets; ``_admitted``
+    (the facade's) the host hits admitted at their match, waiting for that first allocation."""
 
     manager: HybridBlockManager
     _binding: tuple[bool, str] | None
     _tickets: set[RequestId]
+    _admitted: set[RequestId]
 
     # ---- the engine contract --------------------------------------------------------------------
     def bind_engine(self, patch_series: str, *, cache_manager_v1: bool, splitwise_role: str = "mixed") -> None:
@@ -57,14 +59,15 @@ class EngineContractMixin:
     def state_blocks_for(self, request: Any) -> int:
         """Patch E2: what the engine adds to a request's block need where it admits the request (the
         WAITING and PREEMPTED branches of ``schedule()``, ``preallocate_resource_in_p`` / ``_in_d``):
-        :attr:`num_state_blocks_per_request` for a request that holds no blocks yet, else 0. The call
-        is the request's ticket: its first ``allocate_gpu_blocks`` takes the state sets out of its
-        count. Tickets lapse at :meth:`begin_step` and on release."""
+        :attr:`num_state_blocks_per_request` for a request the engine has not allocated yet (no
+        blocks, or a host hit admitted at its match, whose state sets wait for that first
+        allocation), else 0. The call is the request's ticket: its first ``allocate_gpu_blocks``
+        takes the state sets out of its count. Tickets lapse at :meth:`begin_step` and on release."""
         self._require("state_blocks_for")
         rid = getattr(request, "request_id", None)
         if rid is None:
             raise TypeError(f"state_blocks_for needs a request with request_id, got {type(request).__name__}")
-        if rid in self.manager.requests:
+        if rid in self.manager.requests and rid not in self._admitted:
             return 0
         self._tickets.add(rid)
         return self.manager.num_state_blocks

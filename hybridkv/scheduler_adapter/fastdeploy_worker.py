@@ -17,6 +17,9 @@ indexed by the batch slot ``request.idx``:
 - :class:`StateTables`: ``state_block_tables`` int32 ``[num_state_groups, max_num_seqs,
   blocks_per_state]``, allocated once and updated in place from the tasks, like FastDeploy's
   ``share_inputs["block_tables"]``; rows without a live request are -1, FastDeploy's padding.
+- :class:`FastDeployHostCaches` / :func:`run_tier_copies`: the host pool of the prefix cache's host
+  tier (block-major, one host block = one device block's row of every allocation) and the step's
+  device <-> host copies (patch E9's ``tier_copies`` task field), run before the step's other copies.
 
 Every public entry point checks its arguments before it writes anything: batch slots must be
 integers in ``[0, max_num_seqs)`` (:class:`BatchSlotError` otherwise; a negative slot would index
@@ -32,14 +35,18 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
 from hybridkv.errors import HybridKVError
 from hybridkv.models.spec import AttentionLayerSpec, DType
 from hybridkv.planner.layout import NULL_BLOCK, Layout
+from hybridkv.scheduler_adapter.fastdeploy_types import TIER_COPIES_FIELD
 from hybridkv.units import as_count, is_integer
+
+if TYPE_CHECKING:
+    from hybridkv.ops.pools import BlockPools
 
 PAD_BLOCK = -1
 """FastDeploy pads ``block_tables`` rows with -1; state tables use the same value."""
@@ -350,6 +357,166 @@ def copy_blocks(caches: FastDeployCaches, copies: Sequence[Sequence[int]]) -> No
             s_idx = torch.from_numpy(src).to(tt.device)
             d_idx = torch.from_numpy(dst).to(tt.device)
             tt[d_idx] = tt[s_idx]
+
+
+# ---- the host tier's pool and copies (W6) ----------------------------------------------------------------
+@dataclass(frozen=True, eq=False)
+class FastDeployHostCaches:
+    """The worker's host pool for hybridkv's host tier (and its swaps): host block ``h`` of the
+    manager (``HybridBlockManager(num_host_blocks=N)`` hands out ``0 .. N-1``) holds one device
+    block's row of every allocation of :class:`FastDeployCaches`.
+
+    ``pools``: :func:`hybridkv.ops.pools.allocate_host_pools`, block-major uint8
+    ``[N, num_layer_slots, num_segments, segment_bytes]`` (a host block is one contiguous
+    ``block_bytes * num_layer_slots`` chunk, so a run of consecutive host ids is one copy).
+    ``scales[s]``: ``(k, v)`` float32 ``[N, kv_heads, block_size]`` for a ``block_wise_fp8`` slot
+    ``s``, else None. The object owns the (pinned, with CUDA) memory."""
+
+    layout: Layout
+    pools: BlockPools
+    scales: tuple[tuple[Any, Any] | None, ...]
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pools.num_blocks
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes of one host block: every segment row and scale row of one device block."""
+        scales = sum(int(t[0].nbytes) for pair in self.scales if pair is not None for t in pair)
+        return int(self.pools.torch_data[0].nbytes) + scales
+
+
+def allocate_host_caches(
+    caches: FastDeployCaches, num_host_blocks: int, pin_memory: bool | None = None
+) -> FastDeployHostCaches:
+    """The host pool for ``caches``: ``num_host_blocks`` blocks (the manager's ``num_host_blocks``;
+    with :meth:`~hybridkv.scheduler_adapter.fastdeploy.FastDeployBlockManager.from_cache_config`,
+    ``facade.manager.host_pool.num_usable``). Pinned by default when CUDA is there. ``TypeError`` /
+    ``ValueError`` for other objects or a count below 1."""
+    if not isinstance(caches, FastDeployCaches):
+        raise TypeError(f"allocate_host_caches needs FastDeployCaches, got {type(caches).__name__}")
+    n = as_count(num_host_blocks, "num_host_blocks", minimum=1)
+    layout = caches.layout
+    if len(caches.segments) != layout.group_size or any(len(seg) != layout.num_segments for seg in caches.segments):
+        raise ValueError("allocate_host_caches: the caches do not have the layout's layer slots and segments")
+    import torch
+
+    from hybridkv.ops.pools import allocate_host_pools
+
+    pools = allocate_host_pools(layout, n, framework="torch", pin_memory=pin_memory)
+
+    pin = bool(pools.torch_data.is_pinned())
+    scales: list[tuple[Any, Any] | None] = []
+    for pair in caches.scales:
+        if pair is None:
+            scales.append(None)
+            continue
+        shape = (n, *tuple(pair[0].shape)[1:])
+        scales.append(tuple(torch.zeros(shape, dtype=torch.float32, pin_memory=pin) for _ in range(2)))  # type: ignore[arg-type]
+    return FastDeployHostCaches(layout, pools, tuple(scales))
+
+
+def _host_ids(host: FastDeployHostCaches, values: Any, what: str, distinct: bool) -> np.ndarray:
+    arr = _host_array(values, what)
+    bad = (arr < 0) | (arr >= host.num_blocks)
+    if bad.any():
+        raise BlockIdError(f"{what}: {sorted(set(arr[bad].tolist()))[:5]} are not host blocks 0..{host.num_blocks - 1}")
+    if distinct and np.unique(arr).size != arr.size:
+        values_, counts = np.unique(arr, return_counts=True)
+        raise BlockIdError(f"{what}: host blocks {values_[counts > 1][:5].tolist()} appear more than once")
+    return arr
+
+
+def _tier_pairs(
+    caches: FastDeployCaches, host: FastDeployHostCaches, copies: Any, key: str
+) -> tuple[np.ndarray, np.ndarray]:
+    """``copies[key]`` = ``[[device...], [host...]]``, checked: real device blocks of the layout, host
+    blocks of the pool, equal lengths, no destination twice (host for ``offload``, device for ``onload``)."""
+    pair = copies.get(key)
+    if isinstance(pair, str | bytes) or not hasattr(pair, "__len__") or len(pair) != 2:
+        raise TypeError(f"tier_copies[{key!r}] must be [[device...], [host...]], got {pair!r}")
+    dev = check_block_ids(caches.layout, pair[0], f"tier_copies[{key!r}] device", distinct=key == "onload")
+    hst = _host_ids(host, pair[1], f"tier_copies[{key!r}] host", distinct=key == "offload")
+    if dev.ndim != 1 or hst.ndim != 1 or dev.size != hst.size:
+        raise ValueError(f"tier_copies[{key!r}]: device and host ids must be two lists of equal length")
+    return dev, hst
+
+
+def run_tier_copies(caches: FastDeployCaches, host: FastDeployHostCaches, copies: Any) -> int:
+    """W6: run one step's host-tier copies (the ``tier_copies`` field patch E9 sets, from
+    :meth:`~hybridkv.scheduler_adapter.fastdeploy.FastDeployBlockManager.take_tier_copies`):
+    first ``offload`` (device -> host: cached blocks the step evicted), then ``onload`` (host ->
+    device: the step's host hits, a host checkpoint straight into the live sets). Every row of
+    every allocation moves: segments and ``block_wise_fp8`` scales, so a state block's bytes move
+    with it. Run it before the step's ``state_copies`` and forward (docs/contract.md stages 0 and
+    3b). Both lists are checked before anything moves. Returns the bytes moved.
+
+    Reference path, like :func:`copy_blocks`: per allocation one gather of the device rows, one
+    copy per run of consecutive host ids (``hybridkv.ops.swap.runs.host_runs``), synchronous."""
+    if not isinstance(caches, FastDeployCaches) or not isinstance(host, FastDeployHostCaches):
+        raise TypeError(
+            f"run_tier_copies needs FastDeployCaches and FastDeployHostCaches, got {type(caches).__name__}, "
+            f"{type(host).__name__}"
+        )
+    if host.layout is not caches.layout and host.layout != caches.layout:
+        raise ValueError("run_tier_copies: the host pool was allocated for another layout than the caches")
+    if not isinstance(copies, dict) or set(copies) != {"offload", "onload"}:
+        raise TypeError(f"tier_copies must be a dict with keys 'offload' and 'onload', got {copies!r}")
+    out = _tier_pairs(caches, host, copies, "offload")
+    back = _tier_pairs(caches, host, copies, "onload")
+    moved = 0
+    for (dev, hst), to_host in ((out, True), (back, False)):
+        if dev.size:
+            _swap_rows(caches, host, dev, hst, to_host)
+            moved += int(dev.size) * host.bytes_per_block
+    return moved
+
+
+def _swap_rows(
+    caches: FastDeployCaches, host: FastDeployHostCaches, dev: np.ndarray, hst: np.ndarray, to_host: bool
+) -> None:
+    """``host[hst[i]] <-> device[dev[i]]`` in every allocation (sorted by host id, one copy per run)."""
+    import torch
+
+    from hybridkv.ops.swap.runs import host_runs
+
+    order = np.argsort(hst, kind="stable")
+    dev, hst = dev[order], hst[order]
+    runs = host_runs(hst)
+    pairs: list[tuple[Any, Any]] = []
+    data = host.pools.torch_data  # [N, slots, segments, segment_bytes]
+    for s, segs in enumerate(caches.segments):
+        pairs.extend((t, data[:, s, k]) for k, t in enumerate(segs))
+        if caches.scales[s] is not None:
+            assert host.scales[s] is not None
+            pairs.extend(zip(caches.scales[s], host.scales[s], strict=True))  # type: ignore[arg-type]
+    for t, h in pairs:
+        tt = _torch(t)
+        idx = torch.from_numpy(dev).to(tt.device)
+        if to_host:
+            rows = tt[idx].cpu()
+            for a, b in runs:
+                first = int(hst[a])
+                h[first : first + b - a].copy_(rows[a:b])
+        else:
+            rows = torch.empty((dev.size, *h.shape[1:]), dtype=h.dtype)
+            for a, b in runs:
+                first = int(hst[a])
+                rows[a:b].copy_(h[first : first + b - a])
+            tt[idx] = rows.to(tt.device)
+
+
+def run_step_tier_copies(caches: FastDeployCaches, host: FastDeployHostCaches, tasks: Iterable[Any]) -> int:
+    """W6 in ``insert_tasks_v1``, before any task's ``state_copies``: run the ``tier_copies`` of the
+    step's tasks (E9 sets it on the first task of a batch; tasks without it are passed over), in
+    task order. Returns the bytes moved."""
+    moved = 0
+    for task in tasks:
+        copies = getattr(task, TIER_COPIES_FIELD, None)
+        if copies is not None:
+            moved += run_tier_copies(caches, host, copies)
+    return moved
 
 
 # ---- state tables in persistent buffers ---------------------------------------------------------------
