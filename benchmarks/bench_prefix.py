@@ -29,6 +29,9 @@ Workloads (``--workloads``):
     python benchmarks/bench_prefix.py --workloads multiturn --sessions 400 --name prefix_multiturn
     python benchmarks/bench_prefix.py --quick                  # first 400 requests, one budget
     python benchmarks/bench_prefix.py --jobs 2                 # replays in 2 processes (same results)
+    # the host tier's table (issue 32): both models x device 16/32/64 GiB x host 0/64/256/1024 GiB,
+    # paged branch_spaced+lru (the default), whole synthetic trace, the unbounded figure, link time
+    python benchmarks/bench_prefix.py --grid
     # issue 14's 24 runs (the rows of 2026-11-29), as then: demote_tail off
     python benchmarks/bench_prefix.py --workloads trace --legacy --config paged every_n_blocks lru 8 \
         --config paged every_n_blocks flop_aware 8 --config paged branch_and_last lru 8 \
@@ -36,6 +39,13 @@ Workloads (``--workloads``):
 
 ``--quick`` is a sample for checking that the replay runs, not a result: 400 requests barely fill the
 cache, so eviction (where the policies differ) hardly happens.
+
+``--grid`` is the host tier's budget table: the trace workload, the library's default policy
+(paged ``branch_spaced`` + ``lru``), device budgets x host tier sizes (``--budgets`` and
+``--host-cache`` change them), the unbounded hit rate, and per host row the bytes the tier moved on
+the host link and their seconds at the GPU's host-link rate (``--gpu``, ``--calibration``: the
+simulator's rates, one direction at a time, not overlapped with anything). It prints the table at
+the end and saves it in the JSON (``grid``).
 """
 
 from __future__ import annotations
@@ -60,6 +70,7 @@ from hybridkv.blockmgr.prefix import CheckpointPolicy, EvictionPolicy, PrefixCac
 from hybridkv.errors import AllocationError  # noqa: E402
 from hybridkv.models.presets import preset  # noqa: E402
 from hybridkv.planner.layout import plan  # noqa: E402
+from hybridkv.scheduler_adapter.cost import GpuSpec, load_gpu  # noqa: E402
 from hybridkv.sim.trace import (  # noqa: E402
     DEFAULT_TRACE,
     MOONCAKE_BLOCK_TOKENS,
@@ -89,6 +100,11 @@ CONFIGS = [
     ("paged", "branch_spaced", "lru", 8),
 ]
 WORKLOADS = ("trace", "trace-sessions", "multiturn")
+DEFAULT_WORKLOADS = ("trace", "multiturn")
+# --grid: the host tier's budget table (issue 32), the default policy on the trace
+GRID_BUDGETS = (16, 32, 64)
+GRID_HOST_CACHE = (0, 64, 256, 1024)
+GRID_CONFIG = ("paged", "branch_spaced", "lru", 8)
 EVERY_BLOCK = ("padded", "every_n_blocks", "lru", 1)  # cached KV in plain LRU order (not vLLM 0.33: see above)
 
 
@@ -462,6 +478,68 @@ def compare(rows: list[dict]) -> list[dict]:
     return out
 
 
+def link_seconds(row: dict, gpu: GpuSpec) -> dict:
+    """``row`` with the seconds its host tier's bytes take on ``gpu``'s host link, one direction at a
+    time (``offload_link_s``: device -> host, ``onload_link_s``: host -> device, ``link_s``: both),
+    as the simulator prices them; a row without a tier gets zeros."""
+    rate = gpu.host_link_bytes_per_s
+    out, back = row.get("offload_bytes", 0) / rate, row.get("onload_bytes", 0) / rate
+    return row | {"offload_link_s": out, "onload_link_s": back, "link_s": out + back}
+
+
+def grid_table(rows: list[dict], unbounded: dict) -> dict:
+    """The budget table of ``rows`` (one per workload, model, device budget and host size):
+    ``{workload: {model: {device GiB: {host GiB: cell}}}}`` with a cell's hit rate, the tier's bytes
+    out / in and their link seconds, and ``unbounded`` per workload (its token hit rate). Keys are
+    strings (JSON). Raises ``ValueError`` when two rows fill one cell (more than one policy)."""
+    table: dict = {}
+    for r in rows:
+        cells = table.setdefault(r["workload"], {}).setdefault(r["model"], {}).setdefault(str(r["budget_gib"]), {})
+        key = str(r.get("host_gib", 0))
+        if key in cells:
+            raise ValueError(f"two rows for {r['workload']} {r['model']} {r['budget_gib']} GiB host {key} GiB: "
+                             "a grid has one policy")
+        cells[key] = {
+            "token_hit_rate": r["token_hit_rate"],
+            "host_hit_tokens": r.get("host_hit_tokens", 0),
+            "offload_bytes": r.get("offload_bytes", 0),
+            "onload_bytes": r.get("onload_bytes", 0),
+            "offload_link_s": r.get("offload_link_s", 0.0),
+            "onload_link_s": r.get("onload_link_s", 0.0),
+        }
+    return {"cells": table, "unbounded": {w: u["token_hit_rate"] for w, u in unbounded.items()}}
+
+
+def format_grid(grid: dict) -> str:
+    """``grid_table``'s table as text: per workload and model, one line per device budget with the hit
+    rate at each host size, then the tier's GB out / in and link seconds at each host size > 0."""
+    lines = []
+    for workload, models in grid["cells"].items():
+        ub = grid["unbounded"].get(workload)
+        for model, budgets in models.items():
+            hosts = sorted({h for cells in budgets.values() for h in cells}, key=float)
+            head = " ".join(f"{'host ' + h + ' GiB':>14s}" for h in hosts)
+            lines.append(f"{workload} {model}: token hit rate" + (f" (unbounded {ub:.1%})" if ub is not None else ""))
+            lines.append(f"  {'device':>8s} {head}")
+            for b in sorted(budgets, key=float):
+                cells = budgets[b]
+                vals = " ".join(f"{cells[h]['token_hit_rate']:>14.1%}" if h in cells else f"{'-':>14s}" for h in hosts)
+                lines.append(f"  {b + ' GiB':>8s} {vals}")
+            tiers = [h for h in hosts if float(h) > 0]
+            if tiers:
+                lines.append("  host link: GB out / in (s out + in)")
+                for b in sorted(budgets, key=float):
+                    cells = budgets[b]
+                    parts = []
+                    for h in tiers:
+                        c = cells.get(h)
+                        parts.append("-" if c is None else
+                                     f"{h} GiB {c['offload_bytes'] / 1e9:,.0f} / {c['onload_bytes'] / 1e9:,.0f} "
+                                     f"({c['offload_link_s']:.1f} + {c['onload_link_s']:.1f})")
+                    lines.append(f"  {b + ' GiB':>8s} " + "; ".join(parts))
+    return "\n".join(lines)
+
+
 # (workload, items, model, budget, layout, checkpoint, eviction, every_n, host GiB) of main()
 _RUNS: list[tuple] = []
 
@@ -479,14 +557,18 @@ def _run(i: int, concurrency: int, align: tuple[int, ...], legacy: bool, progres
 
 def _line(r: dict) -> str:
     host = f"{r['host_gib']:5d}"
-    moved = (f"{r.get('onload_bytes', 0) / GiB:9.1f} / {r.get('offload_bytes', 0) / GiB:9.1f}"
-             if r["host_gib"] else f"{'-':>21s}")
+    moved = (f"{r.get('onload_bytes', 0) / GiB:9.1f} / {r.get('offload_bytes', 0) / GiB:9.1f} "
+             f"{r.get('link_s', 0.0):7.1f}" if r["host_gib"] else f"{'-':>29s}")
     return (f"{r['workload']:15s} {r['model']:20s} {r['budget_gib']:4d} {host} {r['config']:34s} "
             f"{r['token_hit_rate']:8.1%} {r['checkpoint_bytes_mean'] / GiB:9.2f} / "
             f"{r['checkpoint_bytes_max'] / GiB:7.2f} {moved} {r['skipped']:7d} {r['seconds']:6.1f}")
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, checked and resolved: ``--grid`` filled in (workload, policy, budgets, host
+    sizes, unbounded, name), ``workloads`` / ``host_cache`` / ``name`` defaults applied, ``gpu`` the
+    :class:`GpuSpec` of ``--gpu`` / ``--calibration``. Exits with status 2 and one message on bad
+    input, before any work."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--trace", default=str(DEFAULT_TRACE))
     ap.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
@@ -496,26 +578,67 @@ def main(argv: list[str] | None = None) -> int:
     # (branch_spaced uses PrefixCacheConfig's defaults: spaced_align_tokens, gap_fraction)
     ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     ap.add_argument("--budgets", nargs="+", type=int, default=None, help="GiB (default 16 32 64)")
-    ap.add_argument("--workloads", nargs="+", default=["trace", "multiturn"], choices=WORKLOADS)
+    ap.add_argument("--workloads", nargs="+", default=None, choices=WORKLOADS,
+                    help=f"default {' '.join(DEFAULT_WORKLOADS)}")
     ap.add_argument("--configs", nargs="+", type=int, default=None, help="indices into CONFIGS (default all)")
     ap.add_argument("--config", nargs=4, action="append", default=None,
                     metavar=("LAYOUT", "CHECKPOINT", "EVICTION", "N"),
                     help="a row not in CONFIGS, e.g. paged every_n_blocks lru 8 (repeatable; with --configs, both)")
     ap.add_argument("--sessions", type=int, default=300, help="multiturn: number of conversations")
-    ap.add_argument("--name", default="prefix", help="results file name prefix")
+    ap.add_argument("--name", default=None, help="results file name prefix (default prefix; --grid: "
+                    "prefix_hosttier_grid)")
     ap.add_argument("--jobs", type=int, default=1,
                     help="replays at once, one process each (same results; per-replay seconds then share cores)")
     ap.add_argument("--legacy", action="store_true",
                     help="demote_tail off in every row (as before it existed: comparable with older runs)")
-    ap.add_argument("--host-cache", nargs="+", type=int, default=[0], metavar="GIB",
-                    help="host tier sizes in GiB per GPU, one replay each (0: no tier; default 0)")
+    ap.add_argument("--host-cache", nargs="+", type=int, default=None, metavar="GIB",
+                    help="host tier sizes in GiB per GPU, one replay each (0: no tier; default 0; --grid: "
+                    f"{' '.join(map(str, GRID_HOST_CACHE))})")
     ap.add_argument("--unbounded", action="store_true",
                     help="also report the unbounded hit rate of the trace workloads (every full hash block kept)")
+    ap.add_argument("--grid", action="store_true",
+                    help="the host tier's budget table: trace workload, paged branch_spaced+lru, budgets "
+                    f"{' '.join(map(str, GRID_BUDGETS))} x host {' '.join(map(str, GRID_HOST_CACHE))} GiB, "
+                    "unbounded, host-link time (not with --workloads, --configs, --config, --quick, --legacy)")
+    ap.add_argument("--gpu", default="h200", help="GPU preset or JSON whose host link prices the tier's bytes")
+    ap.add_argument("--calibration", default=None, help="a measured calibration JSON (as hybridkv simulate's)")
     args = ap.parse_args(argv)
     if args.jobs < 1:
         ap.error(f"--jobs must be at least 1, got {args.jobs}")
-    if any(h < 0 for h in args.host_cache):
+    if args.host_cache is not None and any(h < 0 for h in args.host_cache):
         ap.error(f"--host-cache sizes must be >= 0 GiB, got {args.host_cache}")
+    if args.budgets is not None and any(b < 1 for b in args.budgets):
+        ap.error(f"--budgets must be >= 1 GiB, got {args.budgets}")
+    if args.grid:
+        given = [flag for flag, v in (("--workloads", args.workloads), ("--configs", args.configs),
+                                      ("--config", args.config), ("--quick", args.quick), ("--legacy", args.legacy))
+                 if v]
+        if given:
+            ap.error(f"--grid fixes the workload and the policy: drop {', '.join(given)}")
+        args.workloads = ["trace"]
+        args.config = [[str(v) for v in GRID_CONFIG]]
+        args.budgets = args.budgets or list(GRID_BUDGETS)
+        args.host_cache = args.host_cache or list(GRID_HOST_CACHE)
+        args.unbounded = True
+        args.name = args.name or "prefix_hosttier_grid"
+    args.workloads = args.workloads or list(DEFAULT_WORKLOADS)
+    args.host_cache = args.host_cache or [0]
+    args.name = args.name or "prefix"
+    try:
+        args.gpu = load_gpu(args.gpu, args.calibration)
+    except ValueError as e:
+        ap.error(f"--gpu / --calibration: {e}")
+    try:
+        args.config = [list(parse_config(c)) for c in args.config or []]
+    except ValueError as e:
+        ap.error(str(e))
+    if args.configs is not None and any(not 0 <= i < len(CONFIGS) for i in args.configs):
+        ap.error(f"--configs indices must be in 0..{len(CONFIGS) - 1}, got {args.configs}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     limit = 400 if args.quick and args.limit is None else args.limit
     quick_note = (
         "--quick: a sample (the first 400 requests, one budget per model), not a result. Too few requests "
@@ -524,10 +647,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         print(quick_note, flush=True)
     configs = [CONFIGS[i] for i in args.configs or []] if args.configs or args.config else list(CONFIGS)
-    try:
-        configs += [parse_config(c) for c in args.config or []]
-    except ValueError as e:
-        ap.error(str(e))
+    configs += [tuple(c) for c in args.config]
     rows, infos = [], {}
     runs = []
     unbounded = {}
@@ -547,7 +667,7 @@ def main(argv: list[str] | None = None) -> int:
             runs += [(workload, items, model_key, b, *c, h) for b in budgets for c in configs for h in args.host_cache]
     print(
         f"{'workload':15s} {'model':20s} {'GiB':>4s} {'host':>5s} {'config':34s} {'hit rate':>8s} "
-        f"{'ckpt GiB (mean/max)':>20s} {'GiB in / out (host)':>21s} {'skipped':>7s} {'s':>6s}",
+        f"{'ckpt GiB (mean/max)':>20s} {'GiB in / out, link s':>29s} {'skipped':>7s} {'s':>6s}",
         flush=True,
     )
     _RUNS[:] = runs  # read by the workers (forked: the items are not copied per run)
@@ -560,11 +680,11 @@ def main(argv: list[str] | None = None) -> int:
             futures = [pool.submit(_run, i, *settings, False) for i in range(len(runs))]
             for done in as_completed(futures):
                 overall.update(1)
-                overall.write(_line(done.result()))
-            rows = [f.result() for f in futures]  # in run order, whatever finished first
+                overall.write(_line(link_seconds(done.result(), args.gpu)))
+            rows = [link_seconds(f.result(), args.gpu) for f in futures]  # in run order, whatever finished first
     else:
         for i in range(len(runs)):
-            rows.append(_run(i, *settings, True))
+            rows.append(link_seconds(_run(i, *settings, True), args.gpu))
             overall.update(1)
             overall.write(_line(rows[-1]))
     wall = time.perf_counter() - t0
@@ -578,6 +698,11 @@ def main(argv: list[str] | None = None) -> int:
         ratios = ", ".join(f"{k} {v:.2f}x" for k, v in t["ratio_vs_best_padded"].items() if v is not None)
         print(f"{t['workload']} {t['model']} {t['budget_gib']} GiB (host {t['host_gib']}): best padded "
               f"{t['best_padded']} {t['best_padded_hit_rate']:.1%}; paged vs it: {ratios}")
+    grid = None
+    if args.grid:
+        grid = grid_table(rows, unbounded)
+        print(f"host link: {args.gpu.name} {args.gpu.host_link_bytes_per_s / 1e9:.1f} GB/s each way")
+        print(format_grid(grid), flush=True)
     path = save(
         args.name,
         {
@@ -595,7 +720,11 @@ def main(argv: list[str] | None = None) -> int:
                 "multiturn": multiturn_items.__doc__,
             },
             "host_cache_gib": args.host_cache,
+            "host_link": {"gpu": args.gpu.name, "bytes_per_s": args.gpu.host_link_bytes_per_s,
+                          "calibration": args.calibration},
+            "command": " ".join(["python benchmarks/bench_prefix.py", *(sys.argv[1:] if argv is None else argv)]),
             "unbounded": unbounded,
+            "grid": grid,
             "runs": rows,
             "comparison": table,
         },

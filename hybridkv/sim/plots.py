@@ -37,6 +37,8 @@ CATEGORY_DEFINITIONS = {
     "pending_free": "blocks given back while a copy handed out earlier still touches them; free once it ran",
     "free": "unallocated blocks",
     "host_used": "host (swap pool) blocks holding swapped-out requests; not device memory",
+    "host_cached": "host blocks of the prefix cache's host tier (--host-cache): cached KV and checkpoints evicted "
+    "from the device, still matchable; a swap-out takes them first; not device memory",
 }
 _CATEGORY_COLOURS = {
     "kv_live": "#1f77b4",

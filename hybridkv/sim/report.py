@@ -23,10 +23,10 @@ from hybridkv.units import format_bytes, parse_bytes
 
 MAX_POINTS = 600  # time-series points per configuration in the report
 CAPACITY_CONTEXTS = (1500, 3000, 6000, 12000, 24000, 48000, 96000)  # not multiples of padded blocks
-_STOCKS = (*BLOCK_CATEGORIES, "host_used", "waiting", "running", "swapped", "recompute_waiting")
+_STOCKS = (*BLOCK_CATEGORIES, "host_used", "host_cached", "waiting", "running", "swapped", "recompute_waiting")
 _FLOWS = ("preempt_recompute", "preempt_swap", "resumed", "swap_out_blocks", "swap_in_blocks", "copy_blocks",
-          "batched_tokens", "recomputed_tokens")  # fmt: skip
-_SECONDS = ("dt_s", "swap_link_s", "swap_stall_s", "recompute_s", "memory_held_s", "batch_full_s")
+          "tier_offload_blocks", "tier_onload_blocks", "batched_tokens", "recomputed_tokens")  # fmt: skip
+_SECONDS = ("dt_s", "swap_link_s", "tier_link_s", "swap_stall_s", "recompute_s", "memory_held_s", "batch_full_s")
 
 
 def _r(x: float, digits: int = 6) -> float:
@@ -91,6 +91,7 @@ def pressure(raw: dict[str, Any]) -> dict[str, Any]:
         "batch_full_fraction": _r(full / total, 4),
         "hbm_bound_forward_s": _r(float(s["hbm_bound_s"].sum()), 4),
         "swap_link_s": _r(float(s["swap_link_s"].sum()), 9),
+        "host_tier_link_s": _r(float(s["tier_link_s"].sum()), 9),
         "swap_stall_s": _r(float(s["swap_stall_s"].sum()), 9),
         "recomputed_tokens": int(s["recomputed_tokens"].sum()),
         "recompute_s": _r(float(s["recompute_s"].sum()), 9),
@@ -154,6 +155,8 @@ def summarize(raw: dict[str, Any]) -> dict[str, Any]:
             "host_tier_offload_bytes": totals.get("tier_offload_blocks", 0) * bpb,
             "host_tier_onload_bytes": totals.get("tier_onload_blocks", 0) * bpb,
             "host_hit_tokens": int(raw.get("host_hit_tokens", 0)),
+            "host_tier_link_s": _r(float(s["tier_link_s"].sum()), 9),  # both directions, at the host-link rate
+            "peak_host_tier_bytes": int(s["host_cached"].max(initial=0)) * bpb,
             "peak_running": int(s["running"].max(initial=0)),
             "peak_waiting": int(s["waiting"].max(initial=0)),
             "peak_swapped": int(s["swapped"].max(initial=0)),
@@ -241,10 +244,12 @@ _TABLE: tuple[tuple[str, Cell, str], ...] = (
      "bytes copied device -> host / host -> device by swaps (blocks x bytes per block)"),
     ("prefix hit rate", lambda s, u: _pct(s["totals"]["prefix_hit_rate"]),
      "prompt tokens served from the prefix cache, summed over admissions, over finished requests' prompt tokens"),
-    ("host tier out / in", lambda s, u: f"{_in(s['totals'].get('host_tier_offload_bytes', 0), u['swap'])} / "
-     f"{_in(s['totals'].get('host_tier_onload_bytes', 0), u['swap'])} {u['swap'][0]}",
+    ("host tier out / in (link)", lambda s, u: f"{_in(s['totals'].get('host_tier_offload_bytes', 0), u['swap'])} / "
+     f"{_in(s['totals'].get('host_tier_onload_bytes', 0), u['swap'])} {u['swap'][0]} "
+     f"({s['totals'].get('host_tier_link_s', 0.0):.3g} s)",
      "bytes the prefix cache's host tier (--host-cache) copied device -> host (evicted cached blocks) / host -> "
-     "device (host hits), on the host link with the swaps"),
+     "device (host hits), and the seconds they kept the host link busy (both directions, at the GPU's "
+     "host-link rate; host hits' copies run before the forward, offloads overlap it, as swaps)"),
     ("steps", lambda s, u: f"{s['totals']['steps']:,}", "scheduler steps (forwards) the run took"),
 )  # fmt: skip
 
@@ -266,8 +271,9 @@ _PRESSURE: tuple[tuple[str, Cell, str], ...] = (
      "is idle, nothing in flight"),
     ("swap time on the host link / added to steps",
      lambda s, u: f"{s['pressure']['swap_link_s']:.3g} / {s['pressure']['swap_stall_s']:.3g} s",
-     "seconds the host link carried swap bytes (both directions) / what they added to step times: swap-ins, and "
-     "swap-outs past the forward they overlap"),
+     "seconds the host link carried swap bytes (both directions; the host tier's are in the host tier row) / "
+     "what the link's copies, swaps and the host tier's, added to step times: swap-ins and host hits' copies, "
+     "and swap-outs and offloads past the forward they overlap"),
     ("recomputed tokens (compute)",
      lambda s, u: f"{s['pressure']['recomputed_tokens']:,} ({s['pressure']['recompute_s']:.3g} s)",
      "tokens computed a second time after recompute preemptions (prefix-cache hits not counted), and their FLOPs "
@@ -377,6 +383,11 @@ def _one_line(s: dict[str, Any], u: dict[str, tuple[str, int]]) -> str:
                     f"tokens ({p['recompute_s']:.3g} s of compute)")  # fmt: skip
     if not cost:
         cost.append("Nothing was preempted")
+    if t.get("host_tier_offload_bytes", 0) or t.get("host_tier_onload_bytes", 0):
+        cost.append(f"the host tier served {t['host_hit_tokens']:,} prompt tokens, moving "
+                    f"{_in(t['host_tier_offload_bytes'], u['swap'])} {u['swap'][0]} out and "
+                    f"{_in(t['host_tier_onload_bytes'], u['swap'])} {u['swap'][0]} back, "
+                    f"{t['host_tier_link_s']:.3g} s on the host link")  # fmt: skip
     said = "; ".join(cost)
     return (
         f"{s['label']}: {what}. {said[0].upper()}{said[1:]}. Requests spent "

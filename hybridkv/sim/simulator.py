@@ -11,14 +11,15 @@ than ``max_num_seqs``: the scheduler admits FCFS and at most ``max_num_seqs`` pe
 changes no decision, and it keeps the token ids of a long overloaded trace out of memory.
 
 What memory pressure cost is recorded per step (flows, see :data:`FLOWS`): the host link's swap
-seconds and what they added to the step, the tokens recomputed after recompute preemptions and
-their compute seconds (:class:`~hybridkv.sim.executor.SimExecutor`), the request-seconds spent
-swapped out, waiting to be recomputed and queued, and whether the step was *memory-held*: a
-request waited (waiting queue, backlog or swapped) while the step left room in both the token
-budget and ``max_num_seqs``, or the step preempted. The scheduler admits and resumes in order
-while budget and seats allow and the pool fits the next request, so in such a step only the pool
-held the waiting back; a step whose budget or seats were full is *batch-full*. Gaps of the clock
-with nothing running are recorded too (``gaps``). All of it is simulated time, never wall time.
+seconds, the prefix cache's host tier's blocks and seconds on the same link, what the link added to
+the step, the tokens recomputed after recompute preemptions and their compute seconds
+(:class:`~hybridkv.sim.executor.SimExecutor`), the request-seconds spent swapped out, waiting to be
+recomputed and queued, and whether the step was *memory-held*: a request waited (waiting queue,
+backlog or swapped) while the step left room in both the token budget and ``max_num_seqs``, or the
+step preempted. The scheduler admits and resumes in order while budget and seats allow and the pool
+fits the next request, so in such a step only the pool held the waiting back; a step whose budget
+or seats were full is *batch-full*. Gaps of the clock with nothing running are recorded too
+(``gaps``). All of it is simulated time, never wall time.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ STOCKS = (
     "checkpoints",
     "pending_free",
     "host_used",
+    "host_cached",  # host blocks of the prefix cache's host tier (--host-cache), not counted in host_used
     "waiting",
     "running",
     "swapped",
@@ -65,7 +67,11 @@ FLOWS = (
     "cached_tokens",
     "finished",
     "swap_link_s",  # host link busy with this step's swap-outs and swap-ins
-    "swap_stall_s",  # what the swaps added to the step: total - forward (swap-ins, and swap-outs past the forward)
+    "tier_offload_blocks",  # the host tier's copies: device -> host (cached blocks evicted from the device)
+    "tier_onload_blocks",  # and host -> device (host hits)
+    "tier_link_s",  # host link busy with the tier's copies (both directions, as the swaps)
+    "swap_stall_s",  # what the host link added to the step: total - forward (swap-ins and tier onloads, and
+    # swap-outs and tier offloads past the forward)
     "recomputed_tokens",  # tokens computed a second time after a recompute preemption
     "recompute_s",  # their FLOPs at the effective FLOP rate
     "hbm_bound_s",  # the step's forward when its HBM bytes, not its FLOPs, set the roofline time
@@ -138,6 +144,7 @@ def simulate(cfg: SimConfig, workload: Workload, progress: bool = False, positio
     lost: dict[str, int] = {}  # recompute victims: tokens computed before, until computed again
     awaiting_recompute: set[str] = set()
     max_seqs, max_tokens = sched.config.max_num_seqs, sched.config.max_num_batched_tokens
+    link_s_per_block = built.layout.bytes_per_block / built.cost.gpu.host_link_bytes_per_s
     bar = _progress(len(workload), cfg.label, progress, position)
 
     def reject(rid: str, reason: str) -> None:
@@ -237,6 +244,7 @@ def simulate(cfg: SimConfig, workload: Workload, progress: bool = False, positio
             u.checkpoints,
             u.pending_free,
             u.host_used,
+            u.host_cached,
             len(sched.waiting) + len(backlog),
             len(sched.running),
             len(sched.swapped),
@@ -252,7 +260,10 @@ def simulate(cfg: SimConfig, workload: Workload, progress: bool = False, positio
             len(plan.admitted),
             cached,
             len(result.finished),
-            done.time.swap_out_s + done.time.swap_in_s,
+            (done.swap_out_blocks + done.swap_in_blocks) * link_s_per_block,
+            done.tier_offload_blocks,
+            done.tier_onload_blocks,
+            (done.tier_offload_blocks + done.tier_onload_blocks) * link_s_per_block,
             dt - done.time.forward_s,
             done.recomputed_tokens,
             done.recompute_s,
