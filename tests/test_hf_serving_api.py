@@ -11,6 +11,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="needs torch (pip install 'hybridkv[torch]')")
 transformers = pytest.importorskip("transformers", reason="needs transformers (pip install 'hybridkv[hf]')")
 
+from hybridkv.blockmgr.prefix import PrefixCacheConfig  # noqa: E402
 from hybridkv.integrations.transformers import (  # noqa: E402
     LLM,
     EngineConfig,
@@ -89,6 +90,9 @@ def test_bad_input_is_refused_before_any_work():
         LLM(model, num_blokcs=8)
     with pytest.raises(ValueError, match="needs a drafter"):
         HFEngine(model, EngineConfig(num_speculative_tokens=2))
+    exporting = PrefixCacheConfig("vllm_align", export_alignment=64)  # a kernel's export inside a chunk
+    with pytest.raises(ValueError, match="export_alignment"):
+        HFEngine(model, EngineConfig(prefix_cache=exporting))
     with pytest.raises(ValueError, match="num_blocks must be a positive integer"):
         EngineConfig(num_blocks=0)
     llm = LLM(model, num_blocks=32)

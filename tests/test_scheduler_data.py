@@ -146,6 +146,9 @@ class DataExecutor:
         led.run_copies(step_plan.copies, f"{what} stage 4 (copy-on-write, prefix hits)")
         assert not led.queue, f"{what}: handed out before its forward but in no plan (they never run): {led.queue}"
         sampled, accepted = {}, {}
+        exports = {e.request_id: e for e in step_plan.exports}  # the kernel writes them in the forward
+        if exports:
+            event("prefill kernel exports")
         for row in step_plan.scheduled:
             rid = row.request_id
             req = self.s.requests.get(rid)
@@ -165,6 +168,10 @@ class DataExecutor:
                 if c:
                     sh.check_state(f"step {step_plan.step} row {rid}", live, h[c])
             led.write_kv(kv, h, c, c + n + d)
+            e = exports.get(rid)
+            if e is not None:
+                assert c < e.position < c + n, f"{what}: export at {e.position} outside {rid}'s chunk [{c}, {c + n})"
+                led.write_state(e.sets, h[e.position])
             led.write_state(live, h[c + n])
             for j in range(d):
                 led.write_state(spec[j], h[c + n + j + 1])

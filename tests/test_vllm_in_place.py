@@ -13,6 +13,7 @@ checks the whole runs against vLLM's real scheduler).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import numpy as np
@@ -47,10 +48,15 @@ IN_PLACE = PrefixCacheConfig(
     second_batch=WORKLOAD["second_batch"],
     second_config=st.tuples(st.integers(1, 5), st.integers(4, 24), st.just(0)),
     cancel_at_end=WORKLOAD["cancel_at_end"],
+    exports=st.sampled_from([0, 1, 1, 2]),
 )
-def test_in_place_states_read_exactly_their_own_bytes(**kw):
+def test_in_place_states_read_exactly_their_own_bytes(exports, **kw):
+    """``exports``: the prefill kernel also writes the state at the input's last block boundary
+    from inside the chunk that reaches the input's end (GDN's ``export_alignment``; a grid of one
+    or two blocks) into sets reserved with the chunk, which become the checkpoint there."""
+    prefix = IN_PLACE if not exports else dataclasses.replace(IN_PLACE, export_alignment=4 * exports)
     run_data_workload(
-        mode=PreemptionMode.RECOMPUTE, k=0, num_host_blocks=0, prefix=IN_PLACE, sync_swaps=False,
+        mode=PreemptionMode.RECOMPUTE, k=0, num_host_blocks=0, prefix=prefix, sync_swaps=False,
         accept_rate=0.0, **kw,
     )  # fmt: skip
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numpy as np
+
 from hybridkv.blockmgr.lifecycle import ManagerCore
 from hybridkv.blockmgr.records import BlockCopies, RequestId, RequestRecord
 from hybridkv.units import as_count
@@ -48,10 +50,11 @@ class CheckpointMixin(ManagerCore):
         blocks are available (checkpoints are best effort). ``final``: the request is at the last
         block boundary of its tokens before it finishes (prompt and reply: the caller knows the
         reply's length, e.g. a replay, and calls this at that decode position): policies that keep
-        the end of finished requests for the next turn take it. ``exported``: a block-aligned
-        position inside the forward's chunk whose state the prefill kernel exported
-        (:meth:`exported_checkpoint_position`): kept as well; its copy's source is the request's live
-        sets, standing for the kernel's export (which an executor writes in its place).
+        the end of finished requests for the next turn take it. ``exported``: the position inside
+        the forward's chunk whose state the prefill kernel exported into the sets that
+        :meth:`reserve_export` reserved (:meth:`exported_checkpoint_position`): they become the
+        checkpoint there (no copy) or are given back; a reservation at another position, or without
+        ``exported``, is given back.
         """
         rec = self._running(request_id)
         cache, pos, bs = self.prefix_cache, rec.num_tokens, self.block_size
@@ -62,13 +65,38 @@ class CheckpointMixin(ManagerCore):
             cache.register(rec.token_ids, rec.block_keys, rec.kv_blocks, pos)
             if cache.aligns_chunks:  # vllm_align: the request's own copies replace evictable twins
                 cache.adopt_copies(rec.block_keys, rec.kv_blocks, start, pos // bs)
-        copies = _NO_COPIES
-        if exported is not None and 0 < exported < pos and not exported % bs:
-            copies = self._keep_state(rec, exported, final=False)
+        reserved = self._exports.pop(request_id, None) if self._exports else None
+        if reserved is not None and reserved[0] == exported:  # the forward wrote the export into them
+            self._keep_export(rec, *reserved)
+        elif reserved is not None:
+            self._drop_state(reserved[1])
         if pos % bs or pos // bs > len(rec.block_keys):
-            return copies
-        here = self._keep_state(rec, pos, final)
-        return here if not len(copies) else copies.concat(here)
+            return _NO_COPIES
+        return self._keep_state(rec, pos, final)
+
+    def _keep_export(self, rec: RequestRecord, pos: int, sets: np.ndarray) -> None:
+        """The export :meth:`reserve_export` reserved, written by the forward: the checkpoint at
+        ``pos`` if the policy keeps one there and there is none, else given back. No copy. With
+        ``in_place_state`` it is held until the request's next append (vLLM frees the block then)."""
+        cache, bs = self.prefix_cache, self.block_size
+        assert cache is not None and rec.token_ids is not None
+        below = self._checkpoint_below(rec, pos)
+        n = len(rec.token_ids)
+        found = None
+        if cache.wants_checkpoint(pos, n, rec.branch_tokens, False, below) and cache.retains_checkpoint(
+                pos, n, rec.branch_tokens):
+            found = cache.checkpoint_protect(rec.block_keys[pos // bs - 1])
+        if found is None:  # not kept there, or a checkpoint is there already
+            self._drop_state(sets)
+            return
+        key = int(rec.block_keys[pos // bs - 1])
+        slot = found[0]
+        if slot < 0:  # no node (its cached twin was evicted): re-created, with any missing ancestors
+            slot = cache.ensure(rec.token_ids.view(), rec.block_keys, rec.kv_blocks, pos // bs - 1)
+        cache.add_checkpoint(slot, self._set_ids(sets).copy())
+        if cache.config.in_place_state:
+            cache.hold(key)
+            self._export_held[rec.request_id] = key
 
     def raise_branch(self, request_id: RequestId, num_tokens: int) -> None:
         """The request's input shares its first ``num_tokens`` with tokens another request is
@@ -127,8 +155,6 @@ class CheckpointMixin(ManagerCore):
             slot = cache.ensure(rec.token_ids.view(), rec.block_keys, rec.kv_blocks, pos // bs - 1)
         ids = self._take(self.num_state_blocks)  # (the room is made: no eviction now)
         cache.add_checkpoint(slot, ids)
-        if pos != rec.num_tokens and cache.config.in_place_state:  # a kernel's export (freed at the next step)
-            self._exports[rec.request_id] = (int(key), ids.copy())
         # pinned: the live blocks it reads must not be reused (request finished, aborted, swapped
         # out) nor the checkpoint evicted before the executor ran the copy
         return self._pin(BlockCopies(self._set_ids(rec.state).copy(), ids.copy()))
@@ -158,7 +184,7 @@ class CheckpointMixin(ManagerCore):
         cache.add_checkpoint(slot, ids)
         self._release_all(rec, keep_state=True)
         if self._exports and request_id in self._exports:
-            self._release_export(request_id)
+            self._drop_export(request_id)
         del self.requests[request_id]
         return True
 

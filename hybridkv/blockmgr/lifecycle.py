@@ -108,13 +108,12 @@ class ManagerCore:
         # held until the request's next append (or its free), as vLLM frees a state block then
         self._lent: dict[RequestId, tuple[np.ndarray, int | None]] = {}
         self._held: dict[RequestId, tuple[np.ndarray, int | None]] = {}
-        # in_place_state: checkpoints a prefill kernel exported from inside a request's last chunk
-        # (node key, block ids), pinned by their copy until the request's next append frees them as
-        # vLLM frees the export's block; their blocks while that copy is not handed out yet (loose:
-        # an eviction may take them, dropping the copy) and the copies' blocks so dropped
+        # exports (vllm_align with export_alignment): state sets a prefill kernel writes the state
+        # at a position inside the request's chunk into, reserved with the chunk (position, sets
+        # [G, bps]) until the update after its forward; with in_place_state, the checkpoints so made
+        # (node keys), held until the request's next append, when vLLM frees the export's block
         self._exports: dict[RequestId, tuple[int, np.ndarray]] = {}
-        self._loose: set[int] = set()
-        self._dropped: list[np.ndarray] = []
+        self._export_held: dict[RequestId, int] = {}
         if self.prefix_cache is not None and self.prefix_cache.config.in_place_state and self.host_pool is not None:
             raise ValueError("PrefixCacheConfig(in_place_state=True) does not combine with a host pool")
 
@@ -192,7 +191,6 @@ class ManagerCore:
             for ids in done:
                 self.host_pool.release(ids)  # type: ignore[union-attr]
         if not self._pin_chunks:
-            self._loose.clear()
             return
         keep = []
         for epoch, ids in self._pin_chunks:
@@ -201,8 +199,6 @@ class ManagerCore:
             else:
                 keep.append((epoch, ids))
         self._pin_chunks = keep
-        if self._loose:  # (their copies were handed out and ran: plain cached checkpoints now)
-            self._loose = {b for b in self._loose if self._pin_of[b]}
         if self._pin_held:
             held = np.concatenate(self._pin_held)
             ready = self._pin_of[held] == 0
@@ -417,7 +413,7 @@ class ManagerCore:
 
     def _new_blocks(self, rec: RequestRecord, num_new_tokens: int) -> int:
         """:meth:`num_new_kv_blocks` of a running request's record (the count checked)."""
-        lending = self._lent or self._held
+        lending = self._lent or self._held or self._export_held
         lent = self._lent_extra(rec.request_id) if lending and num_new_tokens else 0
         return self._kv_new_blocks(rec, num_new_tokens) + lent
 
@@ -445,6 +441,9 @@ class ManagerCore:
                 gain += int(np.count_nonzero(self._pin_of[ids] == 0)) if self._pin_chunks else ids.size
             elif cache is not None and cache.held_release_frees(key):
                 gain += self.num_state_blocks
+        key = self._export_held.get(request_id) if self._export_held else None
+        if key is not None and cache is not None and cache.held_release_frees(key):
+            gain += self.num_state_blocks
         return gain
 
     def can_append(self, request_id: RequestId, num_new_tokens: int) -> bool:
@@ -467,10 +466,9 @@ class ManagerCore:
         total = rec.num_tokens + num_new_tokens
         lent = bool(self._lent) and num_new_tokens > 0 and request_id in self._lent
         # (in_place_state: the sets lent a boundary before go back at this step, as vLLM frees them)
-        held = bool(self._held) and num_new_tokens > 0 and request_id in self._held
+        held = bool(self._held or self._export_held) and num_new_tokens > 0 and (
+            request_id in self._held or request_id in self._export_held)
         # decode fast path: the tokens fit the last, private block (no Python beyond a few compares)
-        if self._exports and num_new_tokens and request_id in self._exports:
-            self._release_export(request_id)  # (no count changes: it only makes blocks available)
         if num_new_tokens and total <= rec.num_kv_blocks * self.block_size and not self._needs_cow(rec) and not lent:
             if held:
                 self._release_held(request_id)
@@ -533,11 +531,11 @@ class ManagerCore:
         else:
             lent = self._lent.pop(request_id, None) if self._lent else None
             self._release_all(rec, keep_state=lent is not None and lent[1] is not None)
+            if self._exports and request_id in self._exports:
+                self._drop_export(request_id)
             # then its lent and held checkpoints: vLLM frees a request's KV blocks before its state
             # blocks, so the states are queued after them (evicted later)
             self._release_held(request_id)
-            if self._exports and request_id in self._exports:
-                self._release_export(request_id)
             if lent is not None and lent[1] is not None:  # its live sets are a checkpoint now
                 assert self.prefix_cache is not None
                 self.prefix_cache.release_held(lent[1])
@@ -563,7 +561,12 @@ class ManagerCore:
     def _release_held(self, request_id: RequestId) -> None:
         """Give back the sets the request lent a boundary before its current one: a held state
         goes back to the pool (pending-free while a copy not yet run touches it), a checkpoint
-        becomes evictable (at the back of the LRU queue)."""
+        becomes evictable (at the back of the LRU queue); so does the checkpoint its last chunk's
+        export made (vLLM frees the export's block at the request's next step)."""
+        key = self._export_held.pop(request_id, None) if self._export_held else None
+        if key is not None:
+            assert self.prefix_cache is not None
+            self.prefix_cache.release_held(key)
         held = self._held.pop(request_id, None) if self._held else None
         if held is None:
             return
@@ -575,29 +578,39 @@ class ManagerCore:
             assert self.prefix_cache is not None
             self.prefix_cache.release_held(key)
 
-    def _release_export(self, request_id: RequestId) -> None:
-        """``in_place_state``: the checkpoint the prefill kernel exported from the request's last
-        chunk becomes evictable (at the back of the LRU queue), as vLLM frees the export's block at
-        the request's next step. Its copy (standing for the kernel's write) may not be handed out
-        yet: until it is, an eviction that takes those blocks drops it (:meth:`take_dropped_copies`)."""
-        key, ids = self._exports.pop(request_id)
-        cache = self.prefix_cache
-        assert cache is not None
-        if not cache.release_pinned(key, int(ids[0])):
-            return
-        if self._pin_chunks:
-            self._loose.update(ids[self._pin_of[ids] != 0].tolist())
+    def reserve_export(self, request_id: RequestId, position: int) -> np.ndarray | None:
+        """State sets ``[G, bps]`` (the shape of :meth:`state_table`'s rows) for the prefill kernel to
+        write the request's state at ``position`` into, inside the chunk just appended (``vllm_align``
+        with ``export_alignment``: :meth:`exported_checkpoint_position`); vLLM allocates that block
+        with the chunk. The executor's forward writes them; :meth:`checkpoint` with
+        ``exported=position`` after it makes them the checkpoint there, or gives them back. None when
+        no blocks are available (exports are best effort; nothing changes then).
 
-    def take_dropped_copies(self) -> np.ndarray:
-        """Destination blocks of checkpoint copies not handed to an executor yet whose checkpoint
-        an eviction took since the last call (``in_place_state``: a kernel's export, freed at its
-        request's next step as vLLM frees it): the caller drops the copies writing them. Empty
-        otherwise."""
-        if not self._dropped:
-            return _EMPTY
-        out = np.concatenate(self._dropped)
-        self._dropped = []
-        return out
+        Raises ``ValueError`` for a position that is not a block boundary inside the request's
+        tokens, :class:`RequestStateError` when one is reserved already (one per update)."""
+        rec = self._running(request_id)
+        position = as_count(position, "position")
+        if not 0 < position < rec.num_tokens or position % self.block_size:
+            raise ValueError(
+                f"request {request_id!r}: an export at {position} is not a block boundary inside its "
+                f"{rec.num_tokens} tokens")
+        if request_id in self._exports:
+            at = self._exports[request_id][0]
+            raise RequestStateError(f"request {request_id!r} has an export reserved already (at {at})")
+        n = self.num_state_blocks
+        if self.prefix_cache is None or rec.token_ids is None or not n or n > self.num_available_blocks:
+            return None
+        ids = self._take(n)
+        self._mark(ids, BlockUse.STATE)
+        sets = np.zeros_like(rec.state)
+        sets[self._state_mask] = ids
+        self._exports[request_id] = (position, sets)
+        return sets.copy()
+
+    def _drop_export(self, request_id: RequestId) -> None:
+        """Give back a reserved export the request did not turn into a checkpoint."""
+        _, sets = self._exports.pop(request_id)
+        self._drop_state(sets)
 
     def fork(self, parent_id: RequestId, child_id: RequestId) -> BlockCopies:
         """A child sharing the parent's KV (reference counts) with a private copy of its state.
@@ -749,17 +762,8 @@ class ManagerCore:
         short = num_blocks - self.pool.num_free
         if short > 0 and self.prefix_cache is not None:
             # through _give_back like every other return to the pool; nothing evictable is pinned
-            # (a pinned KV block is held by its copy, a pinned checkpoint is passed over), but for
-            # loose exports, whose copies are dropped instead (_release_export)
-            freed = self.prefix_cache.evict(short, protect, protect_ckpt)
-            if self._loose and freed.size:
-                cut = np.isin(freed, np.fromiter(self._loose, dtype=np.int64, count=len(self._loose)))
-                if cut.any():
-                    cut_ids = freed[cut]
-                    self._pin_of[cut_ids] = 0  # their copy will not run
-                    self._loose.difference_update(cut_ids.tolist())
-                    self._dropped.append(cut_ids.astype(np.int32))
-            self._give_back(freed)
+            # (a pinned KV block is held by its copy, a pinned checkpoint is passed over)
+            self._give_back(self.prefix_cache.evict(short, protect, protect_ckpt))
 
     def _take(self, num_blocks: int) -> np.ndarray:
         self._make_room(num_blocks)

@@ -51,6 +51,8 @@ class SwapMixin(ManagerCore):
         if tier is not None and device.size > self.host_pool.num_free:
             tier.stats.given_to_swaps += tier.make_room(device.size)
         host = self.host_pool.allocate(device.size)
+        if self._exports and request_id in self._exports:  # its chunk does not run: no export
+            self._drop_export(request_id)
         rec.pending = SwapPlan(request_id, SwapDirection.OUT, device, host, self._commit_out, self._abort_out)
         return rec.pending
 

@@ -121,6 +121,17 @@ class Preemption(NamedTuple):
     mode: PreemptionMode  # RECOMPUTE or SWAP (what AUTO chose)
 
 
+class StateExport(NamedTuple):
+    """A state the forward writes from inside a row's prefill chunk (``vllm_align`` with
+    ``export_alignment``: FlashInfer's GDN prefill writes it as vLLM asks): the row's state after
+    its first ``position`` tokens goes into ``sets`` ``[G, bps]`` (state-table shape, block ids the
+    manager reserved). After the forward, ``update()`` makes them the prefix-cache checkpoint there."""
+
+    request_id: RequestId
+    position: int
+    sets: np.ndarray
+
+
 class StepPlan(NamedTuple):
     """What one step runs. Before the forward the executor runs, in this order:
 
@@ -133,6 +144,7 @@ class StepPlan(NamedTuple):
     3. ``tier_copies.onload`` (host hits, host -> device), then ``copies``: device block copies of
        this step (copy-on-write, prefix hits' checkpoint -> live).
     (docs/contract.md; the tier's copies are empty without ``PrefixCacheConfig.host_tier``.)
+    The forward itself writes ``exports`` (empty without ``PrefixCacheConfig.export_alignment``).
 
     The swap plans are already settled with the manager; stream order makes that safe (blocks a
     swap-out frees are written only by later copies and the forward).
@@ -149,6 +161,7 @@ class StepPlan(NamedTuple):
     copies: BlockCopies
     num_batched_tokens: int
     tier_copies: TierPlan = NO_TIER_COPIES
+    exports: tuple[StateExport, ...] = ()
 
     @property
     def request_ids(self) -> list[RequestId]:

@@ -45,6 +45,7 @@ from hybridkv.scheduler_adapter.requests import (
     RequestState,
     SchedRequest,
     ScheduledRequest,
+    StateExport,
     StepOutputs,
     StepPlan,
     StepResult,
@@ -235,11 +236,10 @@ class Scheduler:
             self._resume_swapped(s)
         if not s.preempted and not self.swapped:
             self._admit_waiting(s)
-        if self._in_place:  # exports an eviction took: their copies are void
-            dropped = self.manager.take_dropped_copies()
-            if dropped.size:
-                keep = ~np.isin(s.checkpoints.dst, dropped)
-                s.checkpoints = BlockCopies(s.checkpoints.src[keep], s.checkpoints.dst[keep])
+        exports = ()
+        if s.exports:  # (a row preempted after its chunk was scheduled gave its export back)
+            running = {r.request_id for r in s.scheduled}
+            exports = tuple(e for e in s.exports if e.request_id in running)
         plan = StepPlan(
             self.num_steps,
             tuple(s.scheduled),
@@ -252,6 +252,7 @@ class Scheduler:
             s.copies,
             self.config.max_num_batched_tokens - s.budget,
             self.manager.take_tier_copies(),  # (since the last plan: the last update's included)
+            exports,
         )
         self.num_steps += 1
         self._pending = plan
@@ -359,7 +360,7 @@ class Scheduler:
             owed = self.manager.checkpoint_blocks_due(req.request_id) if req.request_id in self._owed else 0
             export = export_blocks(self.manager, self._exports, req, n)
             if exact or owed or export:
-                while not self._can_grow(req, n + drafts, drafts, owed + export, s.reserved):
+                while not self._can_grow(req, n + drafts, drafts, owed + export):
                     if not self._in_place and len(s.checkpoints) and self._cancel_checkpoints(s):
                         continue  # the last update's checkpoints (not handed out yet) gave way
                     victim = self.preemptor.choose_victim(self.running, req)
@@ -382,7 +383,6 @@ class Scheduler:
             if owed:  # its copy runs with this plan's copies, before the forward moves the state
                 s.copies = s.copies.concat(self.manager.checkpoint(req.request_id))
             self._owed.discard(req.request_id)
-            s.reserved += export
             self._run(req, n, drafts, s)
 
     def _cancel_rescues(self, req: SchedRequest, n: int, drafts: int, extra: int, s: _StepBuilder) -> bool:
@@ -392,7 +392,7 @@ class Scheduler:
         if cache is None:
             return False
         held = sum(1 for e in cache.pinned.values() if e == self._update_epoch) * self.manager.num_state_blocks
-        if not self._can_grow(req, n + drafts, drafts, extra - held, s.reserved):
+        if not self._can_grow(req, n + drafts, drafts, extra - held):
             return False
         return self._cancel_checkpoints(s)
 
@@ -486,7 +486,6 @@ class Scheduler:
             if self._in_place:
                 same_step_branch(self.manager, self.requests, req, ids, s.scheduled)
             n, drafts = self._demand(req, s.budget)
-            s.reserved += export_blocks(self.manager, self._exports, req, n)
             self._run(req, n, drafts, s)
             self._promise(req, s)
 
@@ -500,11 +499,12 @@ class Scheduler:
             tokens += self._decode_reserve(req)
         need = self.manager.plan_admission(tokens, k, ids).num_blocks + self.manager.watermark_blocks
         cache = self.manager.prefix_cache
-        if self._exports and cache is not None and ids is not None:  # vLLM reserves the exported checkpoint's block
+        # vLLM reserves the exported checkpoint's block; with nothing running it gives way (vLLM would
+        # wait for ever: no block is freed while nothing runs, and the export is best effort)
+        if self._exports and cache is not None and ids is not None and self.running:
             cached = self.manager.match_prefix(ids, req.num_tokens)
             if cache.exported_checkpoint(cached, req.num_tokens, len(ids)) is not None:
                 need += self.manager.num_state_blocks
-        need += s.reserved
         if self.config.admission is AdmissionPolicy.RESERVED:
             if s.promised < 0:
                 s.promised = sum(self._still_needs(r) for r in self.running)
@@ -556,8 +556,8 @@ class Scheduler:
         bs = self.manager.block_size
         return cdiv(num_tokens + n, bs) - cdiv(num_tokens, bs) if self._has_kv else 0
 
-    def _can_grow(self, req: SchedRequest, n: int, drafts: int, extra: int = 0, reserved: int = 0) -> bool:
-        need = extra + reserved + self.manager.num_new_kv_blocks(req.request_id, n)
+    def _can_grow(self, req: SchedRequest, n: int, drafts: int, extra: int = 0) -> bool:
+        need = extra + self.manager.num_new_kv_blocks(req.request_id, n)
         need += max(0, drafts - req.num_spec_sets) * self.manager.num_state_blocks
         return need <= self.manager.num_available_blocks
 
@@ -577,6 +577,12 @@ class Scheduler:
         if copies.src.size:
             s.copies = s.copies.concat(copies)
         req.num_allocated_tokens += n + drafts
+        if self._exports and n > 1 and req.token_ids_given:  # the kernel writes the state there in the forward
+            start = req.num_computed_tokens
+            pos = self.manager.exported_checkpoint_position(rid, start, start + n)
+            sets = self.manager.reserve_export(rid, pos) if pos is not None else None
+            if sets is not None:
+                s.exports.append(StateExport(rid, pos, sets))
         self._row(req, n, drafts, s)
 
     @staticmethod
@@ -634,5 +640,5 @@ class _StepBuilder:
     swap_in: list[SwapPlan] = field(default_factory=list)
     copies: BlockCopies = field(default_factory=BlockCopies.empty)
     checkpoints: BlockCopies = field(default_factory=BlockCopies.empty)  # carried from the last update
-    reserved: int = 0  # blocks this step's exported checkpoints take at update() (vLLM allocates them now)
+    exports: list[StateExport] = field(default_factory=list)  # state sets the forward writes an export into
     promised: int = -1  # blocks the running prefills still need (AdmissionPolicy.RESERVED; -1: not counted yet)

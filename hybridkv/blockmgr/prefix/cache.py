@@ -242,19 +242,6 @@ class PrefixCache(Registration):
                 del self.pinned[key]
                 self._requeue_checkpoints([key])
 
-    def release_pinned(self, key: int, first: int) -> bool:
-        """End the copy pin of node ``key``'s checkpoint early (``in_place_state``: a kernel's
-        export, freed at its request's next step): if that checkpoint (first block ``first``) is
-        still there, pinned by its own copy's epoch and read by no hit's copy, it is evictable now,
-        at the back of the LRU queue. Returns whether it was."""
-        e = self.pinned.get(key)
-        slot = self._slot.get(key)
-        if e is None or e == HELD or key in self._reads or slot is None or self._ck[slot] != first:
-            return False
-        del self.pinned[key]
-        self._requeue_checkpoints([key])
-        return True
-
     def _requeue_checkpoints(self, keys: list[int]) -> None:
         """Put the checkpoints of nodes ``keys`` at the back of the LRU queue (``vllm_align``: a
         checkpoint's block is the request's until vLLM frees it, which queues it then)."""

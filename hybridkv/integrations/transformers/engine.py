@@ -155,6 +155,11 @@ class HFEngine:
                 f"{model_type} with sliding-window or chunked attention (sliding_window={window}): the runner builds "
                 "full causal masks only; set sliding_window=None"
             )
+        if config.prefix_cache is not None and config.prefix_cache.export_alignment is not None:
+            raise ValueError(
+                "PrefixCacheConfig.export_alignment needs a prefill kernel that writes the state from inside "
+                "a chunk (StepPlan.exports); transformers' forward cannot: leave it None"
+            )
         self.model = model.eval()
         self.spec = model_spec(model)
         self._check_dtypes()
