@@ -328,18 +328,7 @@ class FastDeployBlockManager(EngineContractMixin, SplitwiseMixin):
             if num_blocks:
                 self._copies[rid] = self._copies.get(rid, BlockCopies.empty()).concat(m.append(rid, num_blocks * bs))
             return rec.kv_blocks[rec.num_kv_blocks - num_blocks :].tolist()
-        if rid not in self._tickets:
-            raise EnginePatchError(
-                f"first allocate_gpu_blocks of {rid!r} ({num_blocks} blocks) without its state sets: patch E2 adds "
-                "cache_manager.state_blocks_for(request) where the engine computes a new request's block need "
-                "(docs/fastdeploy.md); without it the engine would get fewer KV ids than it asked for"
-            )
-        num_kv = num_blocks - m.num_state_blocks
-        if num_kv < 0:
-            raise RequestStateError(
-                f"first allocate_gpu_blocks of {rid!r} asks {num_blocks} blocks, fewer than the "
-                f"{m.num_state_blocks} state blocks state_blocks_for added"
-            )
+        num_kv = self._first_kv_blocks(rid, num_blocks)
         pending = self._pending.get(rid)
         shared = len(pending.block_ids) if pending else 0
         tokens = pending.token_ids if pending else None
@@ -361,23 +350,29 @@ class FastDeployBlockManager(EngineContractMixin, SplitwiseMixin):
             self._copies[rid] = alloc.copies
         return rec.kv_blocks[shared:].tolist()
 
-    def _allocate_admitted(self, rid: RequestId, num_blocks: int) -> list[int]:
-        """The first allocation of a host hit admitted at its match: ``num_blocks`` includes the
-        state sets (E2's ticket), which the match took already; the rest are new KV blocks past the
-        hit. Returns their ids (the hit's ids went out with the match)."""
-        m = self.manager
+    def _first_kv_blocks(self, rid: RequestId, num_blocks: int) -> int:
+        """The KV blocks of a request's first ``allocate_gpu_blocks(num_blocks)``: the count less the
+        state sets E2's ticket added (raises when the ticket is missing or the count is short)."""
         if rid not in self._tickets:
             raise EnginePatchError(
                 f"first allocate_gpu_blocks of {rid!r} ({num_blocks} blocks) without its state sets: patch E2 adds "
                 "cache_manager.state_blocks_for(request) where the engine computes a new request's block need "
                 "(docs/fastdeploy.md); without it the engine would get fewer KV ids than it asked for"
             )
-        num_kv = num_blocks - m.num_state_blocks
+        num_kv = num_blocks - self.manager.num_state_blocks
         if num_kv < 0:
             raise RequestStateError(
                 f"first allocate_gpu_blocks of {rid!r} asks {num_blocks} blocks, fewer than the "
-                f"{m.num_state_blocks} state blocks state_blocks_for added"
+                f"{self.manager.num_state_blocks} state blocks state_blocks_for added"
             )
+        return num_kv
+
+    def _allocate_admitted(self, rid: RequestId, num_blocks: int) -> list[int]:
+        """The first allocation of a host hit admitted at its match: ``num_blocks`` includes the
+        state sets (E2's ticket), which the match took already; the rest are new KV blocks past the
+        hit. Returns their ids (the hit's ids went out with the match)."""
+        m = self.manager
+        num_kv = self._first_kv_blocks(rid, num_blocks)
         if num_kv > m.num_available_blocks - self._pinned_by_matches(exclude=rid):
             raise NoFreeBlocksError(f"allocate_gpu_blocks for {rid!r}", num_blocks, self.num_free_device_blocks)
         copies = m.append(rid, num_kv * self.block_size) if num_kv else BlockCopies.empty()

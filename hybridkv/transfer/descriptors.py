@@ -525,6 +525,16 @@ def request_descriptors(pool: PoolRegions, blocks: RequestBlocks) -> Descriptors
     return _merged(region, offset, pieces.length, keep)
 
 
+def _check_same_shape(src_blocks: RequestBlocks, dst_blocks: RequestBlocks, what: str) -> None:
+    """``TransferError`` unless both sides hold the same tokens in the same number of KV blocks."""
+    if not src_blocks.same_shape(dst_blocks):
+        raise TransferError(
+            f"source ({src_blocks.num_tokens} tokens, {src_blocks.kv_blocks.size} KV blocks) and destination "
+            f"({dst_blocks.num_tokens} tokens, {dst_blocks.kv_blocks.size} KV blocks) differ: import the {what} "
+            "with the source's token count"
+        )
+
+
 def pair_descriptors(
     src_pool: PoolRegions, src_blocks: RequestBlocks, dst_pool: PoolRegions, dst_blocks: RequestBlocks
 ) -> DescriptorPairs:
@@ -539,12 +549,7 @@ def pair_descriptors(
     check_compatible(src_pool.layout, layout_signature(dst_pool.layout))
     check_request_blocks(src_pool, src_blocks, "source")
     check_request_blocks(dst_pool, dst_blocks, "destination")
-    if not src_blocks.same_shape(dst_blocks):
-        raise TransferError(
-            f"source ({src_blocks.num_tokens} tokens, {src_blocks.kv_blocks.size} KV blocks) and destination "
-            f"({dst_blocks.num_tokens} tokens, {dst_blocks.kv_blocks.size} KV blocks) differ: import the request "
-            "with the source's token count"
-        )
+    _check_same_shape(src_blocks, dst_blocks, "request")
     pieces = _pieces(src_pool.layout, src_blocks.kv_blocks.size)
     s_region, s_offset = _locate(src_pool, pieces, src_blocks.ids())
     d_region, d_offset = _locate(dst_pool, pieces, dst_blocks.ids())
@@ -599,12 +604,7 @@ def pair_tiered_descriptors(
                             f"of shape {list(on_host.shape)}")
     _check_ids(src_device, ids[~on_host], "source (device pool)", False)
     _check_ids(src_host, ids[on_host], "source (host pool)", False)
-    if not src_blocks.same_shape(dst_blocks):
-        raise TransferError(
-            f"source ({src_blocks.num_tokens} tokens, {src_blocks.kv_blocks.size} KV blocks) and destination "
-            f"({dst_blocks.num_tokens} tokens, {dst_blocks.kv_blocks.size} KV blocks) differ: import the prefix "
-            "with the source's token count"
-        )
+    _check_same_shape(src_blocks, dst_blocks, "prefix")
     pieces = _pieces(src_device.layout, src_blocks.kv_blocks.size)
     d_region, d_offset = _locate(dst_pool, pieces, dst_blocks.ids())
     from_host = on_host[pieces.index]
