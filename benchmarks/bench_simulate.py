@@ -8,6 +8,8 @@ process (``--workers``). Prints the comparison table and the speed of each run a
     python benchmarks/bench_simulate.py                       # the whole trace, both models
     python benchmarks/bench_simulate.py --limit 500           # a documented subset
     python benchmarks/bench_simulate.py --models minimax-m1 --workers 1
+    # vLLM 0.33 (emulated, validated step for step) against hybridkv's defaults, prefix caching on
+    python benchmarks/bench_simulate.py --engines --models minimax-m1 --budgets 16GiB 32GiB 64GiB
     # the prefix cache's host tier (issue 32): each model with and without 256 GiB of host cache
     python benchmarks/bench_simulate.py --host-tier --models minimax-m1 --workers 2
 
@@ -223,6 +225,45 @@ def host_tier(args: argparse.Namespace) -> None:
         print(f"saved {save('simulate_host_tier', payload)}")
 
 
+def engines(args: argparse.Namespace) -> None:
+    """``--engines``: each model at each budget with ``--engine vllm`` (vLLM 0.33's policies, checked
+    step for step against its real scheduler) and ``--engine hybridkv`` (the defaults); saved as JSON."""
+    jobs = [SimConfig(model=m, tp=MODELS[m][0], gpu_memory=b, engine=e)
+            for m in args.models for b in args.budgets for e in ("vllm", "hybridkv")]  # fmt: skip
+    t0 = time.perf_counter()
+    with ProcessPoolExecutor(max_workers=args.workers) as pool:
+        futures = [pool.submit(_timed, cfg, args.trace, args.limit, i) for i, cfg in enumerate(jobs)]
+        results = [f.result() for f in futures]
+    wall = time.perf_counter() - t0
+    runs = []
+    for cfg, (summary, run_wall, cpu) in zip(jobs, results, strict=True):
+        t, lat = summary["totals"], summary["latency_s"]["ttft"]
+        runs.append({
+            "model": cfg.model, "tp": cfg.tp, "gpu_memory": cfg.gpu_memory, "engine": cfg.engine,
+            "command": f"hybridkv simulate --trace {Path(args.trace).name} --model {cfg.model} --tp {cfg.tp} "
+                       f"--gpu-memory {cfg.gpu_memory} --engine {cfg.engine}",
+            "requests": t["requests"], "finished": t["finished"],
+            "prefix_hit_rate": t["prefix_hit_rate"], "ttft_p50_s": lat.get("p50"), "ttft_p99_s": lat.get("p99"),
+            "preemptions": t["preemptions_recompute"] + t["preemptions_swap"],
+            "scheduled_tokens": t.get("scheduled_tokens"), "sim_time_s": t["sim_time_s"], "steps": t["steps"],
+            "bound": summary["pressure"]["bound"], "wall_s": round(run_wall, 1), "cpu_s": round(cpu, 1),
+        })  # fmt: skip
+    print(f"\n{'run':<32}{'engine':>10}{'hits':>9}{'TTFT p50':>11}{'TTFT p99':>11}")
+    for r in runs:
+        print(f"{r['model'] + ' TP' + str(r['tp']) + ' ' + r['gpu_memory']:<32}{r['engine']:>10}"
+              f"{r['prefix_hit_rate']:>9.1%}{r['ttft_p50_s']:>10.3f}s{r['ttft_p99_s']:>10.3f}s")
+    print(f"\n{len(jobs)} runs in {wall:.1f} s wall with {args.workers} worker processes")
+    if not args.no_save:
+        from benchmarks._common import save
+
+        payload = {
+            "trace": Path(args.trace).name, "limit": args.limit, "workers": args.workers,
+            "total_wall_s": round(wall, 1), "command": " ".join(["python benchmarks/bench_simulate.py", *sys.argv[1:]]),
+            "runs": runs,
+        }  # fmt: skip
+        print(f"saved {save('simulate_engines', payload)}")
+
+
 def _timed(cfg: SimConfig, trace: str, limit: int | None, position: int) -> tuple[dict[str, Any], float, float]:
     workload = from_trace(trace, limit)  # loaded in the worker: the trace is not pickled per task
     t0, c0 = time.perf_counter(), time.process_time()
@@ -238,6 +279,10 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--reports", default=None, help="also write the three reports per model under this folder")
     parser.add_argument("--no-save", action="store_true")
+    parser.add_argument("--engines", action="store_true",
+                        help="each model and --budgets with --engine vllm and --engine hybridkv (prefix caching on)")
+    parser.add_argument("--budgets", nargs="+", default=["16GiB", "32GiB", "64GiB"],
+                        help="cache budgets per GPU of --engines (default: 16GiB 32GiB 64GiB)")
     parser.add_argument("--host-tier", action="store_true",
                         help="each model with and without a 256 GiB host tier (issue 32's budgets), the TTFT tail "
                         "explained (not with --reports)")
@@ -246,6 +291,18 @@ def main() -> None:
         sys.exit(f"trace {args.trace} not found (it lives in ../shared/traces/)")
     if args.workers < 1:
         parser.error(f"--workers must be at least 1, got {args.workers}")
+    if args.engines:
+        if args.host_tier or args.reports:
+            parser.error("--engines takes neither --host-tier nor --reports")
+        from hybridkv.units import parse_bytes
+
+        for b in args.budgets:
+            try:
+                parse_bytes(b)
+            except (TypeError, ValueError) as e:
+                parser.error(f"--budgets: {e}")
+        engines(args)
+        return
     if args.host_tier:
         if args.reports:
             parser.error("--host-tier writes no reports: drop --reports")
