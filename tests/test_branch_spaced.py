@@ -98,6 +98,14 @@ def test_defaults_derive_from_a_checkpoints_bytes_in_kv_tokens():
     assert cache.config.checkpoint is CheckpointPolicy.BRANCH_SPACED
     assert cache.checkpoint_tokens == model.state_bytes / model.kv_bytes_per_token == 24
     assert cache.min_gap == 6 and cache.spaced_grids == (512, 512)
+    # with a host tier the bytes weigh against device and host blocks together: 399 usable + 1197
+    # host blocks, a quarter of the gap
+    tiered = HybridBlockManager(plan(tiny_model(), 400 * 256, block_size=4), num_host_blocks=1197,
+                                prefix_cache=PrefixCacheConfig(host_tier=True))
+    assert tiered.pool.num_usable == 399 and tiered.prefix_cache.min_gap == int(6 * 399 / 1596) == 1
+    fixed = PrefixCacheConfig(host_tier=True, min_gap_tokens=5)  # an explicit gap stays as given
+    assert HybridBlockManager(plan(tiny_model(), 400 * 256, block_size=4), num_host_blocks=1197,
+                              prefix_cache=fixed).prefix_cache.min_gap == 5
     # MiniMax-M1 TP8 fp32 and Qwen3-Next TP2: 7,168 and 1,608 tokens of KV per checkpoint
     assert spaced_grids(7168) == (512, 8192) and spaced_grids(1608) == (512, 2048)
     assert spaced_grids(8192) == (512, 8192) and spaced_grids(8193) == (512, 16384) and spaced_grids(3) == (512, 512)

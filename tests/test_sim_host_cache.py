@@ -91,10 +91,20 @@ def test_the_tiers_bytes_and_link_seconds_are_reported_apart_from_the_swaps(runs
     assert row[1].endswith(f"({t['host_tier_link_s']:.3g} s)")
 
 
-def test_before_the_first_eviction_from_the_device_the_tier_changes_nothing(raws):
-    """The tier only keeps what the device evicts: until the first offload both runs are the same
-    steps, and every request that had its first token by then the same TTFT (why a tail made before
-    the device ever fills, as MiniMax-M1 TP8 64 GiB's on the synthetic trace, cannot move)."""
+@pytest.fixture(scope="module")
+def raws_aligned(workload):
+    configs = expand(SimConfig(gpu_memory="3GiB", host_memory="0", checkpoint="branch_last_aligned"),
+                     ["host-cache=0,64GiB"])
+    return {c.host_cache: simulate(c, workload) for c in configs}
+
+
+def test_before_the_first_eviction_from_the_device_the_tier_changes_nothing(raws_aligned):
+    """The tier only keeps what the device evicts: with a checkpoint policy whose positions do not
+    weigh bytes (``branch_last_aligned``), until the first offload both runs are the same steps, and
+    every request that had its first token by then the same TTFT (why a tail made before the device
+    ever fills cannot move). (``branch_spaced`` places checkpoints closer with a tier: its gap weighs
+    a checkpoint's bytes against device and host blocks together.)"""
+    raws = raws_aligned
     on, off = raws["64GiB"]["series"], raws["0"]["series"]
     first = int(np.argmax(on["tier_offload_blocks"] > 0))
     assert on["tier_offload_blocks"][first] > 0 and first > 0

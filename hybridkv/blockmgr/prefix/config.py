@@ -45,7 +45,7 @@ class PrefixCacheConfig:
     # state bytes / KV bytes per token) rounded up to a power of two (see checkpoint_policy.spaced_grids)
     spaced_align_tokens: tuple[int, ...] | None = None
     # branch_spaced: minimum tokens between checkpoints on one chain; None: ``gap_fraction`` of the
-    # checkpoint's bytes in KV tokens
+    # checkpoint's bytes in KV tokens (times device / (device + host tier) blocks with host_tier)
     min_gap_tokens: int | None = None
     gap_fraction: float = DEFAULT_GAP_FRACTION
     # hybrid models: a released request's cached KV past the deepest checkpoint on its chain can only

@@ -32,9 +32,20 @@ class CheckpointPlacement(ChainIndex):
 
     @functools.cached_property
     def min_gap(self) -> int:
-        """``branch_spaced``'s minimum spacing in tokens (independent of the layout's block size)."""
+        """``branch_spaced``'s minimum spacing in tokens (independent of the layout's block size):
+        ``gap_fraction`` of a checkpoint's bytes in KV tokens, scaled by the device's share of the
+        cache's capacity when a host tier holds evicted units too (a checkpoint's bytes are weighed
+        against device and host blocks together: MiniMax-M1 TP8 64 GiB + 256 GiB of host spaces
+        checkpoints 1/5 as far apart)."""
         cfg = self.config
-        return cfg.min_gap_tokens if cfg.min_gap_tokens is not None else int(cfg.gap_fraction * self.checkpoint_tokens)
+        if cfg.min_gap_tokens is not None:
+            return cfg.min_gap_tokens
+        gap = cfg.gap_fraction * self.checkpoint_tokens
+        tier = getattr(self, "tier", None)
+        if tier is not None:
+            device = self.host.pool.num_usable
+            gap *= device / (device + tier.pool.num_blocks)
+        return int(gap)
 
     @functools.cached_property
     def spaced_grids(self) -> tuple[int, ...]:
