@@ -212,17 +212,7 @@ def host_tier(args: argparse.Namespace) -> None:
                       f"{late['ttft_p50_s']:.3f} s, p99 {late['ttft_p99_s']:.3f} s")  # fmt: skip
     print(f"\n{2 * len(pairs)} runs in {wall:.1f} s wall with {args.workers} worker processes")
     if not args.no_save:
-        from benchmarks._common import save
-
-        payload = {
-            "trace": Path(args.trace).name,
-            "limit": args.limit,
-            "workers": args.workers,
-            "total_wall_s": round(wall, 1),
-            "command": " ".join(["python benchmarks/bench_simulate.py", *sys.argv[1:]]),
-            "models": pairs,
-        }
-        print(f"saved {save('simulate_host_tier', payload)}")
+        _save("simulate_host_tier", args, wall, command=_command(), models=pairs)
 
 
 def engines(args: argparse.Namespace) -> None:
@@ -254,14 +244,21 @@ def engines(args: argparse.Namespace) -> None:
               f"{r['prefix_hit_rate']:>9.1%}{r['ttft_p50_s']:>10.3f}s{r['ttft_p99_s']:>10.3f}s")
     print(f"\n{len(jobs)} runs in {wall:.1f} s wall with {args.workers} worker processes")
     if not args.no_save:
-        from benchmarks._common import save
+        _save("simulate_engines", args, wall, command=_command(), runs=runs)
 
-        payload = {
-            "trace": Path(args.trace).name, "limit": args.limit, "workers": args.workers,
-            "total_wall_s": round(wall, 1), "command": " ".join(["python benchmarks/bench_simulate.py", *sys.argv[1:]]),
-            "runs": runs,
-        }  # fmt: skip
-        print(f"saved {save('simulate_engines', payload)}")
+
+def _command() -> str:
+    return " ".join(["python benchmarks/bench_simulate.py", *sys.argv[1:]])
+
+
+def _save(name: str, args: argparse.Namespace, wall: float, **fields: Any) -> None:
+    """Save a mode's results as ``benchmarks/results/<name>_<date>_<time>.json`` (machine facts
+    included): the trace, limit, workers and wall seconds, then ``fields``."""
+    from benchmarks._common import save
+
+    payload = {"trace": Path(args.trace).name, "limit": args.limit, "workers": args.workers,
+               "total_wall_s": round(wall, 1), **fields}  # fmt: skip
+    print(f"saved {save(name, payload)}")
 
 
 def _timed(cfg: SimConfig, trace: str, limit: int | None, position: int) -> tuple[dict[str, Any], float, float]:
@@ -355,17 +352,7 @@ def main() -> None:
             write_reports(summaries, Path(args.reports) / model, f"bench_simulate: {model} on the Mooncake trace")
     print(f"\n{len(jobs)} runs in {total_wall:.1f} s wall with {args.workers} worker processes")
     if not args.no_save:
-        from benchmarks._common import save
-
-        payload = {
-            "trace": Path(args.trace).name,
-            "limit": args.limit,
-            "workers": args.workers,
-            "total_wall_s": round(total_wall, 1),
-            "runs": runs,
-            "comparison_tables": tables,
-        }
-        print(f"saved {save('simulate', payload)}")
+        _save("simulate", args, total_wall, runs=runs, comparison_tables=tables)
 
 
 if __name__ == "__main__":
