@@ -90,9 +90,7 @@ class CheckpointMixin(ManagerCore):
             self._drop_state(sets)
             return
         key = int(rec.block_keys[pos // bs - 1])
-        slot = found[0]
-        if slot < 0:  # no node (its cached twin was evicted): re-created, with any missing ancestors
-            slot = cache.ensure(rec.token_ids.view(), rec.block_keys, rec.kv_blocks, pos // bs - 1)
+        slot = self._node_slot(rec, found[0], pos)
         cache.add_checkpoint(slot, self._set_ids(sets).copy())
         if cache.config.in_place_state:
             cache.hold(key)
@@ -143,16 +141,14 @@ class CheckpointMixin(ManagerCore):
             return self._lend(rec, None) if in_place else _NO_COPIES
         slot, kv = found
         if in_place:  # the live sets become the checkpoint where they are: no blocks, no copy
-            if slot < 0:
-                slot = cache.ensure(rec.token_ids.view(), rec.block_keys, rec.kv_blocks, pos // bs - 1)
+            slot = self._node_slot(rec, slot, pos)
             cache.add_checkpoint(slot, self._set_ids(rec.state).copy())
             cache.hold(int(key))
             return self._lend(rec, int(key))
         if self.num_state_blocks > self.num_available_blocks - cache.num_protected(kv):
             return _NO_COPIES
         self._make_room(self.num_state_blocks, protect=kv)
-        if slot < 0:  # no node (its cached twin was evicted): re-created, with any missing ancestors
-            slot = cache.ensure(rec.token_ids.view(), rec.block_keys, rec.kv_blocks, pos // bs - 1)
+        slot = self._node_slot(rec, slot, pos)
         ids = self._take(self.num_state_blocks)  # (the room is made: no eviction now)
         cache.add_checkpoint(slot, ids)
         # pinned: the live blocks it reads must not be reused (request finished, aborted, swapped
@@ -177,9 +173,7 @@ class CheckpointMixin(ManagerCore):
         if found is None or cache is None or rec.token_ids is None:
             self.free(request_id)
             return False
-        slot = found[0]
-        if slot < 0:  # no node (its cached twin was evicted): re-created, with any missing ancestors
-            slot = cache.ensure(rec.token_ids.view(), rec.block_keys, rec.kv_blocks, pos // bs - 1)
+        slot = self._node_slot(rec, found[0], pos)
         ids = self._set_ids(rec.state).copy()
         cache.add_checkpoint(slot, ids)
         self._release_all(rec, keep_state=True)
@@ -187,6 +181,16 @@ class CheckpointMixin(ManagerCore):
             self._drop_export(request_id)
         del self.requests[request_id]
         return True
+
+    def _node_slot(self, rec: RequestRecord, slot: int, pos: int) -> int:
+        """``slot`` (from ``checkpoint_protect``), or, when -1 (no node: its cached twin was
+        evicted), the node of the request's block ending at ``pos``, re-created with any missing
+        ancestors."""
+        if slot >= 0:
+            return slot
+        cache = self.prefix_cache
+        assert cache is not None and rec.token_ids is not None
+        return cache.ensure(rec.token_ids.view(), rec.block_keys, rec.kv_blocks, pos // self.block_size - 1)
 
     def _lends(self, rec: RequestRecord, pos: int) -> bool:
         """Whether the state at ``pos`` stays in the live sets where they are

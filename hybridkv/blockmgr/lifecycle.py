@@ -101,6 +101,9 @@ class ManagerCore:
         self._pin_held: list[np.ndarray] = []
         # KV references held by pending prefix exports (blockmgr.transfer_host), one per block per export
         self._export_kv: list[np.ndarray] = []
+        # and their checkpoint holds by node key (several exports may read one checkpoint; the prefix
+        # cache's hold is one flag: the first export sets it, the last one clears it)
+        self._export_checkpoints: dict[int, int] = {}
         self.prefix_cache = PrefixCache(self, prefix_cache) if prefix_cache is not None else None
         # PrefixCacheConfig.in_place_state: requests whose live sets hold the state of their last
         # block boundary, lent where they are (flat ids, and the node key when they are its
@@ -785,8 +788,8 @@ class ManagerCore:
                 zero = zero[~held]
         if cache is None:
             return zero
-        if twins is not None and twins.size and zero.size:
-            cache.keep_twins(twins[np.isin(twins, zero)])
+        if twins is not None and twins.size and zero.size:  # (pinned ones are freed as usual later)
+            return cache.release(zero, chain, twins[np.isin(twins, zero)])
         return cache.release(zero, chain)
 
     def _drop_kv(self, ids: np.ndarray) -> None:

@@ -30,7 +30,6 @@ Framework-free, like the rest of ``blockmgr``: ``hybridkv.transfer`` turns a pla
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -51,24 +50,6 @@ _EMPTY = np.empty(0, dtype=np.int32)
 
 class PrefixNotCachedError(HybridKVError, LookupError):
     """The tokens have no cached prefix (with a checkpoint at its end, for hybrid models) to export."""
-
-
-class _Holds:
-    """A manager's checkpoint holds by node key (several exports may read one checkpoint; the
-    cache's ``hold`` is one flag, so the first export sets it and the last one clears it)."""
-
-    def __init__(self) -> None:
-        self.checkpoints: dict[int, int] = {}
-
-
-_HOLDS: weakref.WeakKeyDictionary[ManagerCore, _Holds] = weakref.WeakKeyDictionary()
-
-
-def _holds(manager: ManagerCore) -> _Holds:
-    holds = _HOLDS.get(manager)
-    if holds is None:
-        holds = _HOLDS[manager] = _Holds()
-    return holds
 
 
 @dataclass(slots=True, eq=False)
@@ -125,11 +106,10 @@ class PrefixExport:
             assert cache.tier is not None
             cache.tier.unhold(self._host_units)
         if self._checkpoint_key is not None:
-            holds = _holds(m)
-            key = self._checkpoint_key
-            holds.checkpoints[key] -= 1
-            if not holds.checkpoints[key]:
-                del holds.checkpoints[key]
+            holds, key = m._export_checkpoints, self._checkpoint_key
+            holds[key] -= 1
+            if not holds[key]:
+                del holds[key]
                 cache.release_held(key)
         if self._device_kv.size:
             for i, ids in enumerate(m._export_kv):
@@ -177,9 +157,9 @@ def export_prefix(
     tier = cache.tier
     units = tuple(sorted(tier.units_of(hit.host_kv, hit.host_checkpoint))) if tier is not None and hit.on_host else ()
     _check_written(manager, hit, units)
-    holds = _holds(manager)
+    holds = manager._export_checkpoints
     key = hit.checkpoint_key
-    if key is not None and key in cache.pinned and key not in holds.checkpoints:
+    if key is not None and key in cache.pinned and key not in holds:
         raise RequestStateError(
             f"the checkpoint at token {hit.num_tokens} is pinned by a copy not yet run (or held by its request): "
             "export after the executor ran the copies and release_pins"
@@ -190,9 +170,9 @@ def export_prefix(
         cache.take_hit(PrefixHit(0, device_kv, None, 0, []))  # one reference each, out of the evictable set
         manager._export_kv.append(device_kv)
     if key is not None:
-        if key not in holds.checkpoints:
+        if key not in holds:
             cache.hold(key)
-        holds.checkpoints[key] = holds.checkpoints.get(key, 0) + 1
+        holds[key] = holds.get(key, 0) + 1
     if units:
         assert tier is not None
         tier.hold(units)

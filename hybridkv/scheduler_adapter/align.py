@@ -101,13 +101,11 @@ def branch_stop(manager: ManagerInterface, request_id: RequestId, start: int) ->
     return start + (branch - start) // bs * bs
 
 
-def export_blocks(manager: ManagerInterface, exports: bool, req: SchedRequest, n: int) -> int:
-    """State blocks of the checkpoint the prefill kernel exports from ``req``'s next ``n`` tokens
-    (made at update(); vLLM allocates its block with the chunk), or 0 (``exports``: the prefix
-    cache has an ``export_alignment``)."""
+def export_position(manager: ManagerInterface, exports: bool, req: SchedRequest, n: int) -> int | None:
+    """The position whose state the prefill kernel exports from inside ``req``'s next ``n`` tokens
+    (its sets are reserved with the chunk, as vLLM allocates that block), or None (``exports``: the
+    prefix cache has an ``export_alignment``)."""
     if not exports or n < 2 or not req.token_ids_given:
-        return 0
+        return None
     start = req.num_computed_tokens
-    if manager.exported_checkpoint_position(req.request_id, start, start + n) is None:
-        return 0
-    return manager.num_state_blocks
+    return manager.exported_checkpoint_position(req.request_id, start, start + n)

@@ -32,7 +32,7 @@ from hybridkv.errors import DuplicateRequestError, RequestStateError, UnknownReq
 from hybridkv.scheduler_adapter.align import (
     aligned_chunk,
     branch_stop,
-    export_blocks,
+    export_position,
     same_step_branch,
     state_cached_this_step,
 )
@@ -358,7 +358,8 @@ class Scheduler:
             if not n:
                 continue  # vllm_align: the budget holds no block-aligned chunk (vLLM skips it too)
             owed = self.manager.checkpoint_blocks_due(req.request_id) if req.request_id in self._owed else 0
-            export = export_blocks(self.manager, self._exports, req, n)
+            export_at = export_position(self.manager, self._exports, req, n)
+            export = self.manager.num_state_blocks if export_at is not None else 0
             if exact or owed or export:
                 while not self._can_grow(req, n + drafts, drafts, owed + export):
                     if not self._in_place and len(s.checkpoints) and self._cancel_checkpoints(s):
@@ -383,7 +384,7 @@ class Scheduler:
             if owed:  # its copy runs with this plan's copies, before the forward moves the state
                 s.copies = s.copies.concat(self.manager.checkpoint(req.request_id))
             self._owed.discard(req.request_id)
-            self._run(req, n, drafts, s)
+            self._run(req, n, drafts, s, export_at)
 
     def _cancel_rescues(self, req: SchedRequest, n: int, drafts: int, extra: int, s: _StepBuilder) -> bool:
         """Cancel the last update's checkpoints if their blocks let ``req`` grow by ``n + drafts``;
@@ -436,7 +437,7 @@ class Scheduler:
             req.state = RequestState.RUNNING
             bisect.insort(self.running, req, key=request_key)
             n, drafts = self._demand(req, s.budget)
-            self._run(req, n, drafts, s)
+            self._run(req, n, drafts, s, export_position(self.manager, self._exports, req, n))
 
     def _admit_waiting(self, s: _StepBuilder) -> None:
         k = self.config.num_speculative_tokens
@@ -486,7 +487,7 @@ class Scheduler:
             if self._in_place:
                 same_step_branch(self.manager, self.requests, req, ids, s.scheduled)
             n, drafts = self._demand(req, s.budget)
-            self._run(req, n, drafts, s)
+            self._run(req, n, drafts, s, export_position(self.manager, self._exports, req, n))
             self._promise(req, s)
 
     def _whole_fits(self, req: SchedRequest, ids: list[int] | None, k: int, s: _StepBuilder) -> bool:
@@ -561,8 +562,10 @@ class Scheduler:
         need += max(0, drafts - req.num_spec_sets) * self.manager.num_state_blocks
         return need <= self.manager.num_available_blocks
 
-    def _run(self, req: SchedRequest, n: int, drafts: int, s: _StepBuilder) -> None:
-        """Grow the request by ``n + drafts`` token slots (and speculative sets) and add its row."""
+    def _run(self, req: SchedRequest, n: int, drafts: int, s: _StepBuilder, export_at: int | None) -> None:
+        """Grow the request by ``n + drafts`` token slots (and speculative sets) and add its row;
+        ``export_at``: the position the prefill kernel exports from inside the chunk (its sets
+        reserved now, best effort), or None."""
         rid = req.request_id
         if drafts > req.num_spec_sets:  # commit_speculation gets num_drafted, so no call otherwise
             self.manager.begin_speculation(rid, drafts)
@@ -577,12 +580,10 @@ class Scheduler:
         if copies.src.size:
             s.copies = s.copies.concat(copies)
         req.num_allocated_tokens += n + drafts
-        if self._exports and n > 1 and req.token_ids_given:  # the kernel writes the state there in the forward
-            start = req.num_computed_tokens
-            pos = self.manager.exported_checkpoint_position(rid, start, start + n)
-            sets = self.manager.reserve_export(rid, pos) if pos is not None else None
+        if export_at is not None:  # the kernel writes the state there in the forward
+            sets = self.manager.reserve_export(rid, export_at)
             if sets is not None:
-                s.exports.append(StateExport(rid, pos, sets))
+                s.exports.append(StateExport(rid, export_at, sets))
         self._row(req, n, drafts, s)
 
     @staticmethod

@@ -91,10 +91,9 @@ class ChainIndex:
         self._memo_gen = (-1, -1)
         # ---- cached KV blocks, by block id
         self._node_of = np.full(nb, -1, dtype=np.int64)  # KV block -> slot of the node it caches
-        # vllm_align: evictable KV blocks on no node, second copies whose node caches a newer one
-        # (Registration.adopt_copies); evicted in their turn
+        # vllm_align: evictable KV blocks on no node, second copies whose node caches another one
+        # (Registration.adopt_copies, release's twins); evicted in their turn
         self._stale = np.zeros(nb, dtype=bool)
-        self._n_twins = 0  # of _stale, blocks marked by keep_twins that release() has not queued yet
         self._n_mapped = 0  # KV blocks mapped to nodes
         # whether each unit is evictable (a KV block) or live (a checkpoint, by slot), and the LRU
         # order it was last queued with: one array each, indexed like the LRU queue's codes (a KV

@@ -41,10 +41,9 @@ class CheckpointPlacement(ChainIndex):
         if cfg.min_gap_tokens is not None:
             return cfg.min_gap_tokens
         gap = cfg.gap_fraction * self.checkpoint_tokens
-        tier = getattr(self, "tier", None)
-        if tier is not None:
+        if self.tier is not None:
             device = self.host.pool.num_usable
-            gap *= device / (device + tier.pool.num_blocks)
+            gap *= device / (device + self.tier.pool.num_blocks)
         return int(gap)
 
     @functools.cached_property

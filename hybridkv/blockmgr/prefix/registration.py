@@ -234,8 +234,12 @@ class Registration(Eviction):
                 self._free_slot(self._slot.pop(old))
         return slot
 
-    def release(self, ids: np.ndarray, chain: list[int] | None = None) -> np.ndarray:
+    def release(self, ids: np.ndarray, chain: list[int] | None = None, twins: np.ndarray = _EMPTY) -> np.ndarray:
         """KV blocks whose count reached zero: cached ones become evictable; returns the rest.
+
+        ``twins``: of ``ids``, second copies (:meth:`twins`) that stay evictable too, on no node,
+        queued with the rest, as vLLM's block hash table keeps every copy of a block until it is
+        evicted (matching finds the node's copy; evicting a twin loses nothing).
 
         ``chain``: the chain keys of the request releasing them, if it is one request's chain. With
         ``demote_tail`` (hybrid models), the released blocks past the deepest checkpoint on that chain
@@ -245,11 +249,9 @@ class Registration(Eviction):
             return ids
         now = self._now()
         keep = self._node_of[ids] >= 0
-        if self._n_twins:  # second copies kept as vLLM keeps them (keep_twins): queued with the rest
-            twin = self._stale[ids] & ~self._kv_evictable[ids]
-            if twin.any():
-                keep |= twin
-                self._n_twins -= int(np.count_nonzero(twin))
+        if twins.size:
+            self._stale[twins] = True
+            keep |= np.isin(ids, twins)
         kept = ids[keep]
         if kept.size:
             # a request's blocks come in chain order; queue the tail first, so that among blocks
@@ -278,9 +280,10 @@ class Registration(Eviction):
         """Of a request's KV blocks ``ids`` (in chain order, the first ``len(chain)`` full and
         registered under ``chain``), those that are second copies: on no node, while their node
         caches another block (the request computed the block while another request's copy was
-        held, so :meth:`register` left its own private)."""
+        held, so :meth:`register` left its own private). None with ``demote_tail``, whose queue
+        order reads each released block's node."""
         k = min(len(chain), ids.size)
-        if not k or not self._n_mapped:
+        if not k or not self._n_mapped or self.config.demote_tail:
             return _EMPTY
         own = ids[:k]
         private = self._node_of[own] < 0
@@ -290,16 +293,6 @@ class Registration(Eviction):
         node_kv = np.where(slots >= 0, self._kv[np.maximum(slots, 0)], 0)
         twin = private & (node_kv != 0) & (node_kv != own)
         return own[twin].astype(np.int64)
-
-    def keep_twins(self, ids: np.ndarray) -> None:
-        """``vllm_align``: second copies (:meth:`twins`) whose last reference goes in the
-        :meth:`release` that follows stay evictable, on no node, in the LRU queue where that release
-        puts them, as vLLM's block hash table keeps every copy of a block until it is evicted
-        (matching finds the node's copy; evicting a twin loses nothing). Not with ``demote_tail``,
-        whose order reads each released block's node."""
-        if ids.size and not self.config.demote_tail:
-            self._stale[ids] = True
-            self._n_twins += int(ids.size)
 
     def _dead_tail(self, kept: np.ndarray, chain: list[int] | None) -> np.ndarray | None:
         """Which of ``kept`` (cached blocks in chain order) lie past the deepest checkpoint (a mask),
