@@ -42,6 +42,7 @@ from hybridkv.errors import (
     UnknownRequestError,
 )
 from hybridkv.planner.layout import Layout
+from hybridkv.scheduler_adapter.align import export_position
 from hybridkv.scheduler_adapter.cost import PreemptionMode
 from hybridkv.scheduler_adapter.preemption import Preemptor
 from hybridkv.scheduler_adapter.requests import (
@@ -332,7 +333,7 @@ class _DecodeScheduler(Scheduler):
             bisect.insort(self.running, req, key=lambda r: r.sort_key)
             s.admitted.append(rid)
             n, drafts = self._demand(req, s.budget)
-            self._run(req, n, drafts, s)
+            self._run(req, n, drafts, s, export_position(self.manager, self._exports, req, n))
 
     def _resume_swapped(self, s: Any) -> None:
         self._admit_arrivals(s)
