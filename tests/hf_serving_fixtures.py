@@ -76,19 +76,28 @@ class AlternatingPreemptor(Preemptor):
         return PreemptionMode.RECOMPUTE if self.turn % 2 else super().mode_for(req)
 
 
+class InjectedFault(RuntimeError):
+    """The fault :func:`run_workload` injects into the model's forward."""
+
+
 @dataclass
 class Workload:
-    """Requests with shared prefixes arriving at steps; some forked (``n = 2``), some aborted."""
+    """Requests with shared prefixes arriving at steps; some with parallel samples (``n`` 2 or 3),
+    some aborted, and faults injected in the middle of steps."""
 
     arrivals: dict[int, list[tuple[str, list[int], int, SamplingParams]]] = field(default_factory=dict)
     aborts: tuple[int, ...] = ()  # steps at which the oldest running request is aborted
+    # steps from which the model's forward raises InjectedFault once, in the middle of a step (on a
+    # forward after the step's first; a step with one forward passes it on to the next)
+    faults: tuple[int, ...] = ()
     num_requests: int = 0
 
 
 def make_workload(num_requests: int = 32, seed: int = 0, vocab: int = 128) -> Workload:
     """Prompts: one of two shared prefixes (8 and 12 tokens, i.e. 2 and 3 blocks of 4) plus a tail; a
     repeated motif in some tails so n-gram drafts are sometimes right. Every 5th request samples
-    (seeded), the rest are greedy; every 7th is forked (n = 2); two running requests are aborted."""
+    (seeded), the rest are greedy; every 7th has parallel samples (n = 3 or 2, one of them with
+    max_new_tokens = 1); two running requests are aborted; the model's forward raises twice, mid-step."""
     rng = random.Random(seed)
     prefixes = [[rng.randrange(1, vocab) for _ in range(n)] for n in (8, 12)]
     w = Workload(num_requests=num_requests)
@@ -97,12 +106,13 @@ def make_workload(num_requests: int = 32, seed: int = 0, vocab: int = 128) -> Wo
         tail = [rng.randrange(1, vocab) for _ in range(rng.randint(1, 8))]
         if i % 4 == 1:
             tail = (tail[:3] * 3)[: max(len(tail), 4)]
-        params = SamplingParams(temperature=0.8 if i % 5 == 4 else 0.0, seed=i, n=2 if i % 7 == 3 else 1)
+        n = 3 if i % 14 == 3 else 2 if i % 7 == 3 else 1
+        params = SamplingParams(temperature=0.8 if i % 5 == 4 else 0.0, seed=i, n=n)
         step = rng.randint(0, num_requests)
-        w.arrivals.setdefault(step, []).append(
-            (f"r{i}", shared + tail, 16 if i % 6 == 5 else rng.randint(3, 8), params)
-        )
+        max_new = 16 if i % 6 == 5 else rng.randint(3, 8)
+        w.arrivals.setdefault(step, []).append((f"r{i}", shared + tail, 1 if i % 14 == 10 else max_new, params))
     w.aborts = (12, 25)
+    w.faults = (num_requests // 4, num_requests * 2 // 3)
     return w
 
 
@@ -137,18 +147,43 @@ def make_engine(
 
 
 def run_workload(engine: HFEngine, workload: Workload, max_steps: int = 2000) -> HFEngine:
+    """Run ``workload``; an injected fault must abort the requests of its step (``engine.failed``) and
+    leave the books balanced, and the run goes on."""
     step = 0
     last = max(workload.arrivals)
-    while step <= last or engine.has_unfinished:
-        for rid, prompt, n, params in workload.arrivals.get(step, ()):
-            engine.add_request(rid, prompt, n, params)
-        if step in workload.aborts and engine.scheduler.running:
-            engine.abort(engine.scheduler.running[0].request_id)
-        if engine.has_unfinished:
-            engine.step()
-            engine.manager.check_integrity()
-        step += 1
-        assert step < max_steps, "the workload did not finish"
+    model, armed, step_start = engine.model, [0], [0]
+    forward, own = model.forward, model.__dict__.get("forward")
+
+    def faulty_forward(*args, **kwargs):
+        # the engine's forwards only (the model drafter runs the same model without a cache)
+        if armed[0] and kwargs.get("use_cache") and engine.events.forwards > step_start[0]:
+            armed[0] -= 1
+            raise InjectedFault(f"injected into a forward of step {engine.events.steps}")
+        return forward(*args, **kwargs)
+
+    model.forward = faulty_forward
+    try:
+        while step <= last or engine.has_unfinished:
+            for rid, prompt, n, params in workload.arrivals.get(step, ()):
+                engine.add_request(rid, prompt, n, params)
+            if step in workload.aborts and engine.scheduler.running:
+                engine.abort(engine.scheduler.running[0].request_id)
+            armed[0] += step in workload.faults
+            if engine.has_unfinished:
+                step_start[0] = engine.events.forwards
+                failed = len(engine.failed)
+                try:
+                    engine.step()
+                except InjectedFault:
+                    assert len(engine.failed) > failed, "a step raised and aborted nothing"
+                engine.manager.check_integrity()
+            step += 1
+            assert step < max_steps, "the workload did not finish"
+    finally:
+        if own is None:
+            del model.forward
+        else:
+            model.forward = own
     return engine
 
 

@@ -1,11 +1,12 @@
 """Unmodified HuggingFace hybrid models served by hybridkv equal each request run alone through HF.
 
 Oracle: transformers itself. For each family a tiny random fp32 model (tests/hf_serving_fixtures.py)
-serves 32 requests (shared prefixes, staggered arrivals, seeded and greedy sampling, forks, two
-aborts, speculative decoding with 2 drafts) through :class:`HFEngine` on a pool small enough that
+serves 32 requests (shared prefixes, staggered arrivals, seeded and greedy sampling, parallel samples
+(n = 2 and 3, one with a single output token), two aborts, two exceptions raised by the model's forward
+mid-step, speculative decoding with 2 drafts) through :class:`HFEngine` on a pool small enough that
 requests are preempted by recompute and by swap and hit the prefix cache (checkpoints restored).
 Every logit the engine computed for a real token is compared with the same request alone in HF
-(one forward over its tokens).
+(one forward over its tokens); the requests of a step that raised are aborted and reported (``engine.failed``).
 
 Tolerance: ``TOL_FACTOR`` x HF's own chunking noise floor, measured per family as the largest
 difference between two ways HF itself runs the same request alone: one forward over all its tokens,
@@ -104,6 +105,7 @@ def test_every_logit_equals_hf_alone(model_type):
         accepted=ev.accepted,
         rejected=ev.rejected,
         aborted=ev.aborted,
+        failed=ev.failed,
     )
     RESULTS.setdefault(model_type, {}).update(err=err, floor=floor, tol=tol, events=counts)
     print(f"\n{model_type}: worst |logit - HF alone| {err:.2e} ({rid!r} @ {pos}); HF noise floor {floor:.2e}; {counts}")
@@ -114,6 +116,19 @@ def test_every_logit_equals_hf_alone(model_type):
             assert n == 0
             continue
         assert n > 0, f"{model_type}: the workload made no {name} event: {counts}"
+    # every request gives its n outputs, but for the samples aborted or failed (or whose request was
+    # aborted or failed before they branched)
+    outputs, finished, workload = engine.outputs(), engine.scheduler.finished, make_workload()
+    for rid, prompt, max_new, params in (a for arrivals in workload.arrivals.values() for a in arrivals):
+        for sid in [rid] + [(rid, i) for i in range(1, params.n)]:
+            if sid in outputs:
+                assert len(outputs[sid]) == max_new, sid
+                assert engine.tokens[sid][: len(prompt)] == prompt and engine.tokens[sid][len(prompt) :] == outputs[sid]
+            elif sid in engine.failed or (sid in finished and finished[sid].state.value == "aborted"):
+                continue
+            else:  # never branched: its request was aborted or failed first
+                assert sid != rid and sid not in engine.tokens and rid not in outputs, sid
+    assert any(len(outputs.get((r, 2), ())) for r in engine.params)  # n = 3 served
     # greedy outputs equal HF generate (requests never forked, aborted or sampled)
     finished = engine.scheduler.finished
     greedy = [

@@ -12,8 +12,12 @@
    ``has_initial_state`` run as one batched forward of the HF model: explicit ``position_ids``, a
    dict ``attention_mask`` (additive 4-D for full attention, None for linear attention), a fresh cache
    built from the pools and stored back after it;
-3. sampling (:mod:`.sampling`) and draft verification; ``Scheduler.update()``; forks of requests with
-   ``n > 1`` once they decode.
+3. sampling (:mod:`.sampling`) and draft verification; ``Scheduler.update()``; a request with
+   ``n > 1`` branches where it samples its first token: each other sample draws its own first token
+   from the same logits and is forked there (or queued, when the fork finds no room).
+
+An exception inside a step abandons the step's plan and aborts its requests (:meth:`HFEngine.step`);
+the engine goes on with the others.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import torch
 
 from hybridkv.blockmgr.manager import HybridBlockManager
 from hybridkv.blockmgr.prefix import PrefixCacheConfig
-from hybridkv.errors import HybridKVError
+from hybridkv.errors import DuplicateRequestError, HybridKVError
 from hybridkv.integrations.transformers.families import Family, UnsupportedModelError, family_of
 from hybridkv.integrations.transformers.paged_cache import PagedCache, attention_mask
 from hybridkv.integrations.transformers.sampling import Drafter, SamplingParams, sample
@@ -109,6 +113,8 @@ class Events:
     accepted: int = 0
     rejected: int = 0
     aborted: int = 0
+    failed: int = 0  # requests aborted because a step raised (HFEngine.failed)
+    forks_queued: int = 0  # samples of n > 1 requests queued because their fork found no room
 
 
 class StepStats(NamedTuple):
@@ -132,6 +138,35 @@ class _Piece(NamedTuple):
     dst: np.ndarray  # [G, bps] the state set written
 
 
+class _Progress:
+    """How far one step got (what :meth:`HFEngine._abandon` must undo)."""
+
+    __slots__ = ("copied", "updated", "branching")
+
+    def __init__(self) -> None:
+        self.copied = False  # the plan's copies all ran
+        self.updated = False  # Scheduler.update() took the plan
+        self.branching: list[tuple[Any, Any]] = []  # (parent, sample) drawn in this step, not placed yet
+
+
+def _check_prefix_cache(prefix_cache: PrefixCacheConfig | None) -> None:
+    """The prefix-cache settings the engine cannot serve, refused before any work."""
+    if prefix_cache is None:
+        return
+    if prefix_cache.host_tier:
+        raise ValueError(
+            "PrefixCacheConfig(host_tier=True): the transformers engine does not run the host tier's copies yet "
+            "(StepPlan.tier_copies: offloads to the host pool, host hits copied back), so a request hitting a "
+            "prefix on the host tier would compute on bytes nobody wrote; set host_tier=False "
+            "(num_host_blocks still serves swap preemption)"
+        )
+    if prefix_cache.export_alignment is not None:
+        raise ValueError(
+            "PrefixCacheConfig.export_alignment needs a prefill kernel that writes the state from inside "
+            "a chunk (StepPlan.exports); transformers' forward cannot: leave it None"
+        )
+
+
 class HFEngine:
     """Serves ``model`` (an unmodified transformers causal LM of a family in
     :data:`~.families.FAMILIES`) through hybridkv. Not thread-safe.
@@ -144,6 +179,7 @@ class HFEngine:
 
     def __init__(self, model: torch.nn.Module, config: EngineConfig | None = None, drafter: Drafter | None = None):
         self.config = config = config or EngineConfig()
+        _check_prefix_cache(config.prefix_cache)
         model_type = getattr(getattr(model, "config", None), "model_type", None)
         self.family: Family = family_of(model_type)
         if config.num_speculative_tokens and drafter is None:
@@ -154,11 +190,6 @@ class HFEngine:
             raise UnsupportedModelError(
                 f"{model_type} with sliding-window or chunked attention (sliding_window={window}): the runner builds "
                 "full causal masks only; set sliding_window=None"
-            )
-        if config.prefix_cache is not None and config.prefix_cache.export_alignment is not None:
-            raise ValueError(
-                "PrefixCacheConfig.export_alignment needs a prefill kernel that writes the state from inside "
-                "a chunk (StepPlan.exports); transformers' forward cannot: leave it None"
             )
         self.model = model.eval()
         self.spec = model_spec(model)
@@ -192,7 +223,13 @@ class HFEngine:
         self.events = Events()
         self.stats: list[StepStats] = []
         self.mixer_hook = None
-        self._forks: dict[Any, list[Any]] = {}  # parent -> children still to fork
+        self.failed: dict[Any, BaseException] = {}  # request -> the exception of the step that aborted it
+        self._forks: dict[Any, list[tuple[Any, SamplingParams]]] = {}  # parent -> its samples, until it branches
+        self._samples: set[Any] = set()  # the ids of those samples (taken)
+        self._heads: dict[Any, list[int]] = {}  # queued samples -> their first token (the end of their prompt)
+        self._done: dict[Any, list[int]] = {}  # samples done at their first token (max_new_tokens 1)
+        self._fresh_forks: list[Any] = []  # forked since the last step: their state copy rides in the next plan
+        self._update_epoch: int | None = None  # the manager's pin epoch of the last Scheduler.update()
         # transformers 5.24 names the cache argument ``cache`` (``past_key_values`` before)
         self._kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
@@ -212,29 +249,67 @@ class HFEngine:
     def add_request(
         self, request_id: Any, prompt: list[int], max_new_tokens: int, params: SamplingParams | None = None
     ) -> None:
-        """Queue a request (token ids). ``params.n > 1``: ``n - 1`` children ``(request_id, i)`` are
-        forked from it once it decodes."""
-        params = params or SamplingParams()
+        """Queue a request (token ids). Everything is checked before anything is queued: ``params``
+        (a :class:`SamplingParams`, ``TypeError`` otherwise), the prompt's token ids, the sizes (the
+        scheduler's checks: :class:`~hybridkv.errors.RequestTooLargeError` when the request can never
+        fit in the pool) and the ids of its samples; a refused request leaves no trace.
+
+        ``params.n > 1``: ``n`` outputs, the request's and those of ``n - 1`` samples ``(request_id, i)``
+        (seeds ``params.child(i)``). Where the request samples its first token, each sample draws its
+        own from the same logits and is forked there (:meth:`Scheduler.fork`: the prompt's KV shared,
+        its state copied); a sample whose fork finds no room (blocks or ``max_num_seqs``) waits in the
+        queue as a request of its own (prompt + its first token), and one with nothing left to generate
+        (``max_new_tokens == 1``) is done. A sample needs no more room than the request alone, so every
+        request that is accepted gives its ``n`` outputs."""
+        if params is None:
+            params = SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"request {request_id!r}: params must be a SamplingParams, got {params!r}")
+        params.check()  # (a frozen dataclass can still be changed through object.__setattr__)
+        try:
+            hash(request_id)
+        except TypeError:
+            raise TypeError(f"request id {request_id!r} is not hashable") from None
+        if isinstance(prompt, (str, bytes)):
+            raise TypeError(f"request {request_id!r}: prompt must be token ids, got {prompt!r}")
+        try:
+            ids = list(prompt)
+        except TypeError:
+            raise TypeError(f"request {request_id!r}: prompt must be token ids, got {prompt!r}") from None
         vocab = self.model.config.vocab_size
-        bad = [t for t in prompt if not 0 <= int(t) < vocab]
+        bad = [t for t in ids if isinstance(t, (int, np.integer)) and not 0 <= int(t) < vocab]
         if bad:
             raise ValueError(f"request {request_id!r}: token ids {bad[:3]} outside the vocabulary 0..{vocab - 1}")
-        self.scheduler.add_request(request_id, list(prompt), max_new_tokens)
+        samples = [(request_id, i) for i in range(1, params.n)]
+        for rid in (request_id, *samples):
+            if rid in self._samples or rid in self._done:
+                raise DuplicateRequestError(f"request {rid!r}: the id is the one of a sample of request {rid[0]!r}")
+            if rid != request_id and (rid in self.scheduler.requests or rid in self.scheduler.finished):
+                raise DuplicateRequestError(
+                    f"request {request_id!r}: the id of its sample {rid!r} was already submitted: use another id"
+                )
+        self.scheduler.add_request(request_id, ids, max_new_tokens)  # (its own checks, before it queues)
         self.params[request_id] = params
-        self.tokens[request_id] = list(prompt)
-        if params.n > 1:
-            self._forks[request_id] = [(request_id, i) for i in range(1, params.n)]
+        self.tokens[request_id] = ids
+        if samples:
+            self._forks[request_id] = [(rid, params.child(rid[1])) for rid in samples]
+            self._samples.update(samples)
 
     def fork(self, parent_id: Any, child_id: Any, max_new_tokens: int, params: SamplingParams | None = None) -> None:
         """Fork a running request now (between steps): ``Scheduler.fork``."""
+        if child_id in self._samples or child_id in self._done:
+            raise DuplicateRequestError(f"request {child_id!r} was already submitted: use a new id")
         self.scheduler.fork(parent_id, child_id, max_new_tokens)
         self.params[child_id] = params or self.params[parent_id]
         self.tokens[child_id] = list(self.tokens[parent_id])
         self.events.forks += 1
+        self._fresh_forks.append(child_id)
 
     def abort(self, request_id: Any) -> None:
+        """Drop a request (its samples still to branch go with it; samples forked already stay)."""
         self.scheduler.abort(request_id)
-        self._forks.pop(request_id, None)
+        for rid, _ in self._forks.pop(request_id, ()):
+            self._samples.discard(rid)
         self.events.aborted += 1
 
     @property
@@ -253,9 +328,33 @@ class HFEngine:
 
     @torch.no_grad()
     def step(self) -> StepPlan:
+        """One step (see the module docstring).
+
+        An exception inside it (a copy, the drafter, the model's forward, sampling) abandons the
+        step's plan and is re-raised with a note naming the requests it aborted: every request the
+        step scheduled (a forward that ran may have moved its state sets past what the scheduler
+        records, and the scheduler commits a plan's rows all together or not at all), with its
+        samples still to branch; when the plan's copies did not all run, also what they were writing
+        (requests swapped out or forked for the plan; the prefix-cache checkpoints of the last update
+        are dropped). The aborted requests are in :attr:`failed` (id -> the exception) and not in
+        :meth:`outputs`; every other request keeps its place and the next :meth:`step` / :meth:`run`
+        goes on. This is vLLM's behaviour at request level (the requests of a failed batch are
+        reported as errored, the forward is not retried: a fault that repeats would repeat for ever).
+        """
+        plan = self.scheduler.step()
+        forked, self._fresh_forks = self._fresh_forks, []
+        progress, forwards = _Progress(), self.events.forwards
+        try:
+            self._execute(plan, progress)
+        except BaseException as exc:
+            self._abandon(plan, progress, forked, forwards, exc)
+            raise
+        return plan
+
+    def _execute(self, plan: StepPlan, progress: _Progress) -> None:
         sched, ev = self.scheduler, self.events
-        plan = sched.step()
         self.run_copies(plan)
+        progress.copied = True
         ev.checkpoint_copies += len(plan.checkpoint_copies)
         for pre in plan.preempted:
             if pre.mode is PreemptionMode.SWAP:
@@ -265,17 +364,20 @@ class HFEngine:
         ev.swapped_in += len(plan.swap_in)
         if plan.is_empty:
             sched.update(StepOutputs({}))
+            progress.updated = True
+            self._update_epoch = self.manager.pin_epoch
             ev.steps += 1
             self.stats.append(StepStats(plan.step, 0, 0, 0, len(plan.preempted), 0, 0, 0))
-            return plan
+            return
         meta = build_step_metadata(self.manager, plan)
         inputs, drafts = [], {}
+        hit_tokens = 0
         for row in plan.scheduled:
             rid = row.request_id
             req = sched.requests[rid]
             known = list(req.token_ids() or [])
             if req.num_cached_tokens and row.num_computed_tokens == req.num_cached_tokens and rid in plan.admitted:
-                ev.prefix_hit_tokens += req.num_cached_tokens
+                hit_tokens += req.num_cached_tokens
             run = known[row.num_computed_tokens : row.num_computed_tokens + row.num_scheduled_tokens]
             d = []
             if row.num_drafts:
@@ -285,12 +387,13 @@ class HFEngine:
             inputs.append(run + d)
         forwards_before = ev.forwards
         logits = self.forward(plan, meta, inputs)
-        sampled, accepted = {}, {}
+        sampled, accepted, recorded = {}, {}, []
+        branch: dict[Any, list[tuple[Any, SamplingParams, int]]] = {}
         for b, row in enumerate(plan.scheduled):
             rid, start, n = row.request_id, row.num_computed_tokens, row.num_scheduled_tokens
             rows = logits[b]
             if self.config.record_logits:
-                self.logits[rid].extend((start + t, rows[t]) for t in range(n))
+                recorded.extend((rid, (start + t, rows[t])) for t in range(n))
             if not row.samples:
                 continue
             params, pos = self.params[rid], start + n - 1
@@ -300,20 +403,32 @@ class HFEngine:
                     break
                 a += 1
                 if self.config.record_logits:
-                    self.logits[rid].append((pos + j + 1, rows[n + j]))
+                    recorded.append((rid, (pos + j + 1, rows[n + j])))
                 out.append(sample(rows[n + j], params, pos + j + 1))
             sampled[rid] = out
             if row.num_drafts:
                 accepted[rid] = a
-                ev.drafts += row.num_drafts
-                ev.accepted += a
-                ev.rejected += row.num_drafts - a
+            if rid in self._forks and not sched.requests[rid].output_token_ids:
+                # its first token: each other sample draws its own here, from the same logits
+                branch[rid] = [(child, p, sample(rows[n - 1], p, pos)) for child, p in self._forks[rid]]
         result = sched.update(StepOutputs(sampled, frozenset(), accepted))
+        progress.updated = True
+        self._update_epoch = self.manager.pin_epoch
+        progress.branching = [(parent, child) for parent, kids in branch.items() for child, _, _ in kids]
+        ev.prefix_hit_tokens += hit_tokens
+        for row in plan.scheduled:
+            if row.num_drafts and row.request_id in accepted:
+                ev.drafts += row.num_drafts
+                ev.accepted += accepted[row.request_id]
+                ev.rejected += row.num_drafts - accepted[row.request_id]
+        for rid, entry in recorded:
+            self.logits[rid].append(entry)
         for rid in sampled:
             req = sched.requests.get(rid) or sched.finished.get(rid)
             if req is not None:
                 self.tokens[rid] = list(req.token_ids() or [])
-        self._fork_ready()
+        for parent, kids in branch.items():
+            self._branch(parent, kids, progress)
         ev.steps += 1
         self.stats.append(
             StepStats(
@@ -327,32 +442,85 @@ class HFEngine:
                 len(result.finished),
             )
         )
-        return plan
 
-    def _fork_ready(self) -> None:
-        """Fork the children of parents that decode now; a fork that does not fit waits a step."""
-        for parent, children in list(self._forks.items()):
-            req = self.scheduler.requests.get(parent)
-            if req is None:  # finished before it could be forked
-                del self._forks[parent]
-                continue
-            if req.state is not RequestState.RUNNING or req.is_prefilling or not req.output_token_ids:
-                continue
-            remaining = req.max_new_tokens - len(req.output_token_ids)
+    def _branch(self, parent: Any, kids: list[tuple[Any, SamplingParams, int]], progress: _Progress) -> None:
+        """After the update where ``parent`` sampled its first token: its samples, each with its own
+        first token ``first`` (not computed yet, so a fork's tokens may differ from the parent's in
+        it), forked where the parent is now, queued when the fork finds no room, done when nothing
+        is left to generate."""
+        sched = self.scheduler
+        req = sched.requests.get(parent) or sched.finished[parent]
+        remaining = req.max_new_tokens - len(req.output_token_ids)
+        prompt = self.tokens[parent][: req.num_prompt_tokens]
+        self._forks.pop(parent, None)
+        for child, params, first in kids:
+            self._samples.discard(child)
             if remaining < 1:
-                continue
-            while children:
-                child = children[0]
+                self._done[child] = [first]
+            else:
                 try:
-                    self.fork(parent, child, remaining, self.params[parent].child(child[1]))
-                except HybridKVError:
-                    break
-                children.pop(0)
-            if not children:
-                del self._forks[parent]
+                    self.fork(parent, child, remaining, params)
+                except HybridKVError:  # no blocks or no sequence slot now: it waits in the queue
+                    sched.add_request(child, [*prompt, first], remaining)
+                    self._heads[child] = [first]
+                    self.events.forks_queued += 1
+                else:  # its own first token (Scheduler.fork gives it the parent's outputs)
+                    sched.requests[child].output_token_ids[-1] = first
+            self.params[child] = params
+            self.tokens[child] = [*prompt, first]
+            progress.branching.remove((parent, child))
+
+    def _abandon(self, plan: StepPlan, progress: _Progress, forked: list[Any], forwards: int, exc: BaseException):
+        """Close ``plan`` after ``exc`` (see :meth:`step`): abort what it may have left inconsistent."""
+        sched, ev = self.scheduler, self.events
+        lost: list[Any] = []
+        if not progress.updated:
+            at_risk = [row.request_id for row in plan.scheduled]
+            if not progress.copied:  # what the copies write may be unwritten
+                at_risk += [p.request_id for p in plan.preempted if p.mode is PreemptionMode.SWAP]
+                holding = [sched.requests[c] for c in forked if c in sched.requests]  # (recomputed: nothing held)
+                at_risk += [r.request_id for r in holding if r.state is not RequestState.WAITING]
+                if self._update_epoch is not None and len(plan.checkpoint_copies):
+                    self.manager.cancel_checkpoints(self._update_epoch)
+            for rid in dict.fromkeys(at_risk):
+                if rid in sched.requests:
+                    sched.abort(rid)
+                    lost.append(rid)
+            sched.update(StepOutputs({}))  # every row aborted: it applies none and closes the plan
+            self._update_epoch = self.manager.pin_epoch
+        for rid in list(lost):
+            for child, _ in self._forks.pop(rid, ()):
+                lost.append(child)
+        for parent, child in progress.branching:  # drawn, never placed
+            self._forks.pop(parent, None)
+            lost.append(child)
+        lost = list(dict.fromkeys(lost))
+        for rid in lost:
+            self._samples.discard(rid)
+            self.failed[rid] = exc
+        ev.failed += len(lost)
+        ev.steps += 1
+        self.stats.append(
+            StepStats(
+                plan.step,
+                len(plan.scheduled),
+                0,
+                ev.forwards - forwards,
+                len(plan.preempted),
+                len(plan.resumed),
+                len(plan.admitted),
+                0,
+            )
+        )
+        exc.add_note(
+            f"HFEngine: step {plan.step} was abandoned; requests aborted (HFEngine.failed): {lost}; "
+            "the others go on with the next step() / run()"
+        )
 
     def run(self, max_steps: int = 100_000, progress=None) -> None:
-        """Step until every request finished (``progress``: called with the number finished per step)."""
+        """Step until every request finished (``progress``: called with the number finished per step).
+        An exception in a step propagates once the step is abandoned (:meth:`step`); ``run()`` again
+        goes on with the requests it did not abort."""
         while self.scheduler.has_unfinished and self.events.steps < max_steps:
             self.step()
             if progress is not None:
@@ -427,12 +595,15 @@ class HFEngine:
 
     # ---- results -------------------------------------------------------------------------------------
     def outputs(self) -> dict[Any, list[int]]:
-        """Generated tokens of every finished request (forks included; aborted requests left out)."""
-        return {
-            rid: list(req.output_token_ids)
+        """Generated tokens of every finished request (samples of ``n > 1`` requests included; aborted
+        and failed requests left out)."""
+        out = {
+            rid: self._heads.get(rid, []) + list(req.output_token_ids)
             for rid, req in self.scheduler.finished.items()
             if req.state is RequestState.FINISHED
         }
+        out.update((rid, list(toks)) for rid, toks in self._done.items())
+        return out
 
 
 __all__ = ["EngineConfig", "Events", "HFEngine", "StepStats", "model_spec"]

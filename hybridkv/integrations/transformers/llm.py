@@ -61,10 +61,17 @@ class LLM:
         return self.engine.stats[-1]
 
     def run(self, progress=None) -> dict[Any, list[int]]:
-        """Run until every request finished; returns request id -> generated tokens (forks as
-        ``(request_id, i)``). ``progress``: called with the requests finished in each step."""
+        """Run until every request finished; returns request id -> generated tokens (the samples of a
+        request with ``n > 1`` as ``(request_id, i)``). ``progress``: called with the requests
+        finished in each step. An exception inside a step is raised once the step's requests are
+        aborted (:attr:`failed`); ``run()`` again finishes the others."""
         self.engine.run(progress=progress)
         return {rid: toks for rid, toks in self.engine.outputs().items()}
+
+    @property
+    def failed(self) -> dict[Any, BaseException]:
+        """Requests aborted because a step raised -> that exception (:meth:`HFEngine.step`)."""
+        return self.engine.failed
 
     @property
     def events(self) -> Events:

@@ -9,6 +9,7 @@ sampled at its position, so speculative decoding never changes what a request ge
 
 from __future__ import annotations
 
+import math
 import zlib
 from dataclasses import dataclass
 from typing import Protocol
@@ -19,17 +20,29 @@ import torch
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """``temperature`` 0: greedy. ``seed``: the noise stream of seeded sampling. ``n``: parallel samples
-    (the request is forked into ``n - 1`` children once it decodes, :meth:`Scheduler.fork`)."""
+    """``temperature`` 0: greedy. ``seed``: the noise stream of seeded sampling. ``n``: parallel samples:
+    the request and ``n - 1`` children ``(request_id, i)`` (seeds :meth:`child`), each drawing its own
+    first token from the prompt's last logits; the children are forked (:meth:`Scheduler.fork`) at
+    that branch point (see :meth:`~.engine.HFEngine.add_request`)."""
 
     temperature: float = 0.0
     seed: int = 0
     n: int = 1
 
     def __post_init__(self) -> None:
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not isinstance(self.n, int) or self.n < 1:
+        self.check()
+
+    def check(self) -> None:
+        """Raise ``TypeError`` / ``ValueError`` on a field the sampler cannot use (the engine checks
+        again at ``add_request``, before it queues anything)."""
+        t = self.temperature
+        if isinstance(t, bool) or not isinstance(t, (int, float, np.integer, np.floating)):
+            raise TypeError(f"temperature must be a number, got {t!r}")
+        if not (t >= 0 and math.isfinite(t)):
+            raise ValueError(f"temperature must be finite and >= 0, got {t}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer)):
+            raise TypeError(f"seed must be an integer, got {self.seed!r}")
+        if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1:
             raise ValueError(f"n must be a positive integer, got {self.n!r}")
 
     def child(self, index: int) -> SamplingParams:
