@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import enum
+import math
 import re
+from typing import TypeVar
 
 import numpy as np
+
+_E = TypeVar("_E", bound=enum.Enum)
 
 _BYTE_UNITS = {
     "": 1,
@@ -91,3 +96,43 @@ def as_count(value: object, what: str, minimum: int = 0) -> int:
 def is_integer(value: object) -> bool:
     """An exact integer: ``int`` or a numpy integer; bools, floats (even ``2.0``) and strings are not."""
     return type(value) is int or isinstance(value, np.integer)
+
+
+# ---- configuration fields: one check each, a one-line message naming the field, the value and what is allowed
+def as_flag(value: object, what: str) -> bool:
+    """``value`` as a bool: ``True`` / ``False`` (numpy bools too); anything else (``"no"``, ``1``,
+    None) raises ``TypeError`` rather than being read by its truth value."""
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    raise TypeError(f"{what} must be True or False, got {value!r} ({type(value).__name__})")
+
+
+def as_real(value: object, what: str, minimum: float | None = None, maximum: float | None = None) -> float:
+    """``value`` as a finite Python float in ``[minimum, maximum]``: ints, floats and numpy numbers
+    pass; bools, strings and None raise ``TypeError``, nan, infinities and values out of range
+    ``ValueError``."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise TypeError(f"{what} must be a number, got {value!r} ({type(value).__name__})")
+    number = float(value)
+    low = -math.inf if minimum is None else minimum
+    high = math.inf if maximum is None else maximum
+    if not (math.isfinite(number) and low <= number <= high):
+        bounds = [f">= {minimum:g}"] if minimum is not None else []
+        bounds += [f"<= {maximum:g}"] if maximum is not None else []
+        allowed = " and ".join(bounds) or "(not nan or infinite)"
+        raise ValueError(f"{what} must be a finite number {allowed}, got {value!r}")
+    return number
+
+
+def as_choice(value: object, kind: type[_E], what: str) -> _E:
+    """``value`` as a member of the enum ``kind``: a member, or its value (a string). ``ValueError``
+    listing the valid values for an unknown one, ``TypeError`` for other types."""
+    if isinstance(value, kind):
+        return value
+    valid = ", ".join(str(m.value) for m in kind)
+    if not isinstance(value, str):
+        raise TypeError(f"{what} must be one of {valid} (or a {kind.__name__}), got {value!r} ({type(value).__name__})")
+    try:
+        return kind(value)
+    except ValueError:
+        raise ValueError(f"{what} must be one of {valid}, got {value!r}") from None

@@ -474,6 +474,11 @@ BAD_INPUTS = [
     (["--gpu-memory", "1KiB"], "raise the memory budget"),
     (["--gpu-memory", "lots"], "--gpu-memory lots: cannot read 'lots' as a size"),
     (["--host-memory", "lots"], "--host-memory lots: cannot read 'lots' as a size"),
+    # sizes no pool can index (int32 block ids) used to die allocating the books: numpy MemoryError
+    (["--host-cache", "100000TiB"], "--host-cache 100000TiB: "),
+    (["--host-memory", "100000TiB"], "--host-memory 100000TiB: "),
+    (["--compare", "host-memory=256GiB,100000TiB"], "--compare host-memory=100000TiB: "),
+    (["--gpu-memory", "100000TiB"], "--gpu-memory 100000TiB: "),
     (["--trace", "{file}.missing.jsonl"], "not found"),
     (["--compare", "layout=paged,padded", "--ray", "127.0.0.1:1"],
      "no Ray head answers there" if importlib.util.find_spec("ray") else "--ray needs Ray"),
@@ -501,6 +506,18 @@ def test_each_bad_input_is_one_line_exit_2_before_any_simulation(argv, needle, t
     assert len(err.splitlines()) == 1 and err.startswith("hybridkv: error:"), err
     assert needle in err
     assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("flag", ["--host-cache", "--host-memory"])
+def test_a_host_pool_no_machine_can_index_is_one_line_not_a_memory_error(flag, tmp_path):
+    """Issue 12: ``--host-cache 100000TiB`` passed the checks and died in numpy (MemoryError, a
+    traceback) allocating the books of 335,545,158,860 host blocks."""
+    proc = _run("simulate", "--no-progress", flag, "100000TiB", "--out", str(tmp_path / "r"), timeout=120)
+    err = proc.stderr.strip()
+    assert proc.returncode == 2 and len(err.splitlines()) == 1, err
+    assert err.startswith(f"hybridkv: error: {flag} 100000TiB: ") and "2,147,483,647" in err, err
+    assert "at most 640.0 TiB for this layout" in err and "MemoryError" not in err
+    assert proc.stdout == "" and not (tmp_path / "r").exists()
 
 
 def test_an_unwritable_folder_is_refused_before_any_simulation(tmp_path, monkeypatch, capsys):
@@ -552,6 +569,16 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _interactive_sigint() -> None:
+    """In the child, before it runs Python: SIGINT at its default, as in an interactive terminal. A
+    shell starts background jobs (``pytest ... &`` from a script, ``(trap '' INT; pytest ...)``)
+    with SIGINT ignored, the child inherits that, Python then installs no KeyboardInterrupt handler
+    and the run never stops. The command itself keeps honouring an inherited ignore, as every
+    program should (a job its shell shielded from the terminal's Ctrl-C stays shielded); these tests
+    are about the interactive case, so they set it up."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 COMPARE_RUN = ["--workers", "2", "--compare", "layout=paged,padded", "preemption=recompute,swap"]
 
 
@@ -566,6 +593,7 @@ def test_ctrl_c_stops_a_run_and_its_workers_with_one_line_and_no_report(tmp_path
     proc = subprocess.Popen(
         [sys.executable, "-m", "hybridkv", "simulate", "--no-progress", "--out", str(out), *flags],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path, start_new_session=True,
+        preexec_fn=_interactive_sigint,
     )
     try:
         said = proc.stderr.readline()  # the defaults it assumed: every check passed, the runs start now

@@ -30,7 +30,7 @@ Framework-free, like the rest of ``blockmgr``: ``hybridkv.transfer`` turns a pla
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -119,13 +119,34 @@ class PrefixExport:
             m._drop_kv(self._device_kv)  # cached blocks no one else holds become evictable again
 
 
+def _token_ids(token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
+    """``token_ids`` as int64 (:func:`~hybridkv.blockmgr.hashing.as_token_array`), strictly: that
+    conversion reads Python bools as 0 / 1 (refusing them costs a type test per token on the
+    admission path, where the scheduler has checked already); an export is no hot path and its
+    caller may be a peer's request, so bools (``TypeError``) and negative ids (``ValueError``) are
+    refused here, before any work, rather than exporting the prefix of other tokens."""
+    if not isinstance(token_ids, np.ndarray | str | bytes | bytearray | memoryview) and isinstance(token_ids, Iterable):
+        if not hasattr(token_ids, "__len__"):  # an iterator: read it once
+            token_ids = list(token_ids)
+        kinds = set(map(type, token_ids))
+        if bool in kinds or np.bool_ in kinds:
+            i, t = next((i, t) for i, t in enumerate(token_ids) if isinstance(t, bool | np.bool_))
+            raise TypeError(f"token ids must be integers, got {t!r} (a bool) at position {i}")
+    tokens = as_token_array(token_ids)
+    if tokens.size and int(tokens.min()) < 0:
+        i = int(np.argmax(tokens < 0))
+        raise ValueError(f"token ids must be >= 0, got {int(tokens[i])} at position {i}")
+    return tokens
+
+
 def exportable_tokens(
     manager: ManagerCore, token_ids: Sequence[int] | np.ndarray, max_tokens: int | None = None
 ) -> int:
-    """Tokens :func:`export_prefix` would export now (0: none cached); changes nothing."""
+    """Tokens :func:`export_prefix` would export now (0: none cached); changes nothing. Bad token
+    ids raise as in :func:`export_prefix`."""
+    tokens = _token_ids(token_ids)
     if manager.prefix_cache is None:
         return 0
-    tokens = as_token_array(token_ids)
     limit = tokens.size if max_tokens is None else as_count(max_tokens, "max_tokens")
     return manager.prefix_cache.match(tokens, limit).num_tokens
 
@@ -136,15 +157,16 @@ def export_prefix(
     """Hold the longest cached prefix of ``token_ids`` (within ``max_tokens``, one token left to
     compute, as an admission's hit) for a peer to read, wherever its blocks are (device or host).
 
-    Raises ``ValueError`` without a prefix cache, ``TypeError`` / ``ValueError`` for bad token ids
-    or ``max_tokens``, :class:`PrefixNotCachedError` when nothing is cached, and
+    Raises ``ValueError`` without a prefix cache, ``TypeError`` for token ids that are not integers
+    (bools, floats, strings), ``ValueError`` for negative ones, ``TypeError`` / ``ValueError`` for a
+    bad ``max_tokens``, :class:`PrefixNotCachedError` when nothing is cached, and
     :class:`~hybridkv.errors.RequestStateError` when a copy not yet run writes a block of the prefix;
     nothing changes on error. Settle the plan with ``commit`` or ``abort``.
     """
     cache = manager.prefix_cache
     if cache is None:
         raise ValueError("export_prefix needs a manager with a prefix cache (PrefixCacheConfig)")
-    tokens = as_token_array(token_ids)
+    tokens = _token_ids(token_ids)
     limit = tokens.size if max_tokens is None else as_count(max_tokens, "max_tokens")
     hit = cache.match(tokens, limit)
     if not hit.num_tokens:

@@ -332,6 +332,54 @@ def check_args(args: argparse.Namespace) -> None:
     check_out(args.out)
 
 
+# The most blocks one pool (device, or host: swaps and the host tier share it) may have. Block ids are
+# int32 everywhere (the pools' books, block tables, copies), so ids 0 .. 2**31 - 2 are the most any
+# pool can index, on every machine: past it the manager cannot even build its books (a host pool of
+# 100000TiB is 335,545,158,860 blocks of MiniMax-M1 TP8 and died in numpy with a MemoryError). A
+# bound on the host RAM of a real machine was not chosen: it depends on the machine, and the
+# simulator never allocates the pool's bytes, only a few bytes of books per block, so simulating a
+# host pool larger than the RAM of the machine running the simulation is legitimate.
+MAX_POOL_BLOCKS = 2**31 - 1
+
+
+def check_pool_sizes(cfg: Any, layout: Any, compared: dict[str, list[str]]) -> None:
+    """Refuse (``ValueError``, one line naming the flag or the ``--compare`` value) a device or host
+    pool of configuration ``cfg`` over :data:`MAX_POOL_BLOCKS` blocks of ``layout``, before any work.
+    Counted as :func:`hybridkv.sim.config.build` counts them (the engine's policies applied)."""
+    from hybridkv.sim.engines import engine_config
+    from hybridkv.units import format_bytes, parse_bytes
+
+    cfg = engine_config(cfg)
+    bpb = layout.bytes_per_block
+
+    def where(dest: str, keys: tuple[str, ...]) -> str:
+        key = next((k for k in keys if k in compared), None)
+        text = getattr(cfg, dest)
+        return f"--compare {key}={text}" if key is not None else f"{_flag(dest)} {text}"
+
+    def blocks(text: str) -> int:
+        return parse_bytes(text) // bpb if text not in ("0", "") else 0
+
+    host, tier = blocks(cfg.host_memory), blocks(cfg.host_cache) if cfg.prefix != "none" else 0
+    most = f"at most {format_bytes(MAX_POOL_BLOCKS * bpb)} for this layout"
+    if layout.num_blocks > MAX_POOL_BLOCKS:
+        raise ValueError(
+            f"{where('gpu_memory', ('gpu-memory', 'budget'))}: {layout.num_blocks:,} blocks of {format_bytes(bpb)} "
+            f"exceed the {MAX_POOL_BLOCKS:,} a pool can index (int32 block ids): {most}"
+        )
+    if host + tier > MAX_POOL_BLOCKS:
+        if host > MAX_POOL_BLOCKS or not tier:
+            what = where("host_memory", ("host-memory",))
+        elif tier > MAX_POOL_BLOCKS or not host:
+            what = where("host_cache", ("host-cache",))
+        else:
+            what = f"{where('host_memory', ('host-memory',))} and {where('host_cache', ('host-cache',))} together"
+        raise ValueError(
+            f"{what}: {host + tier:,} host blocks of {format_bytes(bpb)} exceed the {MAX_POOL_BLOCKS:,} a pool can "
+            f"index (int32 block ids; the host tier shares the swap pool): {most}"
+        )
+
+
 def model_defaults(args: argparse.Namespace) -> list[str]:
     """Fill ``args.tp`` and ``args.gpu_memory`` where not given, from the model and the GPU as
     ``hybridkv plan`` does (TP: the preset's default; cache: 0.9 of the GPU less the weights per GPU
@@ -433,11 +481,12 @@ def run(args: argparse.Namespace) -> int:
     )
     configs = expand(base, args.compare) if args.compare else [base]
     for c in configs:  # bad sizes, models, GPU files: one line each, before any run starts
-        build_layout(c)
+        layout = build_layout(c)
         load_gpu(c.gpu, c.gpu_calibration)
         for size in (c.host_memory, c.host_cache):
             if size not in ("0", ""):
                 parse_bytes(size)
+        check_pool_sizes(c, layout, _compared(args))
     workload = _workload(args)
     workload.check_runnable()  # an empty trace or window: one line, exit 2, no zero-step run
     if args.ray is not None:

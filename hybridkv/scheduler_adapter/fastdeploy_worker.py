@@ -9,8 +9,10 @@ indexed by the batch slot ``request.idx``:
 - :class:`FastDeployCaches`: every tensor FastDeploy sees in ``caches`` is its own allocation
   starting at offset 0 (FastDeploy shares caches with the cache-transfer process by name through
   ``set_data_ipc``, a CUDA IPC handle of the allocation, so a view at an offset would map the wrong
-  memory there). A layer slot is ``num_segments`` allocations ``[num_blocks, segment_bytes]``
-  uint8 (K, V) plus, for ``block_wise_fp8``, two scale allocations. Recurrent state lives in the
+  memory there). A layer slot is ``num_segments`` segments ``[num_blocks, segment_bytes]`` uint8
+  (K, V, then the side segments of per-token side tensors, ``Layout.side_segments``; each its own
+  allocation, or, when K and V take several segments each, K's in one allocation, V's in the next
+  and the side run in a third) plus, for ``block_wise_fp8``, two scale allocations. Recurrent state lives in the
   same K/V allocations, addressed per segment base pointer (:mod:`.fastdeploy_state`).
 - :func:`kv_cache_list`: the one function that builds FastDeploy's ``caches``:
   ``caches[2*l]`` / ``[2*l+1]`` (``[4*l .. 4*l+3]`` with scales) for attention layer ``l``.
@@ -174,7 +176,8 @@ def is_own_allocation(t: Any) -> bool:
 class FastDeployCaches:
     """The cache tensors of one worker: one allocation per (layer slot, segment), plus scales.
 
-    ``segments[s][k]``: uint8 ``[num_blocks, segment_bytes]``, segment ``k`` (K, V) of layer slot ``s``.
+    ``segments[s][k]``: uint8 ``[num_blocks, segment_bytes]``, segment ``k`` of layer slot ``s`` (all
+    ``layout.num_segments``: K's, V's, then the side segments).
     ``scales[s]``: ``(k_scale, v_scale)`` float32 ``[num_blocks, kv_heads, block_size]`` when the KV
     cache is ``block_wise_fp8``, else None. ``caches`` is FastDeploy's list, built once by
     :func:`kv_cache_list`. The object owns the memory; keep it alive as long as the runner runs.
@@ -223,7 +226,8 @@ def allocate_caches(
     layout: Layout, num_layers: int | None = None, framework: str = "paddle", device: str = "cpu"
 ) -> FastDeployCaches:
     """Allocate a worker's caches for ``layout``: ``num_segments`` uint8 ``[num_blocks, segment_bytes]``
-    tensors per layer slot (each its own allocation, zero-filled), scale tensors for
+    tensors per layer slot, side segments included (each its own allocation, zero-filled; K's, V's
+    and the side segments as three allocations when K and V take several segments), scale tensors for
     ``block_wise_fp8`` attention, and FastDeploy's ``caches`` list over them. ``num_layers`` defaults
     to the model's decoder layer count (FastDeploy's ``num_hidden_layers``; ``layout.num_decoder_layers``)
     and may not be lower; ``framework`` ``"paddle"`` or ``"torch"`` (K, V of different widths: torch)."""
@@ -239,12 +243,15 @@ def allocate_caches(
     runs = (layout.key_segments, layout.value_segments) if attn is not None else (1,)
     if max(runs) > 1 and framework == "paddle":
         raise ValueError("K and V of different widths (several segments each) are built for torch only")
+    # the side run (per-token side tensors after V: indexer keys, positions) in one allocation of its own
+    side = (layout.side_segments,) if attn is not None and layout.side_segments else ()
     segments, scales = [], []
     for slot in range(layout.num_layer_slots):
         if max(runs) > 1:  # K's segments in one allocation, V's in the next: each caches entry starts one
-            segs = tuple(s for k in runs for s in _zeros(framework, (k, *seg), "uint8", device).unbind(0))
+            segs = tuple(s for k in (*runs, *side) for s in _zeros(framework, (k, *seg), "uint8", device).unbind(0))
         else:
             segs = tuple(_zeros(framework, seg, "uint8", device) for _ in range(layout.num_segments))
+        assert len(segs) == layout.num_segments  # every segment the layout has (state bytes span them all)
         segments.append(segs)
         has_attn = kv is not None and kv.layer_ids[slot] is not None
         if has_attn and attn is not None and attn.kv_scale_dtype is not None:

@@ -10,15 +10,21 @@ import numpy as np
 
 from hybridkv.scheduler_adapter.cost import H200, GpuSpec, PreemptionMode
 from hybridkv.scheduler_adapter.requests import AdmissionPolicy, SchedRequest
-from hybridkv.units import is_integer
+from hybridkv.units import as_choice, as_count, as_flag, is_integer
 
 
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
+    """Every field is checked at construction (:meth:`__post_init__`, the one place): counts are
+    integers (numpy integers pass and become ints; bools, floats, nan and inf raise ``TypeError``)
+    in range (``ValueError``), flags are bools, policies are members of their enum or its value
+    (``"recompute"``, ``"full_prompt"``: turned into the member; unknown ones raise ``ValueError``
+    listing the valid values)."""
+
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     num_speculative_tokens: int = 0  # k drafts per decoding request and step
-    preemption_mode: PreemptionMode = PreemptionMode.RECOMPUTE
+    preemption_mode: PreemptionMode = PreemptionMode.RECOMPUTE  # (or its value: "recompute", "swap", "auto")
     gpu: GpuSpec = field(default=H200)  # for PreemptionMode.AUTO
     chunked_prefill: bool = True
     admission: AdmissionPolicy = AdmissionPolicy.RESERVED  # (or its value: "reserved", ...)
@@ -26,18 +32,25 @@ class SchedulerConfig:
     decode_reserve_steps: int | None = 32
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "admission", AdmissionPolicy(self.admission))
-        if self.decode_reserve_steps is not None and (
-            not is_integer(self.decode_reserve_steps) or self.decode_reserve_steps < 0
-        ):
-            raise ValueError(f"decode_reserve_steps must be an integer >= 0 or None, got {self.decode_reserve_steps!r}")
-        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.num_speculative_tokens < 0:
-            raise ValueError(
-                f"max_num_seqs and max_num_batched_tokens must be >= 1 and num_speculative_tokens >= 0, got "
-                f"{self.max_num_seqs}, {self.max_num_batched_tokens}, {self.num_speculative_tokens}"
+        put = object.__setattr__  # (frozen: the checked values replace the given ones)
+        put(self, "max_num_seqs", as_count(self.max_num_seqs, "max_num_seqs", minimum=1))
+        put(self, "max_num_batched_tokens", as_count(self.max_num_batched_tokens, "max_num_batched_tokens", minimum=1))
+        put(self, "num_speculative_tokens", as_count(self.num_speculative_tokens, "num_speculative_tokens"))
+        # the preemptor and the scheduler test the mode by identity: a string must become the member
+        put(self, "preemption_mode", as_choice(self.preemption_mode, PreemptionMode, "preemption_mode"))
+        if not isinstance(self.gpu, GpuSpec):
+            raise TypeError(
+                f"gpu must be a GpuSpec (e.g. hybridkv.scheduler_adapter.H200, or load_gpu('h100')), got {self.gpu!r}"
             )
+        put(self, "chunked_prefill", as_flag(self.chunked_prefill, "chunked_prefill"))
+        put(self, "admission", as_choice(self.admission, AdmissionPolicy, "admission"))
+        if self.decode_reserve_steps is not None:
+            put(self, "decode_reserve_steps", as_count(self.decode_reserve_steps, "decode_reserve_steps"))
         if self.max_num_batched_tokens <= self.num_speculative_tokens:
-            raise ValueError("max_num_batched_tokens must exceed num_speculative_tokens: a decode runs 1 + k tokens")
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must exceed num_speculative_tokens "
+                f"({self.num_speculative_tokens}): a decode runs 1 + k tokens"
+            )
 
 
 def request_key(req: SchedRequest) -> tuple[int, int]:

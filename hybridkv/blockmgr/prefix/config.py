@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
 
 from hybridkv.blockmgr.prefix.placement_rules import DEFAULT_ALIGN_TOKENS, DEFAULT_GAP_FRACTION
+from hybridkv.units import as_choice, as_count, as_flag, as_real, is_integer
 
 _EMPTY = np.empty(0, dtype=np.int32)
 
@@ -69,28 +71,51 @@ class PrefixCacheConfig:
     in_place_state: bool = False
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "checkpoint", CheckpointPolicy(self.checkpoint))
+        """Every field checked, here only: a one-line ``TypeError`` (wrong type: a string or an int
+        for a flag, a float or a bool for a count) or ``ValueError`` (out of range, nan, an unknown
+        policy) naming the field, the value and what is allowed. Policies may be given by value
+        (``"every_n_blocks"``), grids as one count or a sequence; numpy scalars become Python ones."""
+        put = object.__setattr__  # (frozen: the checked values replace the given ones)
+        put(self, "checkpoint", as_choice(self.checkpoint, CheckpointPolicy, "checkpoint"))
+        put(self, "eviction", as_choice(self.eviction, EvictionPolicy, "eviction"))
+        put(self, "every_n", as_count(self.every_n, "every_n", minimum=1))
+        put(self, "alpha", as_real(self.alpha, "alpha", minimum=0.0))
+        put(self, "evict_batch_fraction", as_real(self.evict_batch_fraction, "evict_batch_fraction", 0.0, 1.0))
+        put(self, "align_tokens", _grid(self.align_tokens, "align_tokens"))
+        if self.spaced_align_tokens is not None:
+            put(self, "spaced_align_tokens", _grid(self.spaced_align_tokens, "spaced_align_tokens"))
+        if self.min_gap_tokens is not None:
+            put(self, "min_gap_tokens", as_count(self.min_gap_tokens, "min_gap_tokens"))
+        put(self, "gap_fraction", as_real(self.gap_fraction, "gap_fraction", minimum=0.0))
+        put(self, "demote_tail", as_flag(self.demote_tail, "demote_tail"))
+        if self.export_alignment is not None:
+            put(self, "export_alignment", as_count(self.export_alignment, "export_alignment", minimum=1))
+        put(self, "host_tier", as_flag(self.host_tier, "host_tier"))
+        put(self, "in_place_state", as_flag(self.in_place_state, "in_place_state"))
         if self.in_place_state and self.checkpoint is not CheckpointPolicy.VLLM_ALIGN:
             raise ValueError(f"in_place_state needs checkpoint='vllm_align', got {self.checkpoint.value!r}")
-        object.__setattr__(self, "eviction", EvictionPolicy(self.eviction))
-        align = (self.align_tokens,) if isinstance(self.align_tokens, int) else tuple(self.align_tokens)
-        if not align or any(not isinstance(a, int) or a <= 0 for a in align):
-            raise ValueError(f"align_tokens must be positive numbers of tokens, got {self.align_tokens!r}")
-        object.__setattr__(self, "align_tokens", align)
-        spaced = self.spaced_align_tokens
-        if spaced is not None:
-            spaced = (spaced,) if isinstance(spaced, int) else tuple(spaced)
-            if not spaced or any(not isinstance(a, int) or a <= 0 for a in spaced):
-                raise ValueError(f"spaced_align_tokens must be positive token counts, got {self.spaced_align_tokens!r}")
-            object.__setattr__(self, "spaced_align_tokens", spaced)
-        if self.min_gap_tokens is not None and self.min_gap_tokens < 0:
-            raise ValueError(f"min_gap_tokens must be >= 0 or None, got {self.min_gap_tokens}")
-        if self.gap_fraction < 0:
-            raise ValueError(f"gap_fraction must be >= 0, got {self.gap_fraction}")
-        if self.export_alignment is not None and self.export_alignment <= 0:
-            raise ValueError(f"export_alignment must be a positive token count or None, got {self.export_alignment}")
-        if self.every_n <= 0:
-            raise ValueError(f"every_n must be a positive number of blocks, got {self.every_n}")
+
+
+def _grid(value: object, what: str) -> tuple[int, ...]:
+    """A grid of token counts: one positive integer or a non-empty sequence of them, as a tuple."""
+    if is_integer(value) or isinstance(value, bool):
+        values: tuple[object, ...] = (value,)
+    elif isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        raise TypeError(f"{what} must be positive token counts (an integer or a sequence of them), got {value!r}")
+    else:
+        values = tuple(value)
+    if not values:
+        raise ValueError(f"{what} must be positive token counts, got none ({value!r})")
+    out = []
+    for v in values:
+        if not is_integer(v):  # (bools, floats, strings: a bool would be read as a grid of 1 token)
+            raise TypeError(
+                f"{what} must be positive integer token counts, got {value!r} ({v!r} is a {type(v).__name__})"
+            )
+        if v < 1:
+            raise ValueError(f"{what} must be positive token counts, got {value!r}")
+        out.append(int(v))
+    return tuple(out)
 
 
 class NodeView(NamedTuple):

@@ -23,7 +23,7 @@ cache.PrefixCache` owns one and asks it during matching, eviction and admission.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import repeat
@@ -48,7 +48,7 @@ class TierStats:
     dropped: int = 0  # victims that found no host room (dropped as without the tier)
     onloaded_kv: int = 0  # KV blocks copied host -> device (host hits)
     onloaded_checkpoints: int = 0  # checkpoints copied host -> device (into the hit's live sets)
-    host_hit_tokens: int = 0  # tokens of host hits served through onloaded KV blocks
+    host_hit_tokens: int = 0  # tokens of host hits served through onloaded KV blocks (counted by onload)
     evicted_kv: int = 0  # KV units dropped from the host
     evicted_checkpoints: int = 0
     given_to_swaps: int = 0  # host blocks freed for swap-outs
@@ -236,9 +236,14 @@ class HostTier:
         units (most recently used)."""
         if not host_ids.size:
             return
+        kv_units = 0
         for first in units:
             self._lru.move_to_end(first)
             self._touch_copy(first)
+            kv_units += not self._unit[first][1]
+        # each KV unit of the hit serves one block of its tokens (PrefixCache.stats.hit_tokens_host
+        # counts the same tokens as the hit is taken; a checkpoint serves none by itself)
+        self.stats.host_hit_tokens += kv_units * self.block_size
         self._in_host.append(np.asarray(host_ids, dtype=np.int32).copy())
         self._in_dev.append(np.asarray(device_ids, dtype=np.int32).copy())
 
@@ -259,7 +264,14 @@ class HostTier:
             self._holds[u] = self._holds.get(u, 0) + 1
 
     def unhold(self, units: Sequence[int]) -> None:
-        """End one :meth:`hold` of each of ``units``."""
+        """End one :meth:`hold` of each of ``units`` (a unit named twice: two holds). All or nothing:
+        ``KeyError`` naming the units without that many holds, before any hold ends."""
+        wanted = Counter(units)
+        short = sorted(u for u, n in wanted.items() if self._holds.get(u, 0) < n)
+        if short:
+            raise KeyError(
+                f"host tier units {short} are not held (or not as many times as named): nothing was unheld"
+            )
         for u in units:
             n = self._holds[u] - 1
             if n:
