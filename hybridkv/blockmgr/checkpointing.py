@@ -57,6 +57,8 @@ class CheckpointMixin(ManagerCore):
         ``exported``, is given back.
         """
         rec = self._running(request_id)
+        if exported is not None:
+            exported = as_count(exported, "exported")  # (TypeError before anything changes)
         cache, pos, bs = self.prefix_cache, rec.num_tokens, self.block_size
         if cache is None or rec.token_ids is None:
             return _NO_COPIES
@@ -166,7 +168,7 @@ class CheckpointMixin(ManagerCore):
         cache, pos, bs = self.prefix_cache, rec.num_tokens, self.block_size
         keep = (
             cache is not None and cache.aligns_chunks and rec.token_ids is not None and rec.pending is None
-            and pos > 0 and not pos % bs and pos // bs <= len(rec.block_keys)
+            and self.num_state_blocks > 0 and pos > 0 and not pos % bs and pos // bs <= len(rec.block_keys)
             and cache.retains_checkpoint(pos, len(rec.token_ids), rec.branch_tokens)
         )  # fmt: skip
         found = cache.checkpoint_protect(rec.block_keys[pos // bs - 1]) if keep and cache is not None else None
@@ -176,9 +178,16 @@ class CheckpointMixin(ManagerCore):
         slot = self._node_slot(rec, found[0], pos)
         ids = self._set_ids(rec.state).copy()
         cache.add_checkpoint(slot, ids)
+        key = int(rec.block_keys[pos // bs - 1])
+        epoch = self._copy_epoch(key)
+        if epoch:  # a copy not yet run (a fork's) touches the live sets: not cancellable before it ran
+            cache.note_read(key, epoch)
+        if self._lent:
+            self._lent.pop(request_id, None)  # (a held state: the checkpoint now)
         self._release_all(rec, keep_state=True)
         if self._exports and request_id in self._exports:
             self._drop_export(request_id)
+        self._release_held(request_id)  # the sets held from the boundary before, as free() does
         del self.requests[request_id]
         return True
 

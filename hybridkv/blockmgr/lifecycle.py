@@ -248,6 +248,24 @@ class ManagerCore:
         self.use[ids] = BlockUse.FREE
         self.pool.free(ids)
 
+    def _copy_epoch(self, key: int) -> int:
+        """The latest pin epoch of a copy handed out and not yet run that touches the blocks of node
+        ``key``'s checkpoint (0: none)."""
+        if not self._pin_chunks or self.prefix_cache is None:
+            return 0
+        ids = self.prefix_cache.checkpoint_ids(key)
+        return int(self._pin_of[ids].max()) if ids is not None and ids.size else 0
+
+    def _unhold(self, key: int) -> None:
+        """End a hold on node ``key``'s checkpoint; while a copy not yet run still touches its blocks
+        (a fork's or an append's copy reading the lent sets) it stays in the cache's books, pinned
+        until that copy's epoch is released, instead of becoming evictable under the copy."""
+        assert self.prefix_cache is not None
+        epoch = self._copy_epoch(key)
+        if epoch:
+            self.prefix_cache.note_read(key, epoch)
+        self.prefix_cache.release_held(key)
+
     def pending_free_blocks(self) -> np.ndarray:
         """Blocks given back while a pinned copy still touches them (free after ``release_pins``)."""
         return np.concatenate(self._pending_free) if self._pending_free else _EMPTY
@@ -442,10 +460,10 @@ class ManagerCore:
             ids, key = held
             if key is None:
                 gain += int(np.count_nonzero(self._pin_of[ids] == 0)) if self._pin_chunks else ids.size
-            elif cache is not None and cache.held_release_frees(key):
+            elif cache is not None and cache.held_release_frees(key) and not self._copy_epoch(key):
                 gain += self.num_state_blocks
         key = self._export_held.get(request_id) if self._export_held else None
-        if key is not None and cache is not None and cache.held_release_frees(key):
+        if key is not None and cache is not None and cache.held_release_frees(key) and not self._copy_epoch(key):
             gain += self.num_state_blocks
         return gain
 
@@ -540,8 +558,7 @@ class ManagerCore:
             # blocks, so the states are queued after them (evicted later)
             self._release_held(request_id)
             if lent is not None and lent[1] is not None:  # its live sets are a checkpoint now
-                assert self.prefix_cache is not None
-                self.prefix_cache.release_held(lent[1])
+                self._unhold(lent[1])
         del self.requests[request_id]
 
     def reclaim_lent(self, request_id: RequestId) -> bool:
@@ -550,6 +567,7 @@ class ManagerCore:
         boundary before, so its next append takes no new sets: what a scheduler does rather than
         preempt a request that runs alone and cannot otherwise grow (vLLM would preempt it, and
         could so livelock). False when it lent none."""
+        self._get(request_id)  # UnknownRequestError for an id it never allocated
         lent = self._lent.pop(request_id, None) if self._lent else None
         if lent is None:
             return False
@@ -568,8 +586,7 @@ class ManagerCore:
         export made (vLLM frees the export's block at the request's next step)."""
         key = self._export_held.pop(request_id, None) if self._export_held else None
         if key is not None:
-            assert self.prefix_cache is not None
-            self.prefix_cache.release_held(key)
+            self._unhold(key)
         held = self._held.pop(request_id, None) if self._held else None
         if held is None:
             return
@@ -578,8 +595,7 @@ class ManagerCore:
             self.pool.ref_counts[ids] = 0
             self._give_back(ids)
         else:
-            assert self.prefix_cache is not None
-            self.prefix_cache.release_held(key)
+            self._unhold(key)
 
     def reserve_export(self, request_id: RequestId, position: int) -> np.ndarray | None:
         """State sets ``[G, bps]`` (the shape of :meth:`state_table`'s rows) for the prefill kernel to

@@ -110,7 +110,7 @@ class PrefixExport:
             holds[key] -= 1
             if not holds[key]:
                 del holds[key]
-                cache.release_held(key)
+                m._unhold(key)
         if self._device_kv.size:
             for i, ids in enumerate(m._export_kv):
                 if ids is self._device_kv:

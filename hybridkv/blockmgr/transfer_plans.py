@@ -25,7 +25,7 @@ import numpy as np
 
 from hybridkv.blockmgr.lifecycle import ManagerCore
 from hybridkv.blockmgr.records import RequestId, RequestRecord
-from hybridkv.errors import RequestStateError
+from hybridkv.errors import NoFreeBlocksError, RequestStateError
 
 _EMPTY = np.empty(0, dtype=np.int32)
 
@@ -148,6 +148,14 @@ class TransferMixin(ManagerCore):
         """
         self.allocate(request_id, num_tokens)
         rec = self.requests[request_id]
+        tier = self.prefix_cache.tier if self.prefix_cache is not None else None
+        if tier is not None:  # the READ lands at once, before any queued offload could run: withdraw them
+            if tier.withdraw_offloads(np.concatenate((rec.kv_blocks, self._set_ids(rec.state)))) < 0:
+                need = rec.num_kv_blocks + self.num_state_blocks
+                self.free(request_id)
+                raise NoFreeBlocksError(
+                    f"import of {request_id!r} ({num_tokens} tokens)", need, self.num_available_blocks,
+                    "blocks it would get wait for the host tier's queued copies: retry after the next step")
         plan = TransferPlan(
             request_id, TransferDirection.IMPORT, self._request_blocks(rec), self._commit_import, self._abort_import
         )

@@ -77,6 +77,13 @@ class Scheduler:
                 f"which model {manager.layout.model.name!r} does not give: set params_active in its spec file "
                 "(active parameters per token, e.g. 45.9e9) or choose preemption 'recompute' or 'swap'"
             )
+        cache_config = manager.prefix_cache.config if manager.prefix_cache is not None else None
+        if cache_config is not None and cache_config.in_place_state and self.config.num_speculative_tokens:
+            raise ValueError(
+                f"num_speculative_tokens={self.config.num_speculative_tokens} with "
+                "PrefixCacheConfig(in_place_state=True): lent live sets do not follow speculative sets; "
+                "set num_speculative_tokens=0 or in_place_state=False"
+            )
         self.preemptor = Preemptor(manager, self.config.preemption_mode, self.config.gpu, swap_executor)
         self.requests: dict[RequestId, SchedRequest] = {}  # waiting, running and swapped
         self.finished: dict[RequestId, SchedRequest] = {}  # finished and aborted, until popped

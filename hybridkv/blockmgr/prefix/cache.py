@@ -232,8 +232,24 @@ class PrefixCache(Registration):
         self.pinned.pop(key, None)
         return self._drop_checkpoint(int(self._ck[self._slot[key]]), evicted=False)
 
+    def checkpoint_ids(self, key: int) -> np.ndarray | None:
+        """The flat block ids of node ``key``'s checkpoint, or None when it has none."""
+        slot = self._slot.get(key)
+        if slot is None or self._ck[slot] < 0:
+            return None
+        return self._ck_ids[int(self._ck[slot])]
+
+    def note_read(self, key: int, epoch: int) -> None:
+        """A copy handed out in pin ``epoch`` (not a hit's: a fork's, an append's, a swap's) reads or
+        writes the blocks of node ``key``'s checkpoint, made where those blocks were (no copy of its
+        own): it stays unevictable and is never cancelled until that epoch's copies ran."""
+        self._reads[key] = max(self._reads.get(key, 0), epoch)
+        if self.pinned.get(key, 0) < epoch:  # (a held one stays held)
+            self.pinned[key] = epoch
+
     def release_held(self, key: int) -> None:
-        """End :meth:`hold`: the checkpoint is evictable, at the back of the LRU queue."""
+        """End :meth:`hold`: the checkpoint is evictable, at the back of the LRU queue (or, while a
+        copy not yet run reads it, when its epoch is released)."""
         if self.pinned.get(key) == HELD:
             read = self._reads.get(key)
             if read is not None:  # a hit's copy still reads it: its epoch releases it (and queues it)

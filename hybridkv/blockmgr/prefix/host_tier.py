@@ -291,6 +291,43 @@ class HostTier:
         self._undrained.clear()
         return plan
 
+    def withdraw_offloads(self, device_ids: np.ndarray) -> int:
+        """Withdraw the queued offloads whose device blocks are among ``device_ids`` (blocks handed to
+        a writer that does not wait for stage 0: an import READ from a peer at once) and drop their
+        units: the host never receives bytes the writer put there under the evicted block's key.
+        Returns the units dropped (counted as ``stats.dropped``), or -1, changing nothing, when a
+        queued onload reads one of them (the caller must not hand those blocks out before stage 0)."""
+        if not self._out_dev or not device_ids.size:
+            return 0
+        hit = [np.isin(dev, device_ids).any() for dev in self._out_dev]
+        if self._in_host and any(h and np.isin(host, _cat(self._in_host)).any()
+                                 for h, host in zip(hit, self._out_host)):
+            return -1
+        dropped, keep_dev, keep_host = 0, [], []
+        for dev, host, conflict in zip(self._out_dev, self._out_host, hit):
+            if not conflict:
+                keep_dev.append(dev)
+                keep_host.append(host)
+                continue
+            first = int(host[0])
+            key, is_ck = self._unit.pop(first)
+            del self._lru[first]
+            self._pins.pop(first, None)
+            self._undrained.discard(first)
+            self._fresh.discard(first)
+            if is_ck:
+                self.ck.pop(key)
+                self.stats.offloaded_checkpoints -= 1
+            else:
+                del self.kv[key]
+                self.stats.offloaded_kv -= 1
+            self._n_blocks -= host.size
+            self.pool.release(host)
+            self.stats.dropped += 1
+            dropped += 1
+        self._out_dev, self._out_host = keep_dev, keep_host
+        return dropped
+
     def queued(self) -> TierPlan:
         """The copies :meth:`take_copies` would hand out now, without handing them out."""
         return TierPlan(
