@@ -301,10 +301,10 @@ class HostTier:
             return 0
         hit = [np.isin(dev, device_ids).any() for dev in self._out_dev]
         if self._in_host and any(h and np.isin(host, _cat(self._in_host)).any()
-                                 for h, host in zip(hit, self._out_host)):
+                                 for h, host in zip(hit, self._out_host, strict=True)):
             return -1
         dropped, keep_dev, keep_host = 0, [], []
-        for dev, host, conflict in zip(self._out_dev, self._out_host, hit):
+        for dev, host, conflict in zip(self._out_dev, self._out_host, hit, strict=True):
             if not conflict:
                 keep_dev.append(dev)
                 keep_host.append(host)
