@@ -467,6 +467,14 @@ class Scheduler:
             extra = {} if ids is None else {"token_ids": ids}
             if not self.manager.can_allocate(cached + n, k, **extra):  # the one count, for this chunk
                 return
+            # a re-admitted decode (preempted by recompute after it sampled, its hit all but the last
+            # token) appends its drafts with that token: count them too
+            decode = ids is not None and total - cached == 1 and bool(req.output_token_ids)
+            drafts = self._drafts(req, s.budget) if decode else 0
+            grow = self._kv_growth(cached + n, drafts) if drafts else 0
+            if grow and (self.manager.blocks_to_admit(cached + n, k, ids) + grow + self.manager.watermark_blocks
+                         > self.manager.num_available_blocks):
+                return
             if not self.config.chunked_prefill and n < total - cached:
                 return
             if self.config.admission is not AdmissionPolicy.FIRST_CHUNK and not self._whole_fits(req, ids, k, s):
@@ -542,10 +550,7 @@ class Scheduler:
         token, plus drafts) or a prefill chunk, ended early where the prefix cache wants a checkpoint."""
         to_compute = req.num_prompt_tokens + len(req.output_token_ids) - req.num_computed_tokens
         if to_compute == 1 and req.output_token_ids:
-            k = self.config.num_speculative_tokens
-            if not k:
-                return 1, 0
-            return 1, max(0, min(k, req.max_new_tokens - len(req.output_token_ids) - 1, budget - 1))
+            return 1, self._drafts(req, budget)
         n = min(to_compute, budget)
         if cut and self._checkpoints and req.token_ids_given and self.config.chunked_prefill:
             # (without chunked prefill a prompt runs whole: the policy's positions inside it are lost)
@@ -559,6 +564,11 @@ class Scheduler:
                 if exported != pos or pos == branch_stop(self.manager, req.request_id, start):
                     n = pos - start
         return n, 0
+
+    def _drafts(self, req: SchedRequest, budget: int) -> int:
+        """Drafts a decode row of ``req`` (its last sampled token to compute) runs with ``budget``."""
+        k = self.config.num_speculative_tokens
+        return max(0, min(k, req.max_new_tokens - len(req.output_token_ids) - 1, budget - 1)) if k else 0
 
     def _kv_growth(self, num_tokens: int, n: int) -> int:
         bs = self.manager.block_size
