@@ -11,6 +11,7 @@ import random
 import warnings
 from dataclasses import dataclass, field
 
+import pytest
 import torch
 import transformers
 
@@ -229,3 +230,12 @@ def max_error(engine: HFEngine, model, refs: dict | None = None) -> tuple[float,
             if not err <= worst[0]:  # NaN counts as the worst
                 worst = (err if err == err else float("inf"), rid, pos)
     return worst
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """One torch thread for a module's tests (imported by the serving test modules: autouse there)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -23,15 +23,7 @@ from hybridkv.integrations.transformers import (  # noqa: E402
 from hybridkv.integrations.transformers.paged_cache import _same_dtype, attention_mask  # noqa: E402
 from hybridkv.integrations.transformers.sampling import sample  # noqa: E402
 
-from .hf_serving_fixtures import FAMILY_CONFIGS, tiny_model  # noqa: E402
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+from .hf_serving_fixtures import FAMILY_CONFIGS, one_thread, tiny_model  # noqa: E402, F401
 
 
 def _bf16(model_type: str):

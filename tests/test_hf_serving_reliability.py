@@ -19,17 +19,9 @@ from hybridkv.integrations.transformers import LLM, EngineConfig, HFEngine, Samp
 from hybridkv.integrations.transformers import engine as engine_module  # noqa: E402
 from hybridkv.integrations.transformers.sampling import sample  # noqa: E402
 
-from .hf_serving_fixtures import AlternatingPreemptor, pool_blocks, tiny_model  # noqa: E402
+from .hf_serving_fixtures import AlternatingPreemptor, one_thread, pool_blocks, tiny_model  # noqa: E402, F401
 
 PROMPTS = ([5, 6, 7, 8, 9, 10, 11], [3, 1, 4, 1, 5], [9] * 13, [5, 6, 7, 8, 2, 2])
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
