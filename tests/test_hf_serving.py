@@ -44,6 +44,7 @@ from .hf_serving_fixtures import (  # noqa: E402
     make_engine,
     make_workload,
     max_error,
+    one_thread,  # noqa: F401 (autouse)
     pool_blocks,
     run_workload,
     tiny_model,
@@ -57,14 +58,6 @@ MARGIN = 100.0
 # that cannot grow: Mamba2 is never preempted (its pool still runs out at admission)
 NO_GROWTH = {"mamba2"}
 RESULTS: dict[str, dict] = {}
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 _MODELS: dict[str, torch.nn.Module] = {}

@@ -82,12 +82,18 @@ BAD_SCHEDULER = [
 ]
 
 
-@pytest.mark.parametrize(("kwargs", "error", "field"), BAD_SCHEDULER, ids=[repr(k) for k, _, _ in BAD_SCHEDULER])
-def test_scheduler_config_checks_every_field_at_construction(kwargs, error, field):
+def _refusal(config, kwargs, error, field) -> str:
+    """``config(**kwargs)`` raises ``error`` in one line naming ``field``; returns the message."""
     with pytest.raises(error) as e:
-        SchedulerConfig(**kwargs)
+        config(**kwargs)
     message = str(e.value)
     assert field in message and len(message.splitlines()) == 1, message
+    return message
+
+
+@pytest.mark.parametrize(("kwargs", "error", "field"), BAD_SCHEDULER, ids=[repr(k) for k, _, _ in BAD_SCHEDULER])
+def test_scheduler_config_checks_every_field_at_construction(kwargs, error, field):
+    message = _refusal(SchedulerConfig, kwargs, error, field)
     assert repr(next(iter(kwargs.values())))[:3] in message, message  # the value it got
 
 
@@ -141,10 +147,7 @@ BAD_PREFIX = [
 
 @pytest.mark.parametrize(("kwargs", "error", "field"), BAD_PREFIX, ids=[repr(k) for k, _, _ in BAD_PREFIX])
 def test_prefix_cache_config_checks_every_field_at_construction(kwargs, error, field):
-    with pytest.raises(error) as e:
-        PrefixCacheConfig(**kwargs)
-    message = str(e.value)
-    assert field in message and len(message.splitlines()) == 1, message
+    _refusal(PrefixCacheConfig, kwargs, error, field)
 
 
 def test_prefix_cache_config_lists_the_valid_policies():

@@ -178,10 +178,7 @@ class CheckpointMixin(ManagerCore):
         slot = self._node_slot(rec, found[0], pos)
         ids = self._set_ids(rec.state).copy()
         cache.add_checkpoint(slot, ids)
-        key = int(rec.block_keys[pos // bs - 1])
-        epoch = self._copy_epoch(key)
-        if epoch:  # a copy not yet run (a fork's) touches the live sets: not cancellable before it ran
-            cache.note_read(key, epoch)
+        self._note_copies(int(rec.block_keys[pos // bs - 1]))  # (a fork's copy may read the live sets)
         if self._lent:
             self._lent.pop(request_id, None)  # (a held state: the checkpoint now)
         self._release_all(rec, keep_state=True)

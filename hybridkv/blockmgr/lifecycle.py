@@ -256,14 +256,26 @@ class ManagerCore:
         ids = self.prefix_cache.checkpoint_ids(key)
         return int(self._pin_of[ids].max()) if ids is not None and ids.size else 0
 
-    def _unhold(self, key: int) -> None:
-        """End a hold on node ``key``'s checkpoint; while a copy not yet run still touches its blocks
-        (a fork's or an append's copy reading the lent sets) it stays in the cache's books, pinned
-        until that copy's epoch is released, instead of becoming evictable under the copy."""
-        assert self.prefix_cache is not None
+    def _note_copies(self, key: int) -> None:
+        """Node ``key``'s checkpoint was made where its blocks are (no copy of its own): while a copy not
+        yet run touches them (a fork's or an append's copy reading those live sets) it stays in the
+        cache's books, pinned until that copy's epoch is released: never evictable nor cancelled
+        under the copy."""
         epoch = self._copy_epoch(key)
         if epoch:
+            assert self.prefix_cache is not None
             self.prefix_cache.note_read(key, epoch)
+
+    def _unhold_frees(self, key: int) -> bool:
+        """Whether :meth:`_unhold` of node ``key`` makes its checkpoint evictable at once (held, and
+        no copy not yet run reads it: a hit's, or one that touches its blocks)."""
+        cache = self.prefix_cache
+        return cache is not None and cache.held_release_frees(key) and not self._copy_epoch(key)
+
+    def _unhold(self, key: int) -> None:
+        """End a hold on node ``key``'s checkpoint (:meth:`_note_copies` first)."""
+        assert self.prefix_cache is not None
+        self._note_copies(key)
         self.prefix_cache.release_held(key)
 
     def pending_free_blocks(self) -> np.ndarray:
@@ -454,16 +466,16 @@ class ManagerCore:
     def _held_gain(self, request_id: RequestId) -> int:
         """Blocks :meth:`_release_held` makes available now: held states no copy touches any more,
         held checkpoints no copy pins (evictable then)."""
-        gain, cache = 0, self.prefix_cache
+        gain = 0
         held = self._held.get(request_id)
         if held is not None:
             ids, key = held
             if key is None:
                 gain += int(np.count_nonzero(self._pin_of[ids] == 0)) if self._pin_chunks else ids.size
-            elif cache is not None and cache.held_release_frees(key) and not self._copy_epoch(key):
+            elif self._unhold_frees(key):
                 gain += self.num_state_blocks
         key = self._export_held.get(request_id) if self._export_held else None
-        if key is not None and cache is not None and cache.held_release_frees(key) and not self._copy_epoch(key):
+        if key is not None and self._unhold_frees(key):
             gain += self.num_state_blocks
         return gain
 

@@ -209,17 +209,19 @@ class HostTier:
             self._drop(first)
         return freed
 
-    def _drop(self, first: int) -> None:
+    def _drop(self, first: int, evicted: bool = True) -> None:
+        """Drop unit ``first`` and give its host blocks back (``evicted``: counted as an eviction;
+        else its offload was withdrawn before it ran, :meth:`withdraw_offloads`)."""
         key, is_ck = self._unit.pop(first)
         del self._lru[first]
         self._pins.pop(first, None)
         if is_ck:
             ids = self.ck.pop(key)
-            self.stats.evicted_checkpoints += 1
+            self.stats.evicted_checkpoints += int(evicted)
         else:
             del self.kv[key]
             ids = np.array([first], dtype=np.int32)
-            self.stats.evicted_kv += 1
+            self.stats.evicted_kv += int(evicted)
         self._n_blocks -= ids.size
         self.pool.release(ids)
 
@@ -300,8 +302,9 @@ class HostTier:
         if not self._out_dev or not device_ids.size:
             return 0
         hit = [np.isin(dev, device_ids).any() for dev in self._out_dev]
-        if self._in_host and any(h and np.isin(host, _cat(self._in_host)).any()
-                                 for h, host in zip(hit, self._out_host, strict=True)):
+        read = _cat(self._in_host) if self._in_host else None
+        if read is not None and any(h and np.isin(host, read).any()
+                                    for h, host in zip(hit, self._out_host, strict=True)):
             return -1
         dropped, keep_dev, keep_host = 0, [], []
         for dev, host, conflict in zip(self._out_dev, self._out_host, hit, strict=True):
@@ -310,19 +313,13 @@ class HostTier:
                 keep_host.append(host)
                 continue
             first = int(host[0])
-            key, is_ck = self._unit.pop(first)
-            del self._lru[first]
-            self._pins.pop(first, None)
-            self._undrained.discard(first)
-            self._fresh.discard(first)
-            if is_ck:
-                self.ck.pop(key)
+            if self._unit[first][1]:
                 self.stats.offloaded_checkpoints -= 1
             else:
-                del self.kv[key]
                 self.stats.offloaded_kv -= 1
-            self._n_blocks -= host.size
-            self.pool.release(host)
+            self._drop(first, evicted=False)
+            self._undrained.discard(first)
+            self._fresh.discard(first)
             self.stats.dropped += 1
             dropped += 1
         self._out_dev, self._out_host = keep_dev, keep_host
