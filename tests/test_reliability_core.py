@@ -254,3 +254,67 @@ def test_aborting_the_last_request_between_steps_leaves_the_manager_idle():
     assert not s.has_unfinished
     assert m.pending_free_blocks().size == 0 and not m._pin_chunks
     m.check_integrity()
+
+
+# ---- issue 43, 16: a cached tail the request's rejected drafts left is copied before it is written ----
+def test_a_tail_block_cached_under_rejected_drafts_is_copied_before_the_request_writes_it():
+    """A verify step whose drafts fill the tail block; a branch forked in that step keeps the drafts
+    and puts the block in the prefix cache, then leaves; the parent rejects the drafts. Its tail is a
+    partly filled block again, held by it alone but cached under the drafts' tokens: its next append
+    must copy it (copy-on-write) so the cached node keeps its bytes, and the node stays on that block."""
+    m = manager([ATTN, UNIFORM], num_blocks=32, prefix=PrefixCacheConfig())
+    m.begin_pin_epoch()
+    m.allocate("p", 6, token_ids=list(range(100, 106)))
+    m.mark_computed("p", 6)
+    m.begin_speculation("p", 2)
+    m.append("p", 2, token_ids=[900, 901])  # the drafts fill block 1
+    m.fork("p", "c")
+    m.mark_computed("c", 8)
+    cached_tail = int(m.requests["c"].kv_blocks[1])
+    assert any(n.kv_block == cached_tail for n in m.prefix_cache.nodes.values()), "the branch cached the tail"
+    m.free("c")
+    m.commit_speculation("p", 0, 1)  # the drafts rejected: 7 tokens, block 1 partly filled
+    assert int(m.requests["p"].kv_blocks[1]) == cached_tail and m.pool.ref_counts[cached_tail] == 1
+    copies = m.append("p", 1, token_ids=[555])
+    m.check_integrity()
+    assert len(copies) == 1 and int(copies.src[0]) == cached_tail, "the write into a cached block was not copied"
+    assert int(m.requests["p"].kv_blocks[1]) != cached_tail
+    node = [n for n in m.prefix_cache.nodes.values() if n.kv_block == cached_tail]
+    assert len(node) == 1 and node[0].tokens == (104, 105, 900, 901), "the cached node left its block"
+    m.free("p")
+    m.check_integrity()
+
+
+# ---- issue 43, 15: admission counts the drafts a re-admitted decode appends ------------------------------
+@pytest.mark.parametrize("admission", ["first_chunk", "full_prompt"])
+def test_a_readmitted_decode_is_admitted_only_with_room_for_its_drafts(admission):
+    """A request preempted by recompute after it sampled comes back with its prompt and its sampled
+    token; when the prefix cache holds all but that token, its first row is a decode that appends the
+    token and k drafts. With exactly the blocks the token alone needs available, admitting it would
+    leave the step unable to append the drafts: it must wait (and run once there is room)."""
+    from tests.test_scheduler_data import _manager
+
+    m = _manager("uniform", 60, 0, 0.0, PrefixCacheConfig("every_n_blocks", "lru", 1))
+    s = Scheduler(m, SchedulerConfig(max_num_batched_tokens=64, num_speculative_tokens=4, admission=admission,
+                                     preemption_mode="recompute"))
+    prompt = [5, 6, 7, 8, 9, 10, 11, 12]  # two blocks of 4: a checkpoint at 8
+    s.add_request("a", prompt, 1)
+    while s.has_unfinished:
+        plan = s.step()
+        s.update(StepOutputs({r.request_id: [3] for r in plan.scheduled if r.samples}))
+    b = s.add_request("b", prompt, 10)
+    b.output_token_ids.append(3)  # what preemption by recompute leaves of a request that sampled once
+    ids = b.token_ids()
+    assert m.match_prefix(ids, b.num_tokens) == b.num_tokens - 1, "the hit covers all but the sampled token"
+    need = m.blocks_to_admit(b.num_tokens, 4, ids) + m.watermark_blocks
+    hog = m.num_available_blocks - need - m.num_state_blocks  # KV blocks of a request that leaves exactly `need`
+    m.allocate("hog", hog * m.block_size)
+    assert m.can_allocate(b.num_tokens, 4, token_ids=ids), "the first chunk alone (the sampled token) fits"
+    plan = s.step()  # raised NoFreeBlocksError: admitted on the token's blocks, then the drafts did not fit
+    m.check_integrity()
+    assert "b" not in plan.admitted and not plan.scheduled, "admitted without room for its drafts"
+    s.update(StepOutputs({}))
+    m.free("hog")
+    plan = s.step()
+    assert [(r.request_id, r.num_drafts) for r in plan.scheduled] == [("b", 4)]
+    m.check_integrity()

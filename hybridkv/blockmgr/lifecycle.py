@@ -757,10 +757,16 @@ class ManagerCore:
         return rec
 
     def _needs_cow(self, rec: RequestRecord) -> bool:
-        # only fork shares a partly filled block (prefix hits share full ones)
-        if not rec.tail_shared or not rec.num_kv_blocks or rec.num_tokens % self.block_size == 0:
+        """Whether the request's partly filled last block must be copied before it is written: it
+        is shared (only fork shares a partly filled block; prefix hits share full ones), or the
+        prefix cache caches it as a full block (a forked branch that kept drafts this request
+        rejected registered it, and may have left): writing would change a cached node's bytes."""
+        if not rec.num_kv_blocks or rec.num_tokens % self.block_size == 0:
             return False
-        return bool(self.pool.ref_counts[rec.kv[rec.num_kv_blocks - 1]] > 1)
+        tail = int(rec.kv[rec.num_kv_blocks - 1])
+        if rec.tail_shared and self.pool.ref_counts[tail] > 1:
+            return True
+        return self.prefix_cache is not None and self.prefix_cache.caches_block(tail)
 
     def _split_state_sets(self, ids: np.ndarray, num_sets: int) -> np.ndarray:
         sets = np.zeros((num_sets, self.num_state_groups, self.blocks_per_state), dtype=np.int32)

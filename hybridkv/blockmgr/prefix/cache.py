@@ -232,6 +232,11 @@ class PrefixCache(Registration):
         self.pinned.pop(key, None)
         return self._drop_checkpoint(int(self._ck[self._slot[key]]), evicted=False)
 
+    def caches_block(self, block: int) -> bool:
+        """Whether KV block ``block`` is the cached copy of a node (held by requests or evictable):
+        its bytes are that node's tokens, so no request may write into it."""
+        return bool(self._node_of[block] >= 0)
+
     def checkpoint_ids(self, key: int) -> np.ndarray | None:
         """The flat block ids of node ``key``'s checkpoint, or None when it has none."""
         slot = self._slot.get(key)
