@@ -50,6 +50,7 @@ from hybridkv.blockmgr.prefix import CheckpointPolicy, EvictionPolicy, PrefixCac
 from hybridkv.blockmgr.records import RequestStatus, SwapDirection
 from hybridkv.blockmgr.spec import AttentionLayerSpec, DType, ModelSpec, RecurrentLayerSpec, StateComponent
 from hybridkv.blockmgr.units import cdiv
+from hybridkv.models.spec import SideTensor
 from tests.shadow import Ledger, prefix_hashes
 
 
@@ -82,6 +83,7 @@ class ManagerMachine(RuleBasedStateMachine):
         templates=st.lists(st.integers(4, 48), min_size=1, max_size=3),
         seed=st.integers(0, 2**16),
         host_tier=st.booleans(),
+        side=st.booleans(),
     )
     def setup(
         self,
@@ -97,8 +99,11 @@ class ManagerMachine(RuleBasedStateMachine):
         templates,
         seed,
         host_tier,
+        side=False,
     ):
         attn = AttentionLayerSpec(1, 4, DType.FLOAT16)
+        if side:  # MLA-shaped (K only) with per-token side tensors after it in the slot
+            attn = AttentionLayerSpec(1, 4, DType.FLOAT16, v_head_dim=0, side=(SideTensor("idx", 4, DType.FLOAT16),))
         layers = (attn,) * num_attention
         for elems in state_sizes:  # several sizes: state groups with different blocks_per_state
             layers += (_recurrent(elems),) * layers_per_size
@@ -321,6 +326,34 @@ class ManagerMachine(RuleBasedStateMachine):
         ids = known[self.given[r] : end]
         self.given[r] = end
         return ids
+
+    @rule(n=st.integers(1, 40), commit=st.booleans())
+    def pull(self, n, commit):
+        """A request pulled from a peer (disaggregated decode, a prefix handoff): ``import_request``
+        takes blocks as ``allocate`` does (evicting cached blocks, whose offloads the host tier
+        queues) and the peer's READ lands in them at once, before any queued copy runs; then the
+        plan commits (the request runs on) or aborts (its blocks go back, bytes undefined)."""
+        m = self.m
+        if not m.can_allocate(n):
+            return
+        r = self.next_id = self.next_id + 1
+        try:
+            plan = m.import_request(r, n)
+        except AllocationError:  # (a queued onload reads a block it would get: retry later)
+            return
+        rec = m.requests[r]
+        tokens = self._new_tokens(n)
+        h = prefix_hashes(tokens)
+        self.ledger.note_prefixes(tokens, h)
+        self.ledger.write_kv(rec.kv_blocks, h, 0, n)
+        self.ledger.write_state(rec.state, h[n])
+        if commit:
+            plan.commit()
+            self.tokens[r] = tokens
+            self.kv_done[r] = self.state_pos[r] = n
+        else:
+            plan.abort()
+        self._end_of_rule()
 
     @precondition(lambda self: self.m.requests)
     @rule(data=st.data())

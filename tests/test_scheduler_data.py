@@ -5,9 +5,11 @@ host pool the swaps use: offloads, host hits, host eviction, swap-outs winning h
 copies taken once per plan and run as its stage 0, and by a swap executor before each swap it runs
 inside ``step()``), preemption by
 recompute, swap or auto, a swap executor that runs swaps inside ``step()`` (or none: the executor
-runs them from the plan), speculative decoding with rejections, forks (of forks), aborts before a
+runs them from the plan), speculative decoding with rejections (up to 5 drafts on blocks of 4), every admission policy,
+forks (of forks), aborts before a
 step, between ``step()`` and ``update()`` (the executor then skips the row, or runs it anyway into
-the blocks it had), state groups of different sizes, state-only models, tiny pools.
+the blocks it had), state groups of different sizes, state-only models, attention with side tensors
+(K only, with per-token indexer keys and int64 positions in the slot), tiny pools.
 
 A :class:`~tests.shadow.Shadow` is the device and host memory, run by a LAZY executor
 (:class:`~tests.shadow.Ledger`): every copy and swap the manager hands out (inside ``step()``,
@@ -51,7 +53,9 @@ from hybridkv.blockmgr.layout import plan
 from hybridkv.blockmgr.manager import HybridBlockManager
 from hybridkv.blockmgr.prefix import CheckpointPolicy, EvictionPolicy, PrefixCacheConfig
 from hybridkv.blockmgr.spec import AttentionLayerSpec, DType, ModelSpec, RecurrentLayerSpec, StateComponent
+from hybridkv.models.spec import SideTensor
 from hybridkv.scheduler_adapter import PreemptionMode, RequestState, Scheduler, SchedulerConfig, StepOutputs
+from hybridkv.scheduler_adapter.scheduler_config import AdmissionPolicy
 from tests.shadow import Ledger, Shadow, prefix_hashes
 from tests.test_scheduler_property import check_outcomes
 
@@ -66,6 +70,9 @@ def _model(kind: str) -> ModelSpec:
         "uniform": (attn, small, small),
         "mixed": (attn, small, big),  # state groups of 2 and 5 blocks
         "state_only": (small, big),
+        # MLA-shaped attention (K only) with per-token side tensors in the slot after it
+        "side": (AttentionLayerSpec(1, 8, DType.BFLOAT16, v_head_dim=0, side=(
+            SideTensor("index_k", 8, DType.BFLOAT16), SideTensor("pos", 3, DType.INT64))), small, big),
     }[kind]
     return ModelSpec(kind, layers, params_active=1e6)
 
@@ -238,10 +245,11 @@ second = st.lists(st.tuples(st.integers(0, 1000), st.integers(1, 64), st.integer
 
 
 WORKLOAD = dict(
-    kind=st.sampled_from(["uniform", "uniform", "mixed", "state_only"]),
+    kind=st.sampled_from(["uniform", "uniform", "mixed", "state_only", "side"]),
     actions=st.tuples(burst, actions).map(lambda t: t[0] + t[1]),
     mode=st.sampled_from(list(PreemptionMode)),
-    k=st.integers(0, 2),
+    k=st.one_of(st.integers(0, 2), st.integers(0, 5)),  # (block size 4: k >= 4 drafts fill a block)
+    admission=st.sampled_from(list(AdmissionPolicy)),
     num_blocks=st.one_of(st.integers(16, 28), st.integers(16, 48)),
     num_host_blocks=st.sampled_from([0, 16, 48]),
     host_tier=st.booleans(),  # the prefix cache's host tier, in the host pool the swaps use
@@ -318,6 +326,7 @@ def run_data_workload(
     second_config=(3, 16, 1),
     cancel_at_end=False,
     host_tier=False,
+    admission=AdmissionPolicy.RESERVED,
 ):
     """One workload through the scheduler with the lazy data-checking executor, to idle; then a
     second batch on the same manager, to idle; then direct prefix-hit reads (also used by regression
@@ -329,7 +338,8 @@ def run_data_workload(
     if cancel_at_end:  # the client cancels what is left of the batch (between an update and a step)
         actions = [*actions, ("abort_all",)]
     history = serve_batch(
-        m, ledger, actions, mode, k, max_num_seqs, max_tokens, sync_swaps, run_aborted, accept_rate, seed, "batch 1"
+        m, ledger, actions, mode, k, max_num_seqs, max_tokens, sync_swaps, run_aborted, accept_rate, seed, "batch 1",
+        admission,
     )
     if prefix is not None and history:
         event("prefix cache, batch 1 finished")
@@ -340,20 +350,22 @@ def run_data_workload(
         base = history[which % len(history)][:keep] if history else []
         adds.append(("add2", [*base, *((i + 1) * 7_000_000 + j for j in range(new))] or [1], max_new))
     more = serve_batch(
-        m, ledger, adds, mode, k2, seqs2, tokens2, sync_swaps, run_aborted, accept_rate, seed + 1, "batch 2"
+        m, ledger, adds, mode, k2, seqs2, tokens2, sync_swaps, run_aborted, accept_rate, seed + 1, "batch 2", admission
     )
     # and a direct user: allocate each finished request's tokens, run the hit's copy, read it
     probe_hits(m, ledger, history + more)
 
 
 def serve_batch(
-    m, ledger, actions, mode, k, max_num_seqs, max_tokens, sync_swaps, run_aborted, accept_rate, seed, name
+    m, ledger, actions, mode, k, max_num_seqs, max_tokens, sync_swaps, run_aborted, accept_rate, seed, name,
+    admission=AdmissionPolicy.RESERVED,
 ) -> list[list[int]]:
     """Serve ``actions`` with a new scheduler on ``m`` until ``has_unfinished`` is False; check the
     manager is idle then. Returns the token ids (prompt and output) of every request that finished."""
     executor_box: list[DataExecutor] = []
     swap_exec = (lambda p: executor_box[0].swap_executor(p)) if sync_swaps else None
-    s = Scheduler(m, SchedulerConfig(max_num_seqs, max_tokens, k, mode), swap_executor=swap_exec)
+    config = SchedulerConfig(max_num_seqs, max_tokens, min(k, max_tokens - 1), mode, admission=admission)
+    s = Scheduler(m, config, swap_executor=swap_exec)
     ex = DataExecutor(s, ledger, accept_rate, seed)
     ex.sync_swaps = sync_swaps
     executor_box.append(ex)
