@@ -172,7 +172,7 @@ class _Op:
 
 
 _COPIERS = ("allocate", "append", "fork", "checkpoint")  # manager calls that hand out copies
-_CONTEXT = ("free", "begin_speculation", "commit_speculation", "end_speculation", "mark_computed")
+_CONTEXT = ("free", "begin_speculation", "commit_speculation", "end_speculation", "mark_computed", "import_request")
 # calls after which the host tier's copies (offloads of evicted cached blocks, host hits) are taken
 _TIER = (*_COPIERS, "swap_in", "swap_out", "begin_speculation", "import_request")
 
@@ -225,12 +225,13 @@ class Ledger:
 
             @functools.wraps(orig)
             def call(*args, **kwargs):
+                nested = bool(self.calls)  # called by another manager call: that one takes the tier's copies
                 self.calls.append(f"{name}{args!r}"[:80])
                 try:
                     out = orig(*args, **kwargs)
                 finally:
                     self.calls.pop()
-                if name in _TIER:  # the tier's copies of this call run before the call's own copies
+                if name in _TIER and not nested:  # the tier's copies of this call run before the call's own copies
                     self.take_tier(f"{self.phase}: {name}{args[:1]!r}")
                 if after is not None:
                     after(name, args, out)

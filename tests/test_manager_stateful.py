@@ -327,13 +327,16 @@ class ManagerMachine(RuleBasedStateMachine):
         self.given[r] = end
         return ids
 
-    @rule(n=st.integers(1, 40), commit=st.booleans())
-    def pull(self, n, commit):
+    @rule(n=st.integers(1, 40), fill=st.booleans(), commit=st.booleans())
+    def pull(self, n, fill, commit):
         """A request pulled from a peer (disaggregated decode, a prefix handoff): ``import_request``
         takes blocks as ``allocate`` does (evicting cached blocks, whose offloads the host tier
         queues) and the peer's READ lands in them at once, before any queued copy runs; then the
-        plan commits (the request runs on) or aborts (its blocks go back, bytes undefined)."""
+        plan commits (the request runs on) or aborts (its blocks go back, bytes undefined).
+        ``fill``: it takes (nearly) every available block, evicting what is cached."""
         m = self.m
+        if fill and m._has_kv:
+            n = max((m.num_available_blocks - m.watermark_blocks - m.num_state_blocks) * m.block_size - n % 3, 1)
         if not m.can_allocate(n):
             return
         r = self.next_id = self.next_id + 1
