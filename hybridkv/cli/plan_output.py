@@ -188,7 +188,7 @@ def _header(out: dict[str, Any]) -> list[str]:
     what = f"context {ctx:,} tokens" if ctx is not None else f"{out['num_requests']} requests"
     gpu = out.get("gpu") or {}
     where = (
-        f" (assumed: one {gpu['name'].upper()} per rank at {gpu['utilization']:g}, less the weights; "
+        f" (assumed: one {gpu['name'].upper()} per rank at {gpu['utilization']:g}, less the weights and the reserve; "
         "--gpu NAME or --gpu-memory SIZE to change)"
         if gpu.get("assumed")
         else ""
