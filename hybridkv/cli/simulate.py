@@ -21,9 +21,10 @@ _BUDGET_KEYS = ("model", "tp", "gpu")
 
 EXAMPLES = """\
 examples:
-  hybridkv simulate                                   MiniMax-M1 TP8, H200, 14 GiB cache, synthetic workload
+  hybridkv simulate                                   MiniMax-M1 TP8, H200, 14 GiB cache, synthetic workload:
+                                                      hybridkv's defaults beside vLLM 0.33's (emulated)
   hybridkv simulate --compare layout=paged,padded preemption=recompute,swap,auto
-  hybridkv simulate --engine vllm                     vLLM 0.33's policies on its own layout (emulated)
+  hybridkv simulate --engine hybridkv                 hybridkv alone (--engine vllm: vLLM 0.33's policies alone)
   hybridkv simulate --compare engine=hybridkv,vllm    vLLM 0.33 (emulated), then one column per policy switched
   hybridkv simulate --trace ../shared/traces/mooncake_synthetic_trace.jsonl --trace-limit 500 --rate-scale 0.5
   hybridkv simulate --model qwen3-next                Qwen3-Next at its default TP2 and budget on H200s
@@ -116,9 +117,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="the prefix cache's host tier per GPU, added to the host pool swaps use (swaps win); 0 = none (default)",
     )
     s = p.add_argument_group("layout and scheduler")
-    s.add_argument("--engine", choices=["hybridkv", "vllm"], default="hybridkv",
-                   help="vllm: vLLM 0.33's policies on its own layout, emulated (fixes layout, block size, "
-                   "admission, preemption, host pool, watermark, prefix caching; see docs/simulate.md)")
+    s.add_argument("--engine", choices=["hybridkv", "vllm"], default=None,
+                   help="run one engine only (default: hybridkv's configuration and, beside it on the same "
+                   "workload, vLLM 0.33's policies on its own layout, emulated: its layout, block size, admission, "
+                   "preemption, host pool, watermark and prefix caching; see docs/simulate.md)")
     s.add_argument("--admission", choices=["reserved", "full_prompt", "first_chunk"], default="reserved",
                    help="when a waiting request is admitted (default reserved: its prompt and decode room fit "
                    "next to what running prefills were promised; full_prompt: vLLM's rule)")
@@ -300,7 +302,7 @@ def check_args(args: argparse.Namespace) -> None:
         dest = _COMPARE_FLAG.get(key)
         if dest is not None and dest in given:
             raise ValueError(f"{_flag(dest)} and --compare {key}=... both set it: drop one")
-    engines = compared.get("engine", [args.engine])
+    engines = compared.get("engine", [args.engine or "hybridkv"])
     if engines and all(e == "vllm" for e in engines):  # every configuration runs vLLM's policies
         fixed = [d for d in _VLLM_FIXES if d in given] + [k for k in compared if _COMPARE_FLAG.get(k) in _VLLM_FIXES]
         if fixed:
@@ -476,6 +478,25 @@ def check_budgets_fit(args: argparse.Namespace, name: str | None, compared: dict
                 )
 
 
+_PREFIX_FIELDS = ("prefix", "checkpoint", "checkpoint_export")
+
+
+def default_pair(base: Any) -> list[Any]:
+    """What ``hybridkv simulate`` runs without ``--compare`` or ``--engine``: vLLM 0.33 (emulated),
+    hybridkv's engine with vLLM's prefix caching, and hybridkv (``base``), so that the report can
+    split each difference between the prefix policy and the rest (layout, admission, preemption).
+    Two configurations where the prefix policies are the same."""
+    from hybridkv.sim.engines import ladder
+
+    steps = ladder(base)
+    last = steps[-1].with_changes(label="hybridkv")
+    if len(steps) >= 3 and any(getattr(steps[-2], k) != getattr(last, k) for k in _PREFIX_FIELDS):
+        others = [k for k in ("layout", "admission", "preemption") if getattr(steps[0], k) != getattr(last, k)]
+        if others:
+            return [steps[0], steps[-2].with_changes(label="hybridkv, vLLM's prefix caching"), last]
+    return [steps[0], last]
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the simulation(s), write the reports, print where they are and the comparison table.
     Every flag, the output folder, each configuration's layout, GPU and host pool, and the workload
@@ -510,11 +531,21 @@ def run(args: argparse.Namespace) -> int:
         max_num_batched_tokens=args.max_batched_tokens,
         watermark=args.watermark,
         admission=args.admission,
-        engine=args.engine,
+        engine=args.engine or "hybridkv",
         integrity_every=args.integrity_every,
         seed=args.seed,
     )
     configs = expand(base, args.compare) if args.compare else [base]
+    notes = []
+    if args.compare is None and args.engine is None:  # the default: vLLM 0.33's behaviour beside hybridkv's
+        from hybridkv.sim.engines import VLLM_LABEL
+
+        configs = default_pair(base)
+        given = set(getattr(args, "given", ()))
+        mine = [_flag(d) for d in _VLLM_FIXES if d in given] + (["--prefix"] if "prefix" in given else [])
+        if mine:
+            notes.append(f"{', '.join(mine)} set hybridkv's column only: {VLLM_LABEL} keeps vLLM's own policies "
+                         "(--engine hybridkv runs hybridkv alone)")
     for c in configs:  # bad sizes, models, GPU files: one line each, before any run starts
         layout = build_layout(c)
         load_gpu(c.gpu, c.gpu_calibration)
@@ -530,7 +561,11 @@ def run(args: argparse.Namespace) -> int:
         print("hybridkv: note: report.html will have no plots: pip install 'hybridkv[reports]'", file=sys.stderr)
     for line in assumed:
         print(f"hybridkv simulate: {line}", file=sys.stderr)
+    for line in notes:
+        print(f"hybridkv simulate: {line}", file=sys.stderr)
     summaries = run_all(configs, workload, args.workers, progress=not args.no_progress, ray_address=args.ray)
+    for s in summaries:
+        s["notes"] = notes
     paths = write_atomically(summaries, args.out)
     for line in narrative(summaries):
         print(line)
