@@ -323,10 +323,13 @@ def check_args(args: argparse.Namespace) -> None:
     if "seed" in given and args.trace is not None and not speculative:
         raise ValueError("--seed with --trace changes nothing without --speculative (it seeds synthetic "
                          "workloads and draft acceptance)")
-    if args.compare is None:
+    if args.compare is None and args.engine is not None:
         for dest in ("workers", "ray"):
             if dest in given:
-                raise ValueError(f"{_flag(dest)} is for --compare: one configuration runs in this process")
+                raise ValueError(
+                    f"{_flag(dest)} is for several configurations (--compare, or the default vLLM / hybridkv "
+                    f"comparison): --engine {args.engine} runs one, in this process"
+                )
     elif "workers" in given and "ray" in given:
         raise ValueError("--workers and --ray: Ray places the runs on its own workers (drop --workers)")
     check_out(args.out)

@@ -433,7 +433,7 @@ def narrative(summaries: list[dict[str, Any]]) -> list[str]:
     lines = [_one_line(s, u) for s in summaries]
     notes = list(dict.fromkeys(n for s in summaries for n in s.get("notes", [])))
     first = verdict(summaries) + engine_differences(summaries) + no_effect(summaries) + notes
-    if len(summaries) < 2:
+    if len(summaries) < 2 or engine_differences(summaries):  # (the engine comparison said what differs)
         return first + lines
     fields = _differing_fields(summaries)
     head = [

@@ -202,12 +202,13 @@ def no_effect(summaries: list[dict[str, Any]]) -> list[str]:
     a host pool no swap used, a host tier nothing reached, a prefix cache with no hit), and, for a
     comparison, every pair of configurations that differ in one field and gave identical results."""
     out = []
-    per = [_config_no_effect(s) for s in summaries]
-    if all(p == per[0] for p in per) and len(summaries) > 1 and per[0]:
-        out += [f"In every configuration, {line}." for line in per[0]]
-    else:
-        for s, lines in zip(summaries, per, strict=True):
-            out += [f"{s['label']}: {line}." for line in lines]
+    who: dict[str, list[str]] = {}  # each line once, with the configurations it is true of
+    for s in summaries:
+        for line in _config_no_effect(s):
+            who.setdefault(line, []).append(s["label"])
+    for line, labels in who.items():
+        where = "every configuration" if len(labels) == len(summaries) > 1 else " and ".join(labels)
+        out.append(f"No effect in {where}: {line}.")
     keys = [k for k in summaries[0]["config"] if k != "label"]
     for i in range(len(summaries)):
         for j in range(i + 1, len(summaries)):
