@@ -135,6 +135,8 @@ def _memory(summaries: list[dict[str, Any]]) -> Any:
         cap = pool_bytes(s) / scale
         ax.axhline(cap, color="black", linewidth=1.2, label="pool capacity")
         for j, (key, text, marker, colour) in enumerate(EVENTS):
+            if not _any(summaries, key):
+                continue  # (an event no configuration had: no legend entry for it)
             v = np.asarray(se[key])
             hit = v > 0
             y = np.full(int(hit.sum()), top * (1.04 + 0.045 * j))
@@ -276,7 +278,8 @@ def _latency(summaries: list[dict[str, Any]]) -> Any:
 def _capacity(summaries: list[dict[str, Any]]) -> Any:
     fig, axes = _figure(1, 1, 3.8)
     ax = axes[0, 0]
-    cap = summaries[0]["capacity"]
+    first = next((s for s in summaries if s["config"]["engine"] == "hybridkv"), summaries[0])
+    cap = first["capacity"]
     x = np.arange(len(cap["context_tokens"]))
     bars = (
         ax.bar(x - 0.2, cap["paged"], 0.4, label="paged", color="#1f77b4"),
@@ -287,7 +290,7 @@ def _capacity(summaries: list[dict[str, Any]]) -> Any:
     ax.set_xticks(x, [f"{c / 1000:g}k" for c in cap["context_tokens"]])
     ax.set_xlabel("context tokens per request")
     _count_axis(ax, max([*cap["paged"], *cap["padded"], 0]) * 1.08, "max concurrent requests")
-    c = summaries[0]["config"]
+    c = first["config"]
     ax.set_title(f"{c['model']} TP{c['tp']}, {c['gpu_memory']} per GPU", fontsize=9)
     fig.legend(loc="outside right upper", fontsize=8)
     return fig

@@ -103,12 +103,13 @@ def pressure(raw: dict[str, Any]) -> dict[str, Any]:
 
 
 def capacity_table(cfg: dict[str, Any]) -> dict[str, list[int]]:
-    """Max concurrent requests per context length, paged vs padded, on the config's budget."""
+    """Max concurrent requests per context length, paged vs padded, on the config's budget (the
+    other layout at its own default block size: vLLM's 512-token blocks are not paged's)."""
     model = resolve_model(cfg["model"], cfg["state_dtype"], cfg["tp"])
     budget = parse_bytes(cfg["gpu_memory"])
     out: dict[str, list[int]] = {"context_tokens": list(CAPACITY_CONTEXTS)}
-    for kind in (LayoutKind.PAGED, LayoutKind.PADDED):
-        layout = plan(model, budget, cfg["block_size"], kind)
+    for kind in (LayoutKind.PAGED, LayoutKind.PADDED):  # the config's block size for its own layout only
+        layout = plan(model, budget, cfg["block_size"] if cfg["layout"] == kind.value else None, kind)
         out[kind.value] = [layout.capacity(c).max_requests for c in CAPACITY_CONTEXTS]
     return out
 
