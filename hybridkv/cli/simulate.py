@@ -547,7 +547,7 @@ def run(args: argparse.Namespace) -> int:
         given = set(getattr(args, "given", ()))
         mine = [_flag(d) for d in _VLLM_FIXES if d in given] + (["--prefix"] if "prefix" in given else [])
         if mine:
-            notes.append(f"{', '.join(mine)} set hybridkv's column only: {VLLM_LABEL} keeps vLLM's own policies "
+            notes.append(f"{', '.join(mine)} apply to hybridkv's columns only: {VLLM_LABEL} keeps vLLM's own policies "
                          "(--engine hybridkv runs hybridkv alone)")
     for c in configs:  # bad sizes, models, GPU files: one line each, before any run starts
         layout = build_layout(c)
