@@ -36,6 +36,15 @@ def test_more_requests_than_fit_at_one_token_is_refused_not_tabled_at_context_1(
     assert "at most paged 804, padded 716 fit" in err  # (14 GiB: the pool's state sets alone)
 
 
+def test_a_layout_the_requests_fit_in_at_no_context_says_so_in_its_column(capsys):
+    # 780 requests fit paged (state sets of 8 small blocks) but not padded at any context (716 at most)
+    assert main(["plan", "--max-requests", "780"]) == 0
+    out = capsys.readouterr().out
+    assert "longest context for 780 requests: paged 128, padded 0 (does not fit)" in out
+    row = next(line for line in out.splitlines() if line.startswith("context (tokens)"))
+    assert row.split()[-3:] == ["fits", "(1", "shown)"] and "128" in row
+
+
 def test_a_context_no_single_request_fits_in_is_refused_with_the_longest_that_does(capsys):
     err = _err(capsys, "plan", "--context", "10000000")
     assert "not even one request of that length fits" in err and "the budget is 14.0 GiB" in err

@@ -337,11 +337,13 @@ def _event_caption(summaries: list[dict[str, Any]]) -> str:
     """The memory plot's event legend as text (the PNG's legend, readable without the image)."""
     parts = []
     for key, text, marker, _ in EVENTS:
+        if not _any(summaries, key):
+            continue  # (no configuration had it: flat_lines says so)
         counts = [int(np.asarray(s["series"][key]).sum()) for s in summaries]
         per = "; ".join(f"{s['label']} {n:,}" for s, n in zip(summaries, counts, strict=True))
         parts.append(f"<li class='event' data-event='{key}' data-counts='{','.join(map(str, counts))}'>marker "
                      f"{html.escape(marker)}: {html.escape(text)} ({html.escape(per)})</li>")  # fmt: skip
-    return "<ul class='events'>" + "".join(parts) + "</ul>"
+    return "<ul class='events'>" + "".join(parts) + "</ul>" if parts else ""
 
 
 def render_html(
@@ -385,10 +387,11 @@ def render_html(
             parts.append(f"<img id='plot-{plot_id}' alt='{html.escape(plot_title)}' width='{w}' height='{h}' "
                          f"src='data:image/png;base64,{data}'>")  # fmt: skip
             if plot_id == "memory":
+                events = _event_caption(summaries)
+                said = " Events, marked above the stack at the time of the report's sample:" if events else ""
                 parts.append("<figcaption>Bytes are blocks x each configuration's bytes per block, on one scale "
                              "for all panels; the black line is the pool's capacity (all blocks but the null "
-                             "block). Events, marked above the stack at the time of the report's sample:"
-                             f"{_event_caption(summaries)}</figcaption>")  # fmt: skip
+                             f"block).{said}{events}</figcaption>")  # fmt: skip
             parts.append("</figure>")
             if plot_id == "memory":
                 parts += [f"<p class='absent'>{html.escape(line)}</p>" for line in flat_lines(summaries)]
