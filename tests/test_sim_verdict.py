@@ -11,14 +11,15 @@ from hybridkv.cli import main
 
 # 40 requests at once on a small MiniMax-M1 TP8 pool: at 4 GiB admission reserved never preempts them,
 # first_chunk does at 1 GiB (and then swap and recompute differ)
-SMALL = ["--requests", "40", "--rate", "1000", "--prompt-median", "2000", "--output-median", "1500"]
+SMALL = ["--rate", "1000", "--prompt-median", "2000", "--output-median", "1500"]
 SMALL += ["--seed", "1", "--no-progress"]
 ROOMY, TIGHT = ["--gpu-memory", "4GiB"], ["--gpu-memory", "1GiB"]
 
 
 def _report(tmp_path, *argv: str) -> tuple[list[dict], str]:
     out = tmp_path / "r"
-    assert main(["simulate", *SMALL, *argv, "--out", str(out)]) == 0
+    requests = [] if "--requests" in argv else ["--requests", "40"]
+    assert main(["simulate", *SMALL, *requests, *argv, "--out", str(out)]) == 0
     return json.loads((out / "report.json").read_text())["configs"], (out / "report.md").read_text()
 
 
@@ -95,3 +96,14 @@ def test_the_configuration_table_shows_what_ran_once_each(tmp_path):
     assert rows["state dtype"].endswith("| lightning.kv bfloat16 |")
     assert rows["block size"].endswith(f"| {configs[0]['layout']['block_size']} |")
     assert [k for k in rows if k.lower() == "gpu"] == ["gpu"]
+
+
+def test_the_default_run_says_which_flags_only_hybridkv_takes(tmp_path, capsys):
+    configs, md = _report(tmp_path, *TIGHT, "--requests", "8", "--preemption", "swap")
+    vllm, *ours = configs
+    assert vllm["config"]["preemption"] == "recompute" and all(c["config"]["preemption"] == "swap" for c in ours)
+    note = "--preemption: set for hybridkv's columns only; vLLM 0.33 (emulated) keeps vLLM's own policies"
+    assert note in capsys.readouterr().err and note in md
+    # --prefix none reaches vLLM's column too (its Mamba cache mode none): no note
+    configs, md = _report(tmp_path, *TIGHT, "--requests", "8", "--prefix", "none")
+    assert {c["config"]["prefix"] for c in configs} == {"none"} and "columns only" not in md

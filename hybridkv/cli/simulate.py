@@ -545,10 +545,11 @@ def run(args: argparse.Namespace) -> int:
 
         configs = default_pair(base)
         given = set(getattr(args, "given", ()))
-        mine = [_flag(d) for d in _VLLM_FIXES if d in given] + (["--prefix"] if "prefix" in given else [])
+        # (--prefix none reaches vLLM too: its Mamba cache mode none; flop_aware does not: vLLM evicts lru)
+        mine = [_flag(d) for d in _VLLM_FIXES if d in given] + (["--prefix"] if args.prefix == "flop_aware" else [])
         if mine:
-            notes.append(f"{', '.join(mine)} apply to hybridkv's columns only: {VLLM_LABEL} keeps vLLM's own policies "
-                         "(--engine hybridkv runs hybridkv alone)")
+            notes.append(f"{', '.join(mine)}: set for hybridkv's columns only; {VLLM_LABEL} keeps vLLM's own "
+                         "policies (--engine hybridkv runs hybridkv alone)")
     for c in configs:  # bad sizes, models, GPU files: one line each, before any run starts
         layout = build_layout(c)
         load_gpu(c.gpu, c.gpu_calibration)
