@@ -44,6 +44,9 @@ def test_under_first_chunk_admission_the_modes_differ_and_nothing_is_called_a_no
     rec, swap = configs
     assert rec["totals"]["preemptions_recompute"] > 0 and swap["totals"]["preemptions_swap"] > 0
     assert "gave identical results" not in md and "nothing was preempted" not in md
+    # the recompute run's host pool did nothing; the swap run's did
+    assert f"No effect in {rec['label']}: host-memory 256GiB: no swap used it (preemption=recompute never swaps)." in md
+    assert f"No effect in {swap['label']}: host-memory" not in md
 
 
 def test_the_verdict_comes_first_and_names_the_best_by_its_own_figures(tmp_path):

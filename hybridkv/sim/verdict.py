@@ -182,8 +182,9 @@ def _config_no_effect(s: dict[str, Any]) -> list[str]:
     if not preempted:
         host = f" and host-memory {c['host_memory']}" if c["host_memory"] not in ("0", "") else ""
         out.append(f"preemption={c['preemption']}{host}: {_why_no_preemption(c)}")
-    elif c["preemption"] != "recompute" and c["host_memory"] not in ("0", "") and not t["preemptions_swap"]:
-        out.append(f"host-memory {c['host_memory']}: every preemption recomputed (preemption={c['preemption']})")
+    elif c["host_memory"] not in ("0", "") and not t["preemptions_swap"]:
+        why = "never swaps" if c["preemption"] == "recompute" else "recomputed every victim"
+        out.append(f"host-memory {c['host_memory']}: no swap used it (preemption={c['preemption']} {why})")
     if c["host_cache"] not in ("0", "") and c["prefix"] != "none" and not t.get("host_tier_offload_bytes", 0):
         out.append(
             f"host-cache {c['host_cache']}: the device's prefix cache never evicted, so nothing reached the tier"
