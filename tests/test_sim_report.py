@@ -148,7 +148,10 @@ def test_summary_names_what_differs_and_by_which_field(swap_vs_recompute):
         and f"{rec['totals']['preemptions_recompute']} recompute preemption" in lines[-1]
     )
     one = narrative([rec])
-    assert len(one) == 1 and one[0] == lines[-1]
+    # alone: its no-effect line (a host pool recompute never uses), then the same paragraph
+    assert one[-1] == lines[-1] and one[:-1] == [
+        f"No effect in {rec['label']}: host-memory 256GiB: no swap used it (preemption=recompute never swaps)."
+    ]
 
 
 def test_every_figure_and_category_is_defined_once_on_both_pages(swap_vs_recompute, tmp_path):
