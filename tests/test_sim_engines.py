@@ -90,7 +90,7 @@ def test_cli_engine_vllm_and_the_engine_comparison(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert VLLM_LABEL in printed and "+ admission reserved" in printed and "scheduled tokens" in printed
     md = (out / "report.md").read_text()
-    assert "engine=vllm" in md and "admission=full_prompt" in md
+    assert "| engine | vllm | hybridkv |" in md and "| admission | full_prompt | reserved |" in md
 
 
 def test_vllm_engine_runs_a_workload_through_the_simulator():

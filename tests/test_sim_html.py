@@ -161,12 +161,32 @@ def test_every_plot_decodes_and_draws_and_the_costs_show(driver, reports, name):
     page = reports[name]
     assert page_problems(driver, page) == []
     ids = [i["id"] for i in driver.execute_script(_IMAGES_JS)]
-    assert ids == [f"plot-{p}" for p, _ in plots.PLOTS]
-    n = 4 if name == "compare" else 1
+    every = [f"plot-{p}" for p, _ in plots.PLOTS]
+    assert ids == [i for i in every if i in ids] and {"plot-memory", "plot-latency", "plot-capacity"} <= set(ids)
+    # the default: vLLM 0.33 (emulated), hybridkv with vLLM's prefix caching, hybridkv
+    n = 4 if name == "compare" else 3
     summary = _text(driver, "#summary p")
     assert len(summary) >= n and all(summary), summary
-    if n > 1:
-        assert summary[0].startswith("The 4 configurations differ in layout, preemption")
+    if name == "compare":
+        assert summary[0].startswith("Verdict. TTFT p50: ")
+        assert any(p.startswith("The 4 configurations differ in layout, preemption") for p in summary)
+    else:
+        assert summary[0].startswith("Verdict, hybridkv against vLLM 0.33 (emulated): TTFT p50 ")
+        assert summary[1].startswith("What differs. hybridkv against vLLM 0.33 (emulated) on the same workload: ")
+        assert summary[2].startswith("Why, measured with hybridkv, vLLM's prefix caching run beside them: ")
+    # conclusions before definitions: every plot lies above the definitions on the page
+    first_dl = driver.execute_script("return document.querySelector('dl.figures').getBoundingClientRect().top")
+    plot_tops = driver.execute_script("return Array.from(document.images).map(i => i.getBoundingClientRect().top)")
+    assert max(plot_tops) < first_dl
+    # the configurations as run: every value resolved, each setting once
+    rows = driver.execute_script(
+        "return Array.from(document.querySelectorAll('table.configurations tbody tr'))"
+        ".map(tr => Array.from(tr.cells).map(td => td.textContent))"
+    )
+    assert not any("None" in cells for cells in rows), rows
+    settings = [cells[0].lower() for cells in rows]
+    assert settings.count("gpu") == 1 and len(set(settings)) == len(settings), settings
+    assert {"state dtype", "block size", "gpu calibration"} <= set(settings)
     for row in COST_ROWS:
         cells = _cells(driver, row)
         assert len(cells) == n and all(cells), (row, cells)
@@ -175,7 +195,10 @@ def test_every_plot_decodes_and_draws_and_the_costs_show(driver, reports, name):
     assert terms == list(plots.CATEGORY_DEFINITIONS) and all(_text(driver, "dl.categories dd"))
     assert set(COST_ROWS) <= set(_text(driver, "dl.figures dt"))
     events = {e.get_attribute("data-event"): e for e in driver.find_elements("css selector", "li.event")}
-    assert list(events) == [k for k, *_ in plots.EVENTS] and all(e.text for e in events.values())
+    # an event no configuration had gets no legend line (the page says what did not happen instead)
+    assert list(events) == [k for k, *_ in plots.EVENTS if k in events] and all(e.text for e in events.values())
+    if name == "compare":
+        assert list(events) == [k for k, *_ in plots.EVENTS]
     counts = {k: [int(c) for c in e.get_attribute("data-counts").split(",")] for k, e in events.items()}
     assert all(len(c) == n for c in counts.values()), counts
     if name == "compare":  # the marked events: recompute configs recompute, swap configs swap and resume

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from hybridkv.cli.common import UserError, number, positive_int
+from hybridkv.cli.common import UserError, number, positive_int, resolve_model_arg, size_arg
 from hybridkv.cli.plan_output import (
     _context_text,
     _format_csv,
@@ -28,6 +28,7 @@ from hybridkv.errors import HybridKVError
 from hybridkv.models import presets as P
 from hybridkv.models.spec import CONV_COLUMNS, KV_CACHE_DTYPES, ModelSpec, with_conv_columns, with_kv_dtype
 from hybridkv.models.spec_file import is_spec_path, resolve_model
+from hybridkv.planner.budget import DEFAULT_RESERVE_BYTES, cache_budget
 from hybridkv.planner.layout import Layout, LayoutKind, plan
 from hybridkv.units import format_bytes, parse_bytes, parse_tokens
 
@@ -73,6 +74,63 @@ def longest_context(layout: Layout, num_requests: int) -> int | None:
     return lo
 
 
+def model_max_positions(model_path: str | None, preset_name: str | None) -> tuple[int, str] | None:
+    """The longest context the model was built for, and where that figure was read: a config.json's
+    ``max_position_embeddings``, or the figure from a preset's config.json (:data:`PRESET_MAX_POSITIONS`)."""
+    if model_path is not None:
+        from hybridkv.models.spec_file import read_spec_file
+
+        try:
+            data = read_spec_file(model_path)
+        except HybridKVError:
+            return None
+        cfg = data.get("text_config", data) if isinstance(data, dict) else {}
+        value = cfg.get("max_position_embeddings") if isinstance(cfg, dict) else None
+        return (value, "max_position_embeddings in its config.json") if isinstance(value, int) and value > 0 else None
+    if preset_name in PRESET_MAX_POSITIONS:
+        return PRESET_MAX_POSITIONS[preset_name], "max_position_embeddings in its config.json"
+    return None
+
+
+# max_position_embeddings of the preset's config.json (MiniMaxAI/MiniMax-M1-80k); presets not listed: unknown
+PRESET_MAX_POSITIONS = {"minimax-m1": 10_240_000}
+
+
+def check_answerable(
+    model: ModelSpec, layouts: list[Layout], context: int | None, num_requests: int | None, model_path: str | None
+) -> None:
+    """Refuse (:class:`UserError`, one line) a question whose answer would be "nothing fits" or a
+    context beyond the model's own maximum, instead of printing a table that contradicts it."""
+    preset_name = None if model_path is not None else _preset_name(model.name)
+    most = model_max_positions(model_path, preset_name)
+    if context is not None and most is not None and context > most[0]:
+        raise UserError(
+            f"--context {context:,}: beyond {model.name}'s maximum of {most[0]:,} tokens ({most[1]}); "
+            "ask for at most that"
+        )
+    if context is not None:
+        fits = {lay.kind.value: lay.capacity(context).max_requests for lay in layouts}
+        if not any(fits.values()):
+            one = layouts[0]
+            need = (one.footprint(context).num_blocks + 1) * one.bytes_per_block
+            best = {lay.kind.value: longest_context(lay, 1) for lay in layouts}
+            raise UserError(
+                f"--context {context:,}: not even one request of that length fits: it needs "
+                f"{format_bytes(need)} of cache per GPU ({one.kind.value}), the budget is "
+                f"{format_bytes(one.budget_bytes)}; the longest context one request can have here: "
+                + ", ".join(f"{k} {_context_text(v)}" for k, v in best.items())
+            )
+    if num_requests is not None and context is None:
+        most_requests = {lay.kind.value: lay.capacity(1).max_requests for lay in layouts}
+        if all(n < num_requests for n in most_requests.values()):
+            raise UserError(
+                f"--max-requests {num_requests:,}: that many requests do not fit even at one token each (each "
+                "holds its state sets): at most "
+                + ", ".join(f"{k} {n:,}" for k, n in most_requests.items())
+                + " fit; lower --max-requests or raise the budget"
+            )
+
+
 # ---- the plan command ----------------------------------------------------------------------------
 def _budget(args: argparse.Namespace, model: ModelSpec, preset_name: str | None) -> tuple[int, dict | None, list]:
     """Cache budget per GPU, the GPU facts (with ``--gpu``, or the default GPU when neither ``--gpu``
@@ -85,7 +143,7 @@ def _budget(args: argparse.Namespace, model: ModelSpec, preset_name: str | None)
         for flag in ("gpu_memory_utilization", "weights", "reserve"):
             if getattr(args, flag) is not None:
                 raise UserError(f"--{flag.replace('_', '-')} needs --gpu NAME (--gpu-memory SIZE is the cache itself)")
-        return _size(args.gpu_memory, "--gpu-memory"), None, []
+        return size_arg(args.gpu_memory, "--gpu-memory"), None, []
     assumed = args.gpu is None
     gpu_name = DEFAULT_GPU if assumed else args.gpu
     util = DEFAULT_UTILIZATION if args.gpu_memory_utilization is None else args.gpu_memory_utilization
@@ -93,27 +151,25 @@ def _budget(args: argparse.Namespace, model: ModelSpec, preset_name: str | None)
         raise UserError(f"--gpu-memory-utilization must be in (0, 1], got {util:g}")
     total = P.gpu_memory_bytes(gpu_name)
     if args.weights is not None:
-        weights = _size(args.weights, "--weights", allow_zero=True)
-        how = f"weights {format_bytes(weights)} (--weights)"
+        weights = size_arg(args.weights, "--weights", allow_zero=True)
+        how = "--weights"
     elif preset_name is not None:
         weights = P.weight_bytes_per_gpu(preset_name, model.tp_size, args.weight_dtype)
         per = P.WEIGHT_DTYPE_BYTES[args.weight_dtype]
-        how = (
-            f"weights {format_bytes(weights)} ({P.params_total(preset_name) / 1e9:g} B params x {per:g} bytes "
-            f"{args.weight_dtype} / TP{model.tp_size})"
-        )
+        how = f"{P.params_total(preset_name) / 1e9:g} B params x {per:g} bytes {args.weight_dtype} / TP{model.tp_size}"
     elif assumed:
         weights = 0
-        how = "weights unknown, not subtracted (--weights SIZE per GPU, or the cache as --gpu-memory SIZE)"
+        how = "unknown, not subtracted: --weights SIZE per GPU, or the cache as --gpu-memory SIZE"
     else:
         raise UserError(f"the weights of {model.name!r} are unknown: give --weights SIZE (per GPU) with --gpu")
-    reserve = _size(args.reserve, "--reserve", allow_zero=True) if args.reserve is not None else 0
-    budget = int(util * total) - weights - reserve
-    line = (
-        f"cache budget = {gpu_name.upper()} {format_bytes(total)} x {util:g} - {how} - reserve {format_bytes(reserve)}"
-    )
+    reserve = DEFAULT_RESERVE_BYTES
+    if args.reserve is not None:
+        reserve = size_arg(args.reserve, "--reserve", allow_zero=True)
+    rule = cache_budget(gpu_name, total, weights, util, reserve)
+    budget = rule.budget_bytes
+    line = rule.sum_text(how)
     if budget <= 0:
-        raise UserError(f"no memory left for the cache: {line} = {format_bytes(budget)}; raise --tp or the utilization")
+        raise UserError(f"no memory left for the cache: {line}; raise --tp or the utilization, or lower --reserve")
     gpu = {
         "name": gpu_name.lower(),
         "assumed": assumed,
@@ -122,7 +178,7 @@ def _budget(args: argparse.Namespace, model: ModelSpec, preset_name: str | None)
         "weights_bytes": weights,
         "reserve_bytes": reserve,
     }
-    lines = [line + " (activations and CUDA graphs are not subtracted: --reserve SIZE)"]
+    lines = [line + " (the rule hybridkv simulate uses too; --reserve SIZE to change the reserve)"]
     return budget, gpu, lines
 
 
@@ -135,6 +191,12 @@ def _size(text: str, flag: str, allow_zero: bool = False) -> int:
         raise UserError(f"{flag}: {e}") from None
 
 
+def spec_kind(path: str) -> str:
+    """What a model path is, in words: ``a config.json`` (HuggingFace) or ``a hybridkv spec file``."""
+    p = Path(path)
+    return "a config.json" if p.is_dir() or p.name == "config.json" else "a hybridkv spec file"
+
+
 def _preset_name(name: str) -> str | None:
     try:
         return P._canonical(name)
@@ -145,14 +207,15 @@ def _preset_name(name: str) -> str | None:
 def build_plan(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Layout]]:
     """Everything ``hybridkv plan`` prints, as one JSON-ready dict (``layouts``: per layout kind), and the
     planned layouts by kind."""
+    args.model, mapped = resolve_model_arg(args.model)
     from_file = is_spec_path(args.model)
     preset_name = None if from_file else _preset_name(args.model)
-    explain: list[str] = []
+    explain: list[str] = [mapped] if mapped else []
     tp = args.tp
     if tp is None:
         if preset_name is None:
             tp = 1
-            explain.append("TP1: spec files default to TP1 (give --tp)")
+            explain.append(f"TP1: {spec_kind(args.model)} names no tensor-parallel size (--tp N to shard it)")
         else:
             ref_gpu = args.gpu or P.DEFAULT_TP_GPU
             tp = P.default_tp(preset_name, ref_gpu, args.weight_dtype)
@@ -184,6 +247,7 @@ def build_plan(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Layo
     kinds = [LayoutKind(args.layout)] if args.layout else [LayoutKind.PAGED, LayoutKind.PADDED]
     layouts = [plan(model, budget, args.block_size, k, state_block_bytes=state_block) for k in kinds]
 
+    check_answerable(model, layouts, context, num_requests, args.model if from_file else None)
     summaries = []
     longest: dict[str, int | None] = {}
     for layout in layouts:
@@ -357,7 +421,9 @@ def add_plan_parser(sub: Any) -> argparse.ArgumentParser:
     b.add_argument(
         "--weights", default=None, help="weight bytes per GPU (overrides the preset's; needed for spec files)"
     )
-    b.add_argument("--reserve", default=None, help="bytes per GPU kept for activations, CUDA graphs (default 0)")
+    b.add_argument(
+        "--reserve", default=None, help="bytes per GPU kept for activations and CUDA graphs (default 6GiB, as simulate)"
+    )
     q = p.add_argument_group("question: capacity at a context, or the longest context / memory for N requests")
     q.add_argument(
         "--context",

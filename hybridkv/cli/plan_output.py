@@ -109,6 +109,14 @@ def _context_text(value: int | None) -> str:
     return "any (no KV)" if value is None else (f"{value:,}" if value else "0 (does not fit)")
 
 
+def _context_cell(s: dict[str, Any]) -> str:
+    """The context a column is shown at; a layout in which the asked requests fit at no context says
+    so instead of showing its 1-token column as an answer."""
+    if s.get("longest_context_tokens") == 0:
+        return "none fits (1 shown)"
+    return f"{s['context_tokens']:,}"
+
+
 _Row = tuple[str, Callable[[dict[str, Any]], str], str]  # label, cell, which models show it
 
 
@@ -118,7 +126,7 @@ def _rows(out: dict[str, Any]) -> list[list[str]]:
     has_kv = out["kv_bytes_per_token"] > 0
     waste = "waste_bytes_per_request"
     spec: list[_Row] = [
-        ("context (tokens)", lambda s: f"{s['context_tokens']:,}", "kv"),
+        ("context (tokens)", _context_cell, "kv"),
         ("block size (tokens)", lambda s: f"{s['block_size']}", "kv"),
         ("block bytes per layer slot", lambda s: format_bytes(s["block_bytes"]), "all"),
         (
@@ -188,7 +196,7 @@ def _header(out: dict[str, Any]) -> list[str]:
     what = f"context {ctx:,} tokens" if ctx is not None else f"{out['num_requests']} requests"
     gpu = out.get("gpu") or {}
     where = (
-        f" (assumed: one {gpu['name'].upper()} per rank at {gpu['utilization']:g}, less the weights; "
+        f" (assumed: one {gpu['name'].upper()} per rank at {gpu['utilization']:g}, less the weights and the reserve; "
         "--gpu NAME or --gpu-memory SIZE to change)"
         if gpu.get("assumed")
         else ""

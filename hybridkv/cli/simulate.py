@@ -13,17 +13,18 @@ import sys
 import time
 from typing import Any
 
-from hybridkv.cli.common import positive_int
+from hybridkv.cli.common import positive_int, resolve_model_arg, size_arg
+from hybridkv.planner.budget import GIB, cache_budget
 
-ACTIVATION_RESERVE_GIB = 6  # kept free per GPU for activations and CUDA graphs by the default cache budget
 # keys of --compare that change the model or the GPU: the default budget (computed for one) would not fit
 _BUDGET_KEYS = ("model", "tp", "gpu")
 
 EXAMPLES = """\
 examples:
-  hybridkv simulate                                   MiniMax-M1 TP8, H200, 14 GiB cache, synthetic workload
+  hybridkv simulate                                   MiniMax-M1 TP8, H200, 14 GiB cache, synthetic workload:
+                                                      hybridkv's defaults beside vLLM 0.33's (emulated)
   hybridkv simulate --compare layout=paged,padded preemption=recompute,swap,auto
-  hybridkv simulate --engine vllm                     vLLM 0.33's policies on its own layout (emulated)
+  hybridkv simulate --engine hybridkv                 hybridkv alone (--engine vllm: vLLM 0.33's policies alone)
   hybridkv simulate --compare engine=hybridkv,vllm    vLLM 0.33 (emulated), then one column per policy switched
   hybridkv simulate --trace ../shared/traces/mooncake_synthetic_trace.jsonl --trace-limit 500 --rate-scale 0.5
   hybridkv simulate --model qwen3-next                Qwen3-Next at its default TP2 and budget on H200s
@@ -106,8 +107,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     m.add_argument(
         "--gpu-memory",
         default=None,
-        help="cache budget per GPU (default: 0.9 of the --gpu preset less the weights per GPU and "
-        f"{ACTIVATION_RESERVE_GIB} GiB for activations, whole GiB; MiniMax-M1 TP8 on H200: 14GiB)",
+        help="cache budget per GPU (default: 0.9 x the --gpu's memory - the weights per GPU - 6 GiB for "
+        "activations, rounded down to whole GiB, as hybridkv plan; MiniMax-M1 TP8 on H200: 14GiB)",
     )
     m.add_argument("--host-memory", default="256GiB", help="host swap pool per GPU, 0 = none (default 256GiB)")
     m.add_argument(
@@ -116,9 +117,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="the prefix cache's host tier per GPU, added to the host pool swaps use (swaps win); 0 = none (default)",
     )
     s = p.add_argument_group("layout and scheduler")
-    s.add_argument("--engine", choices=["hybridkv", "vllm"], default="hybridkv",
-                   help="vllm: vLLM 0.33's policies on its own layout, emulated (fixes layout, block size, "
-                   "admission, preemption, host pool, watermark, prefix caching; see docs/simulate.md)")
+    s.add_argument("--engine", choices=["hybridkv", "vllm"], default=None,
+                   help="run one engine only (default: hybridkv's configuration and, beside it on the same "
+                   "workload, vLLM 0.33's policies on its own layout, emulated: its layout, block size, admission, "
+                   "preemption, host pool, watermark and prefix caching; see docs/simulate.md)")
     s.add_argument("--admission", choices=["reserved", "full_prompt", "first_chunk"], default="reserved",
                    help="when a waiting request is admitted (default reserved: its prompt and decode room fit "
                    "next to what running prefills were promised; full_prompt: vLLM's rule)")
@@ -284,15 +286,13 @@ def check_args(args: argparse.Namespace) -> None:
         bad = [d for d in _TRACE_ONLY if d in given]
         if bad:
             raise ValueError(f"{_flag(bad[0])} needs --trace FILE: the synthetic workload has no trace window")
-    from hybridkv.units import parse_bytes
-
     for dest in ("gpu_memory", "host_memory", "host_cache"):  # sizes: named by their flag (--compare's by their key)
         text = getattr(args, dest)
-        if text is not None and not (dest in ("host_memory", "host_cache") and text == "0"):
-            try:
-                parse_bytes(text)
-            except ValueError as e:
-                raise ValueError(f"{_flag(dest)} {text}: {e}") from None
+        if text is not None:
+            size_arg(text, _flag(dest), allow_zero=dest != "gpu_memory")
+    for key in ("gpu-memory", "budget", "host-memory", "host-cache"):
+        for text in compared.get(key, []):
+            size_arg(text, f"--compare {key}=", allow_zero=key.startswith("host"))
     if args.trace_end is not None and args.trace_end <= args.trace_start:
         raise ValueError(
             f"--trace-end {args.trace_end:g} must be after --trace-start {args.trace_start:g}: the window "
@@ -302,7 +302,7 @@ def check_args(args: argparse.Namespace) -> None:
         dest = _COMPARE_FLAG.get(key)
         if dest is not None and dest in given:
             raise ValueError(f"{_flag(dest)} and --compare {key}=... both set it: drop one")
-    engines = compared.get("engine", [args.engine])
+    engines = compared.get("engine", [args.engine or "hybridkv"])
     if engines and all(e == "vllm" for e in engines):  # every configuration runs vLLM's policies
         fixed = [d for d in _VLLM_FIXES if d in given] + [k for k in compared if _COMPARE_FLAG.get(k) in _VLLM_FIXES]
         if fixed:
@@ -323,10 +323,13 @@ def check_args(args: argparse.Namespace) -> None:
     if "seed" in given and args.trace is not None and not speculative:
         raise ValueError("--seed with --trace changes nothing without --speculative (it seeds synthetic "
                          "workloads and draft acceptance)")
-    if args.compare is None:
+    if args.compare is None and args.engine is not None:
         for dest in ("workers", "ray"):
             if dest in given:
-                raise ValueError(f"{_flag(dest)} is for --compare: one configuration runs in this process")
+                raise ValueError(
+                    f"{_flag(dest)} is for several configurations (--compare, or the default vLLM / hybridkv "
+                    f"comparison): --engine {args.engine} runs one, in this process"
+                )
     elif "workers" in given and "ray" in given:
         raise ValueError("--workers and --ray: Ray places the runs on its own workers (drop --workers)")
     check_out(args.out)
@@ -383,20 +386,25 @@ def check_pool_sizes(cfg: Any, layout: Any, compared: dict[str, list[str]]) -> N
 def model_defaults(args: argparse.Namespace) -> list[str]:
     """Fill ``args.tp`` and ``args.gpu_memory`` where not given, from the model and the GPU as
     ``hybridkv plan`` does (TP: the preset's default; cache: 0.9 of the GPU less the weights per GPU
-    and :data:`ACTIVATION_RESERVE_GIB`, rounded down to whole GiB). Returns the lines that say what
+    and a 6 GiB reserve, rounded down to whole GiB: :mod:`hybridkv.planner.budget`). Returns the lines that say what
     was assumed; raises ``ValueError`` (exit 2) where it cannot be known, before any work."""
     from hybridkv.models import presets as P
     from hybridkv.models.spec_file import is_spec_path
 
-    name = None if is_spec_path(args.model) else P._canonical(args.model)  # (an unknown name raises)
+    args.model, mapped = resolve_model_arg(args.model)
+    name = None if is_spec_path(args.model) else P._canonical(args.model)
     compared = _compared(args)
+    if "model" in compared:  # each value read as --model reads it (a repo id becomes its preset)
+        compared["model"] = [resolve_model_arg(m, "--compare model=")[0] for m in compared["model"]]
+        args.compare = [a if a.partition("=")[0].strip() != "model" else "model=" + ",".join(compared["model"])
+                        for a in args.compare]
+    said = [mapped] if mapped else []
     budget_compared = "gpu-memory" in compared or "budget" in compared
     if args.gpu_memory is None and not budget_compared and any(k in _BUDGET_KEYS for k in compared):
         raise ValueError(
             "--compare varies the model, TP or GPU: give the cache budget as --gpu-memory SIZE "
             "(or --compare gpu-memory=...)"
         )
-    said = []
     if args.tp is None and "tp" in compared:
         args.tp = 1  # (the base's: every configuration sets its own from --compare tp=...)
     elif args.tp is None:
@@ -413,7 +421,9 @@ def model_defaults(args: argparse.Namespace) -> list[str]:
             raise ValueError(f"the default TP differs across --compare ({each}): give --tp N or --compare tp=...")
         args.tp = next(iter(tps.values()))
         if name is None and "model" not in compared:
-            said.append("TP1: spec files default to TP1 (--tp to change)")
+            from hybridkv.cli.plan import spec_kind
+
+            said.append(f"TP1: {spec_kind(args.model)} names no tensor-parallel size (--tp N to shard it)")
         else:
             which = name if "model" not in compared else ", ".join(compared["model"])
             said.append(f"TP{args.tp}: the default for {which} (--tp to change)")
@@ -426,19 +436,68 @@ def model_defaults(args: argparse.Namespace) -> list[str]:
                 f"named GPU ({', '.join(P.GPU_MEMORY_BYTES)})"
             )
         total, weights = P.gpu_memory_bytes(args.gpu), P.weight_bytes_per_gpu(name, args.tp)
-        budget = int(P.DEFAULT_GPU_UTILIZATION * total) - weights - ACTIVATION_RESERVE_GIB * 2**30
-        if budget < 2**30:
+        rule = cache_budget(args.gpu, total, weights, P.DEFAULT_GPU_UTILIZATION)
+        if rule.budget_bytes < GIB:
             raise ValueError(
-                f"{name} at TP{args.tp} leaves no cache on one {args.gpu.upper()} (weights "
-                f"{weights / 2**30:.1f} GiB per GPU): raise --tp or give --gpu-memory SIZE"
+                f"{name} at TP{args.tp} leaves no cache on one {args.gpu.upper()} ({rule.sum_text()}): raise --tp "
+                "or give --gpu-memory SIZE"
             )
-        args.gpu_memory = f"{budget // 2**30}GiB"
-        said.append(
-            f"cache {args.gpu_memory} per GPU: {P.DEFAULT_GPU_UTILIZATION:g} x {args.gpu.upper()} "
-            f"{total / 2**30:.1f} GiB - weights {weights / 2**30:.1f} GiB - {ACTIVATION_RESERVE_GIB} GiB for "
-            "activations, rounded down (--gpu-memory to change)"
-        )
+        args.gpu_memory = f"{rule.budget_bytes // GIB}GiB"
+        said.append(f"{rule.sum_text()}, as hybridkv plan (--gpu-memory to change)")
+    check_budgets_fit(args, name, compared)
     return said
+
+
+def check_budgets_fit(args: argparse.Namespace, name: str | None, compared: dict[str, list[str]]) -> None:
+    """Refuse (``ValueError``, one line) a cache budget that one GPU of a named kind cannot hold: more
+    than its memory less the weights per GPU of a preset model (a spec file's weights are unknown: its
+    whole memory), for ``--gpu-memory`` and every ``--compare gpu-memory=`` value, before any work."""
+    from hybridkv.models import presets as P
+    from hybridkv.units import format_bytes, parse_bytes
+
+    gpus = compared.get("gpu", [args.gpu])
+    key = "gpu-memory" if "gpu-memory" in compared else "budget" if "budget" in compared else None
+    texts = compared[key] if key else [args.gpu_memory]
+    if "model" in compared or "tp" in compared:
+        return  # (each configuration's model or TP differs: checked where the weights are one figure)
+    for gpu in gpus:
+        if gpu.lower() not in P.GPU_MEMORY_BYTES:
+            continue  # a GPU JSON file: its memory is the file's business
+        total = P.gpu_memory_bytes(gpu)
+        weights = P.weight_bytes_per_gpu(name, args.tp) if name is not None else 0
+        for text in texts:
+            try:
+                asked = parse_bytes(text)
+            except ValueError:
+                continue  # (refused with its flag by check_args / build_layout)
+            if asked > total - weights:
+                flag = f"--compare {key}={text}" if key else f"--gpu-memory {text}"
+                of = f" less {format_bytes(weights)} of {name} TP{args.tp} weights" if weights else ""
+                rule = cache_budget(gpu, total, weights, P.DEFAULT_GPU_UTILIZATION)
+                raise ValueError(
+                    f"{flag}: one {gpu.upper()} has {format_bytes(total)}{of}, so at most "
+                    f"{format_bytes(total - weights)} of cache; the default rule gives "
+                    f"{max(rule.budget_bytes, 0) // GIB} GiB (leave --gpu-memory out), or raise --tp"
+                )
+
+
+_PREFIX_FIELDS = ("prefix", "checkpoint", "checkpoint_export")
+
+
+def default_pair(base: Any) -> list[Any]:
+    """What ``hybridkv simulate`` runs without ``--compare`` or ``--engine``: vLLM 0.33 (emulated),
+    hybridkv's engine with vLLM's prefix caching, and hybridkv (``base``), so that the report can
+    split each difference between the prefix policy and the rest (layout, admission, preemption).
+    Two configurations where the prefix policies are the same."""
+    from hybridkv.sim.engines import ladder
+
+    steps = ladder(base)
+    last = steps[-1].with_changes(label="hybridkv")
+    if len(steps) >= 3 and any(getattr(steps[-2], k) != getattr(last, k) for k in _PREFIX_FIELDS):
+        others = [k for k in ("layout", "admission", "preemption") if getattr(steps[0], k) != getattr(last, k)]
+        if others:
+            return [steps[0], steps[-2].with_changes(label="hybridkv, vLLM's prefix caching"), last]
+    return [steps[0], last]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -475,11 +534,22 @@ def run(args: argparse.Namespace) -> int:
         max_num_batched_tokens=args.max_batched_tokens,
         watermark=args.watermark,
         admission=args.admission,
-        engine=args.engine,
+        engine=args.engine or "hybridkv",
         integrity_every=args.integrity_every,
         seed=args.seed,
     )
     configs = expand(base, args.compare) if args.compare else [base]
+    notes = []
+    if args.compare is None and args.engine is None:  # the default: vLLM 0.33's behaviour beside hybridkv's
+        from hybridkv.sim.engines import VLLM_LABEL
+
+        configs = default_pair(base)
+        given = set(getattr(args, "given", ()))
+        # (--prefix none reaches vLLM too: its Mamba cache mode none; flop_aware does not: vLLM evicts lru)
+        mine = [_flag(d) for d in _VLLM_FIXES if d in given] + (["--prefix"] if args.prefix == "flop_aware" else [])
+        if mine:
+            notes.append(f"{', '.join(mine)}: set for hybridkv's columns only; {VLLM_LABEL} keeps vLLM's own "
+                         "policies (--engine hybridkv runs hybridkv alone)")
     for c in configs:  # bad sizes, models, GPU files: one line each, before any run starts
         layout = build_layout(c)
         load_gpu(c.gpu, c.gpu_calibration)
@@ -495,7 +565,11 @@ def run(args: argparse.Namespace) -> int:
         print("hybridkv: note: report.html will have no plots: pip install 'hybridkv[reports]'", file=sys.stderr)
     for line in assumed:
         print(f"hybridkv simulate: {line}", file=sys.stderr)
+    for line in notes:
+        print(f"hybridkv simulate: {line}", file=sys.stderr)
     summaries = run_all(configs, workload, args.workers, progress=not args.no_progress, ray_address=args.ray)
+    for s in summaries:
+        s["notes"] = notes
     paths = write_atomically(summaries, args.out)
     for line in narrative(summaries):
         print(line)

@@ -93,6 +93,8 @@ def ladder(hybridkv: SimConfig) -> list[SimConfig]:
     cur = vllm.with_changes(engine="hybridkv", label=vllm.label)
     for keys in _SWITCHES:
         diff = {k: getattr(hybridkv, k) for k in keys if getattr(cur, k) != getattr(hybridkv, k)}
+        if diff.keys() == {"state_dtype"} and _default_state_dtype(hybridkv) == cur.state_dtype:
+            continue  # the model's own default is vLLM's dtype: a column that would change nothing
         if not diff:
             continue
         hidden = {"block_size", "checkpoint_export"} | ({"checkpoint"} if "prefix" in diff else set())
@@ -102,6 +104,18 @@ def ladder(hybridkv: SimConfig) -> list[SimConfig]:
     if len(out) > 1:
         out[-1] = out[-1].with_changes(label=f"{out[-1].label} (= hybridkv)")
     return out
+
+
+def _default_state_dtype(cfg: SimConfig) -> str | None:
+    """The state dtype ``cfg`` runs with: its own, else its preset's default (None for a spec file)."""
+    if cfg.state_dtype is not None:
+        return cfg.state_dtype
+    from hybridkv.models.presets import default_state_dtype
+
+    try:
+        return default_state_dtype(cfg.model).value
+    except Exception:  # noqa: BLE001 - a spec file or HF config: its own dtypes
+        return None
 
 
 def _show(key: str, value: Any, cfg: SimConfig) -> str:

@@ -135,6 +135,8 @@ def _memory(summaries: list[dict[str, Any]]) -> Any:
         cap = pool_bytes(s) / scale
         ax.axhline(cap, color="black", linewidth=1.2, label="pool capacity")
         for j, (key, text, marker, colour) in enumerate(EVENTS):
+            if not _any(summaries, key):
+                continue  # (an event no configuration had: no legend entry for it)
             v = np.asarray(se[key])
             hit = v > 0
             y = np.full(int(hit.sum()), top * (1.04 + 0.045 * j))
@@ -156,8 +158,22 @@ def _memory(summaries: list[dict[str, Any]]) -> Any:
     return fig
 
 
+def _any(summaries: list[dict[str, Any]], *keys: str) -> bool:
+    """Whether any configuration's series ``keys`` is ever non-zero."""
+    return any(any(s["series"].get(k, [])) for s in summaries for k in keys)
+
+
+def _preemption_panels(summaries: list[dict[str, Any]]) -> list[str]:
+    return [k for k, keys in (("preemptions", ("preempt_recompute", "preempt_swap")),
+                              ("swap", ("swap_out_blocks", "swap_in_blocks"))) if _any(summaries, *keys)]  # fmt: skip
+
+
 def _preemption(summaries: list[dict[str, Any]]) -> Any:
-    fig, axes = _figure(1, 2, 3.6, sharex=True)
+    panels = _preemption_panels(summaries)
+    if not panels:
+        return None
+    fig, axes = _figure(1, len(panels), 3.6, sharex=True)
+    ax_of = dict(zip(panels, axes[0], strict=True))
     unit, scale = byte_unit([s["totals"]["swap_out_bytes"] for s in summaries])
     top_n = top_b = 0.0
     for i, s in enumerate(summaries):
@@ -167,17 +183,21 @@ def _preemption(summaries: list[dict[str, Any]]) -> Any:
         out = np.cumsum(se["swap_out_blocks"]) * bpb / scale
         back = np.cumsum(se["swap_in_blocks"]) * bpb / scale
         kw = {"markevery": MARK_EVERY, "markersize": 4, "linewidth": 1.2, **st}
-        axes[0, 0].step(t, rec, where="post", linestyle="-", label=f"{s['label']}: recompute", **kw)
-        axes[0, 0].step(t, swp, where="post", linestyle="--", label=f"{s['label']}: swap", **kw)
-        axes[0, 1].plot(t, out, linestyle="-", label=f"{s['label']}: out", **kw)
-        axes[0, 1].plot(t, back, linestyle=":", label=f"{s['label']}: in", **kw)
+        if "preemptions" in ax_of:
+            ax_of["preemptions"].step(t, rec, where="post", linestyle="-", label=f"{s['label']}: recompute", **kw)
+            ax_of["preemptions"].step(t, swp, where="post", linestyle="--", label=f"{s['label']}: swap", **kw)
+        if "swap" in ax_of:
+            ax_of["swap"].plot(t, out, linestyle="-", label=f"{s['label']}: out", **kw)
+            ax_of["swap"].plot(t, back, linestyle=":", label=f"{s['label']}: in", **kw)
         top_n = max(top_n, float(rec[-1]) if len(rec) else 0.0, float(swp[-1]) if len(swp) else 0.0)
         top_b = max(top_b, float(out[-1]) if len(out) else 0.0)
-    _count_axis(axes[0, 0], top_n, "preemptions (cumulative)")
-    axes[0, 0].set_title("preemptions: solid recompute, dashed swap", fontsize=9)
-    axes[0, 1].set_ylim(0, max(top_b * 1.05, 1.0))
-    axes[0, 1].set_ylabel(f"{unit} (cumulative)")
-    axes[0, 1].set_title("swap traffic: solid out, dotted in", fontsize=9)
+    if "preemptions" in ax_of:
+        _count_axis(ax_of["preemptions"], top_n, "preemptions (cumulative)")
+        ax_of["preemptions"].set_title("preemptions: solid recompute, dashed swap", fontsize=9)
+    if "swap" in ax_of:
+        ax_of["swap"].set_ylim(0, max(top_b * 1.05, 1.0))
+        ax_of["swap"].set_ylabel(f"{unit} (cumulative)")
+        ax_of["swap"].set_title("swap traffic: solid out, dotted in", fontsize=9)
     for ax in axes[0]:
         _time_axis(ax, t_max(summaries))
     _config_legend(fig, summaries)
@@ -192,25 +212,47 @@ def _config_legend(fig: Any, summaries: list[dict[str, Any]]) -> None:
                title_fontsize=8)  # fmt: skip
 
 
+_QUEUES = (("waiting", "waiting (incl. backlog)"), ("running", "running"), ("swapped", "swapped out"),
+           ("recompute_waiting", "waiting to be recomputed"))  # fmt: skip
+
+
 def _queues(summaries: list[dict[str, Any]]) -> Any:
-    keys = (("waiting", "waiting (incl. backlog)"), ("running", "running"), ("swapped", "swapped out"),
-            ("recompute_waiting", "waiting to be recomputed"))  # fmt: skip
-    fig, axes = _figure(2, 2, 5.6, sharex=True)
+    keys = [(k, title) for k, title in _QUEUES if _any(summaries, k)]
+    if not keys:
+        return None
+    rows = (len(keys) + 1) // 2
+    fig, axes = _figure(rows, 2 if len(keys) > 1 else 1, 1.0 + 2.3 * rows, sharex=True)
     flat = axes.reshape(-1)
     for i, s in enumerate(summaries):
         t = s["series"]["t_s"]
-        for ax, (key, _) in zip(flat, keys, strict=True):
+        for ax, (key, _) in zip(flat, keys, strict=False):
             ax.step(t, s["series"].get(key, [0] * len(t)), where="pre", linewidth=1, markevery=MARK_EVERY,
                     markersize=4, **config_style(i))  # fmt: skip
-    for ax, (key, title) in zip(flat, keys, strict=True):
+    for ax, (key, title) in zip(flat, keys, strict=False):
         top = max((max(s["series"].get(key, [0]) or [0]) for s in summaries), default=0)
         _count_axis(ax, top, "requests")
         ax.set_title(title, fontsize=9)
         _time_axis(ax, t_max(summaries))
-    for ax in axes[0]:
+    for ax in flat[len(keys) :]:
+        ax.set_visible(False)
+    for ax in axes[:-1].reshape(-1):
         ax.set_xlabel("")
     _config_legend(fig, summaries)
     return fig
+
+
+def flat_lines(summaries: list[dict[str, Any]]) -> list[str]:
+    """What did not happen in any configuration, one line each, in place of a panel that would be
+    flat zero for every configuration (:func:`figure` leaves those panels out)."""
+    out = []
+    if not _any(summaries, "preempt_recompute", "preempt_swap"):
+        out.append("No configuration preempted a request: no preemption panel, and no request was swapped out "
+                   "or waited to be recomputed.")  # fmt: skip
+    elif not _any(summaries, "swap_out_blocks", "swap_in_blocks"):
+        out.append("No configuration swapped: every preemption recomputed (no swap-traffic panel).")
+    elif not _any(summaries, "recompute_waiting"):
+        out.append("No request waited to be recomputed in any configuration (every preemption swapped).")
+    return out
 
 
 def _latency(summaries: list[dict[str, Any]]) -> Any:
@@ -236,7 +278,8 @@ def _latency(summaries: list[dict[str, Any]]) -> Any:
 def _capacity(summaries: list[dict[str, Any]]) -> Any:
     fig, axes = _figure(1, 1, 3.8)
     ax = axes[0, 0]
-    cap = summaries[0]["capacity"]
+    first = next((s for s in summaries if s["config"]["engine"] == "hybridkv"), summaries[0])
+    cap = first["capacity"]
     x = np.arange(len(cap["context_tokens"]))
     bars = (
         ax.bar(x - 0.2, cap["paged"], 0.4, label="paged", color="#1f77b4"),
@@ -247,7 +290,7 @@ def _capacity(summaries: list[dict[str, Any]]) -> Any:
     ax.set_xticks(x, [f"{c / 1000:g}k" for c in cap["context_tokens"]])
     ax.set_xlabel("context tokens per request")
     _count_axis(ax, max([*cap["paged"], *cap["padded"], 0]) * 1.08, "max concurrent requests")
-    c = summaries[0]["config"]
+    c = first["config"]
     ax.set_title(f"{c['model']} TP{c['tp']}, {c['gpu_memory']} per GPU", fontsize=9)
     fig.legend(loc="outside right upper", fontsize=8)
     return fig
@@ -263,13 +306,17 @@ _BUILDERS = {
 
 
 def figure(plot_id: str, summaries: list[dict[str, Any]]) -> Any:
-    """The matplotlib ``Figure`` of one plot (ids: :data:`PLOTS`); needs matplotlib."""
+    """The matplotlib ``Figure`` of one plot (ids: :data:`PLOTS`), or ``None`` when every panel of it
+    would be flat zero for every configuration (:func:`flat_lines` says what did not happen); needs
+    matplotlib."""
     return _BUILDERS[plot_id](summaries)
 
 
-def render_plot(plot_id: str, summaries: list[dict[str, Any]]) -> tuple[str, int, int]:
-    """One plot as base64 PNG with its width and height in pixels."""
+def render_plot(plot_id: str, summaries: list[dict[str, Any]]) -> tuple[str, int, int] | None:
+    """One plot as base64 PNG with its width and height in pixels; ``None`` for no plot (:func:`figure`)."""
     fig = figure(plot_id, summaries)
+    if fig is None:
+        return None
     w, h = (int(round(v * DPI)) for v in fig.get_size_inches())
     return _png(fig), w, h
 
@@ -290,11 +337,13 @@ def _event_caption(summaries: list[dict[str, Any]]) -> str:
     """The memory plot's event legend as text (the PNG's legend, readable without the image)."""
     parts = []
     for key, text, marker, _ in EVENTS:
+        if not _any(summaries, key):
+            continue  # (no configuration had it: flat_lines says so)
         counts = [int(np.asarray(s["series"][key]).sum()) for s in summaries]
         per = "; ".join(f"{s['label']} {n:,}" for s, n in zip(summaries, counts, strict=True))
         parts.append(f"<li class='event' data-event='{key}' data-counts='{','.join(map(str, counts))}'>marker "
                      f"{html.escape(marker)}: {html.escape(text)} ({html.escape(per)})</li>")  # fmt: skip
-    return "<ul class='events'>" + "".join(parts) + "</ul>"
+    return "<ul class='events'>" + "".join(parts) + "</ul>" if parts else ""
 
 
 def render_html(
@@ -304,9 +353,11 @@ def render_html(
     summary: list[str],
     pressure: list[list[str]],
     definitions: list[tuple[str, str]],
+    configurations: list[list[str]],
 ) -> str:
-    """The whole page: summary in words, comparison and pressure-cost tables, definitions, plots
-    (base64 PNG), configurations and workload."""
+    """The whole page, conclusions first: the summary in words (verdict first), the comparison
+    table, the plots (base64 PNG; a plot flat zero for every configuration is one line instead),
+    the pressure-cost table, the configurations as run, the definitions, the workload."""
     parts = [
         "<!DOCTYPE html><html><head><meta charset='utf-8'>",
         f"<title>{html.escape(title)}</title>",
@@ -315,18 +366,12 @@ def render_html(
         "td:first-child{text-align:left}h2{font-size:16px;margin:18px 0 6px}h3{font-size:13px;margin:10px 0 4px}"
         "img{display:block}"
         "dl{font-size:12px;display:grid;grid-template-columns:max-content auto;gap:2px 12px}dt{font-weight:bold}"
-        "dd{margin:0}figure{margin:8px 0}figcaption,ul.events{font-size:12px}#summary p{margin:4px 0}</style>",
+        "dd{margin:0}figure{margin:8px 0}figcaption,ul.events{font-size:12px}#summary p{margin:4px 0}"
+        "#summary p:first-of-type{font-weight:bold}p.absent{font-size:12px;font-style:italic}</style>",
         f"</head><body><h1>{html.escape(title)}</h1>",
         "<section id='summary'><h2>Summary</h2>" + "".join(f"<p>{html.escape(p)}</p>" for p in summary) + "</section>",
         "<h2>Comparison</h2>",
         _table_html(table, "comparison"),
-        "<h2>What memory pressure cost</h2>",
-        _table_html(pressure, "pressure"),
-        "<h2>Definitions</h2>",
-        "<h3>Figures in the tables</h3>",
-        _definitions_html(definitions, "figures"),
-        "<h3>Memory categories (device blocks; they add up to the pool)</h3>",
-        _definitions_html(list(CATEGORY_DEFINITIONS.items()), "categories"),
     ]
     try:
         import matplotlib  # noqa: F401
@@ -334,26 +379,33 @@ def render_html(
         parts.append("<p>Plots need matplotlib: <code>pip install 'hybridkv[reports]'</code></p>")
     else:
         for plot_id, plot_title in PLOTS:
-            data, w, h = render_plot(plot_id, summaries)
+            rendered = render_plot(plot_id, summaries)
+            if rendered is None:
+                continue
+            data, w, h = rendered
             parts.append(f"<h2>{html.escape(plot_title)}</h2><figure>")
             parts.append(f"<img id='plot-{plot_id}' alt='{html.escape(plot_title)}' width='{w}' height='{h}' "
                          f"src='data:image/png;base64,{data}'>")  # fmt: skip
             if plot_id == "memory":
+                events = _event_caption(summaries)
+                said = " Events, marked above the stack at the time of the report's sample:" if events else ""
                 parts.append("<figcaption>Bytes are blocks x each configuration's bytes per block, on one scale "
                              "for all panels; the black line is the pool's capacity (all blocks but the null "
-                             "block). Events, marked above the stack at the time of the report's sample:"
-                             f"{_event_caption(summaries)}</figcaption>")  # fmt: skip
+                             f"block).{said}{events}</figcaption>")  # fmt: skip
             parts.append("</figure>")
-    parts.append("<h2>Configurations</h2>")
-    keys = [k for k in summaries[0]["config"] if k != "label"]
-    rows = [["", *[s["label"] for s in summaries]]]
-    rows += [[k, *[str(s["config"][k]) for s in summaries]] for k in keys]
-    rows.append(["GPU", *[f"{s['gpu']['name']}" for s in summaries]])
-    rows.append(
-        ["blocks x bytes", *[f"{s['layout']['num_blocks']:,} x {s['layout']['bytes_per_block']:,}" for s in summaries]]
-    )
-    rows.append(["block size (tokens)", *[str(s["layout"]["block_size"]) for s in summaries]])
-    parts.append(_table_html(rows))
+            if plot_id == "memory":
+                parts += [f"<p class='absent'>{html.escape(line)}</p>" for line in flat_lines(summaries)]
+    parts += [
+        "<h2>What memory pressure cost</h2>",
+        _table_html(pressure, "pressure"),
+        "<h2>Configurations</h2>",
+        _table_html(configurations, "configurations"),
+        "<h2>Definitions</h2>",
+        "<h3>Figures in the tables</h3>",
+        _definitions_html(definitions, "figures"),
+        "<h3>Memory categories (device blocks; they add up to the pool)</h3>",
+        _definitions_html(list(CATEGORY_DEFINITIONS.items()), "categories"),
+    ]
     w = summaries[0]["workload"]
     parts.append("<h2>Workload</h2>" + _table_html([["field", "value"], *[[k, str(v)] for k, v in w.items()]]))
     parts.append("</body></html>\n")

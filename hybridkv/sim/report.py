@@ -8,7 +8,6 @@ time, floats rounded); :func:`write_reports` writes the three files for one or m
 
 from __future__ import annotations
 
-import html
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -19,6 +18,7 @@ import numpy as np
 from hybridkv.models.spec_file import resolve_model
 from hybridkv.planner.layout import LayoutKind, plan
 from hybridkv.sim.plots import BLOCK_CATEGORIES, CATEGORY_DEFINITIONS, byte_unit, pool_bytes, render_html
+from hybridkv.sim.verdict import engine_differences, no_effect, resolved_rows, verdict
 from hybridkv.units import format_bytes, parse_bytes
 
 MAX_POINTS = 600  # time-series points per configuration in the report
@@ -103,12 +103,13 @@ def pressure(raw: dict[str, Any]) -> dict[str, Any]:
 
 
 def capacity_table(cfg: dict[str, Any]) -> dict[str, list[int]]:
-    """Max concurrent requests per context length, paged vs padded, on the config's budget."""
+    """Max concurrent requests per context length, paged vs padded, on the config's budget (the
+    other layout at its own default block size: vLLM's 512-token blocks are not paged's)."""
     model = resolve_model(cfg["model"], cfg["state_dtype"], cfg["tp"])
     budget = parse_bytes(cfg["gpu_memory"])
     out: dict[str, list[int]] = {"context_tokens": list(CAPACITY_CONTEXTS)}
-    for kind in (LayoutKind.PAGED, LayoutKind.PADDED):
-        layout = plan(model, budget, cfg["block_size"], kind)
+    for kind in (LayoutKind.PAGED, LayoutKind.PADDED):  # the config's block size for its own layout only
+        layout = plan(model, budget, cfg["block_size"] if cfg["layout"] == kind.value else None, kind)
         out[kind.value] = [layout.capacity(c).max_requests for c in CAPACITY_CONTEXTS]
     return out
 
@@ -130,6 +131,7 @@ def summarize(raw: dict[str, Any]) -> dict[str, Any]:
     summary = {
         "label": raw["config"]["label"],
         "config": raw["config"],
+        "resolved": raw.get("resolved", {}),
         "gpu": {k: (_r(v) if isinstance(v, float) else v) for k, v in raw["gpu"].items()},
         "layout": layout,
         "workload": raw["workload"],
@@ -196,7 +198,13 @@ def write_reports(summaries: list[dict[str, Any]], out_dir: str | Path, title: s
     paths[0].write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
     paths[1].write_text(markdown(summaries, title))
     page = render_html(
-        summaries, title, comparison_table(summaries), narrative(summaries), pressure_table(summaries), definitions()
+        summaries,
+        title,
+        comparison_table(summaries),
+        narrative(summaries),
+        pressure_table(summaries),
+        definitions(),
+        resolved_rows(summaries),
     )
     paths[2].write_text(page)
     return paths
@@ -416,14 +424,18 @@ def _attribution(values: list[float], summaries: list[dict[str, Any]], fields: l
 
 
 def narrative(summaries: list[dict[str, Any]]) -> list[str]:
-    """The summary in words at the top of report.md and report.html, one paragraph per item: for a
-    comparison first the configuration fields that differ, then each metric that differs by more than
-    1% (at most four, largest relative spread first) with the field that moves it most; then, per
-    configuration, what limited the run and what pressure cost."""
+    """The summary in words at the top of report.md and report.html, one paragraph per item: the
+    verdict, what hybridkv's engine does unlike vLLM's and the settings that had no effect
+    (:mod:`hybridkv.sim.verdict`); for a comparison then the configuration fields that differ, then
+    each metric that differs by more than 1% (at most four, largest relative spread first) with the
+    field that moves it most (when more than one field differs); then, per configuration, what
+    limited the run and what pressure cost."""
     u = units(summaries)
     lines = [_one_line(s, u) for s in summaries]
-    if len(summaries) < 2:
-        return lines
+    notes = list(dict.fromkeys(n for s in summaries for n in s.get("notes", [])))
+    first = verdict(summaries) + engine_differences(summaries) + no_effect(summaries) + notes
+    if len(summaries) < 2 or engine_differences(summaries):  # (the engine comparison said what differs)
+        return first + lines
     fields = _differing_fields(summaries)
     head = [
         f"The {len(summaries)} configurations differ in {', '.join(fields)} (the fields of their configurations "
@@ -447,7 +459,7 @@ def narrative(summaries: list[dict[str, Any]]) -> list[str]:
             f"{name[0].upper()}{name[1:]}: {fmt(vals[lo])} ({summaries[lo]['label']}) to {fmt(vals[hi])} "
             f"({summaries[hi]['label']})"
         )
-        effects = [(f, e) for f, e in _attribution(vals, summaries, fields) if e > 0]
+        effects = [(f, e) for f, e in _attribution(vals, summaries, fields) if e > 0 and len(fields) > 1]
         by = _points if name in _POINTS else fmt
         if effects:
             f, e = effects[0]
@@ -455,7 +467,7 @@ def narrative(summaries: list[dict[str, Any]]) -> list[str]:
             if len(effects) > 1:
                 text += " (" + ", ".join(f"{g}: {by(x)}" for g, x in effects[1:3]) + ")"
         head.append(text + ".")
-    return head + lines
+    return first + head + lines
 
 
 def _md_table(rows: list[list[str]]) -> list[str]:
@@ -497,9 +509,7 @@ def markdown(summaries: list[dict[str, Any]], title: str) -> str:
             lines += [f"- {r['id']}: {r['reason']}" for r in s["rejected"][:20]]
             if len(s["rejected"]) > 20:
                 lines.append(f"- ... and {len(s['rejected']) - 20} more (report.json)")
-    lines += ["", "Configurations:", ""]
-    for s in summaries:
-        cfg = ", ".join(f"{k}={v}" for k, v in s["config"].items() if k != "label")
-        lines.append(f"- **{html.escape(s['label'])}**: {cfg}")
+    lines += ["", "## Configurations", ""]
+    lines += _md_table(resolved_rows(summaries))
     lines.append("")
     return "\n".join(lines)

@@ -16,10 +16,9 @@ ENGINES = ("hybridkv", "vllm")
 VLLM_LABEL = "vLLM 0.33 (emulated)"
 PREFIX_POLICIES = ("none", "lru", "flop_aware")
 
-# The embedded default: MiniMax-M1 TP8 on H200s. `hybridkv plan --gpu h200` gives a 20.2 GiB cache
-# budget (0.9 x 140.4 GiB less 106.2 GiB of bf16 weights per GPU, nothing reserved); the simulator
-# keeps about 6 GiB of that for activations and CUDA graphs (an 8,192-token MiniMax-M1 prefill
-# chunk needs several GiB): 14 GiB of cache per GPU.
+# The embedded default: MiniMax-M1 TP8 on H200s, 14 GiB of cache per GPU: the rule of
+# hybridkv.planner.budget (0.9 x 140.4 GiB - 106.2 GiB of bf16 weights - 6 GiB for activations and
+# CUDA graphs, rounded down to whole GiB), the budget `hybridkv plan` gives too.
 DEFAULT_MODEL, DEFAULT_TP, DEFAULT_GPU, DEFAULT_BUDGET = "minimax-m1", 8, "h200", "14GiB"
 
 

@@ -285,6 +285,7 @@ def simulate(cfg: SimConfig, workload: Workload, progress: bool = False, positio
     bar.close()
     return {
         "config": cfg.as_dict(),
+        "resolved": _resolved(cfg, built),
         "gpu": asdict(built.gpu),
         "layout": _layout_dict(built.layout),
         "workload": workload.summary(),
@@ -314,6 +315,21 @@ class _NoBar:
 
     def close(self) -> None:
         pass
+
+
+def _resolved(cfg: SimConfig, built: Any) -> dict[str, Any]:
+    """The values a run used where its config says "the default" (``None``): the state dtypes, the
+    block size, the GPU figures' source."""
+    model = built.layout.model
+    state: dict[str, str] = {}
+    for _, layer in model.recurrent_layers():
+        for c in layer.components:
+            state.setdefault(f"{layer.mixer}.{c.name}", c.dtype.value)
+    return {
+        "state_dtype": ", ".join(f"{k} {v}" for k, v in state.items()) or "no recurrent state",
+        "block_size": built.layout.block_size,
+        "gpu_calibration": cfg.gpu_calibration or "none: roofline figures of the GPU preset",
+    }
 
 
 def _layout_dict(layout: Any) -> dict[str, Any]:
