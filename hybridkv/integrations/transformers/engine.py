@@ -33,7 +33,14 @@ import torch
 
 from hybridkv.blockmgr.manager import HybridBlockManager
 from hybridkv.blockmgr.prefix import PrefixCacheConfig
-from hybridkv.errors import DuplicateRequestError, HybridKVError
+from hybridkv.errors import DuplicateRequestError, HybridKVError, RequestTooLargeError
+from hybridkv.integrations.transformers.checks import (
+    check_length,
+    check_prefix_cache,
+    max_positions,
+    prompt_token_ids,
+    too_large,
+)
 from hybridkv.integrations.transformers.families import Family, UnsupportedModelError, family_of
 from hybridkv.integrations.transformers.paged_cache import PagedCache, attention_mask
 from hybridkv.integrations.transformers.sampling import Drafter, SamplingParams, sample
@@ -149,24 +156,6 @@ class _Progress:
         self.branching: list[tuple[Any, Any]] = []  # (parent, sample) drawn in this step, not placed yet
 
 
-def _check_prefix_cache(prefix_cache: PrefixCacheConfig | None) -> None:
-    """The prefix-cache settings the engine cannot serve, refused before any work."""
-    if prefix_cache is None:
-        return
-    if prefix_cache.host_tier:
-        raise ValueError(
-            "PrefixCacheConfig(host_tier=True): the transformers engine does not run the host tier's copies yet "
-            "(StepPlan.tier_copies: offloads to the host pool, host hits copied back), so a request hitting a "
-            "prefix on the host tier would compute on bytes nobody wrote; set host_tier=False "
-            "(num_host_blocks still serves swap preemption)"
-        )
-    if prefix_cache.export_alignment is not None:
-        raise ValueError(
-            "PrefixCacheConfig.export_alignment needs a prefill kernel that writes the state from inside "
-            "a chunk (StepPlan.exports); transformers' forward cannot: leave it None"
-        )
-
-
 class HFEngine:
     """Serves ``model`` (an unmodified transformers causal LM of a family in
     :data:`~.families.FAMILIES`) through hybridkv. Not thread-safe.
@@ -179,7 +168,7 @@ class HFEngine:
 
     def __init__(self, model: torch.nn.Module, config: EngineConfig | None = None, drafter: Drafter | None = None):
         self.config = config = config or EngineConfig()
-        _check_prefix_cache(config.prefix_cache)
+        check_prefix_cache(config.prefix_cache)
         model_type = getattr(getattr(model, "config", None), "model_type", None)
         self.family: Family = family_of(model_type)
         if config.num_speculative_tokens and drafter is None:
@@ -199,6 +188,11 @@ class HFEngine:
         self.manager = HybridBlockManager(
             self.layout, num_host_blocks=config.num_host_blocks, prefix_cache=config.prefix_cache
         )
+        try:  # the smallest request: one prompt token, one new token, its speculative sets
+            self.manager.check_fits(2, config.num_speculative_tokens)
+        except RequestTooLargeError as e:
+            what = "the pool can never hold one request: the smallest (1 prompt + 1 new token)"
+            raise too_large(what, e, config.num_blocks, config.num_speculative_tokens, request=False) from None
         self.scheduler = Scheduler(
             self.manager,
             SchedulerConfig(
@@ -249,9 +243,11 @@ class HFEngine:
     def add_request(
         self, request_id: Any, prompt: list[int], max_new_tokens: int, params: SamplingParams | None = None
     ) -> None:
-        """Queue a request (token ids). Everything is checked before anything is queued: ``params``
-        (a :class:`SamplingParams`, ``TypeError`` otherwise), the prompt's token ids, the sizes (the
-        scheduler's checks: :class:`~hybridkv.errors.RequestTooLargeError` when the request can never
+        """Queue a request (token ids: a list, or a 1-D integer array / tensor). Everything is checked
+        before anything is queued: ``params`` (a :class:`SamplingParams`, ``TypeError`` otherwise), the
+        prompt's token ids (:func:`~.checks.prompt_token_ids`), its length against the model's
+        ``max_position_embeddings`` (``ValueError``), the sizes (the scheduler's checks:
+        :class:`~hybridkv.errors.RequestTooLargeError`, naming ``num_blocks``, when the request can never
         fit in the pool) and the ids of its samples; a refused request leaves no trace.
 
         ``params.n > 1``: ``n`` outputs, the request's and those of ``n - 1`` samples ``(request_id, i)``
@@ -270,16 +266,8 @@ class HFEngine:
             hash(request_id)
         except TypeError:
             raise TypeError(f"request id {request_id!r} is not hashable") from None
-        if isinstance(prompt, (str, bytes)):
-            raise TypeError(f"request {request_id!r}: prompt must be token ids, got {prompt!r}")
-        try:
-            ids = list(prompt)
-        except TypeError:
-            raise TypeError(f"request {request_id!r}: prompt must be token ids, got {prompt!r}") from None
-        vocab = self.model.config.vocab_size
-        bad = [t for t in ids if isinstance(t, (int, np.integer)) and not 0 <= int(t) < vocab]
-        if bad:
-            raise ValueError(f"request {request_id!r}: token ids {bad[:3]} outside the vocabulary 0..{vocab - 1}")
+        ids = prompt_token_ids(request_id, prompt, self.model.config.vocab_size)
+        check_length(request_id, len(ids), max_new_tokens, max_positions(self.model.config))
         samples = [(request_id, i) for i in range(1, params.n)]
         for rid in (request_id, *samples):
             if rid in self._samples or rid in self._done:
@@ -288,7 +276,11 @@ class HFEngine:
                 raise DuplicateRequestError(
                     f"request {request_id!r}: the id of its sample {rid!r} was already submitted: use another id"
                 )
-        self.scheduler.add_request(request_id, ids, max_new_tokens)  # (its own checks, before it queues)
+        try:
+            self.scheduler.add_request(request_id, ids, max_new_tokens)  # (its own checks, before it queues)
+        except RequestTooLargeError as e:
+            what = f"request {request_id!r} ({len(ids)} prompt + {max_new_tokens} new tokens)"
+            raise too_large(what, e, self.config.num_blocks, self.config.num_speculative_tokens) from None
         self.params[request_id] = params
         self.tokens[request_id] = ids
         if samples:
