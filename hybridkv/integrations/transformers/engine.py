@@ -5,12 +5,9 @@
 
 1. ``Scheduler.step()``; the plan's copies in the order of docs/contract.md: ``checkpoint_copies``,
    every swap-out, every swap-in, then ``copies`` (copy-on-write, prefix hits' checkpoint -> live);
-2. the rows' forwards. A row is cut into *pieces* that run in rounds: a prefill chunk is one piece
-   (one token per piece for a family whose multi-token forward cannot continue a state, and for a
-   decode with drafts: token ``j`` reads the state after token ``j - 1`` and writes speculative set
-   ``j - 1``, token 0 the live set). Pieces of one round with equal length and the same
-   ``has_initial_state`` run as one batched forward of the HF model: explicit ``position_ids``, a
-   dict ``attention_mask`` (additive 4-D for full attention, None for linear attention), a fresh cache
+2. the rows' forwards (:mod:`.forward`): rows cut into pieces, batched as ``generate`` batches
+   (fresh prompts of any length left padded into one forward, every decode in one forward), each
+   forward with explicit ``position_ids``, the masks transformers' models honour, and a fresh cache
    built from the pools and stored back after it;
 3. sampling (:mod:`.sampling`) and draft verification; ``Scheduler.update()``; a request with
    ``n > 1`` branches where it samples its first token: each other sample draws its own first token
@@ -28,7 +25,6 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-import numpy as np
 import torch
 
 from hybridkv.blockmgr.manager import HybridBlockManager
@@ -42,7 +38,8 @@ from hybridkv.integrations.transformers.checks import (
     too_large,
 )
 from hybridkv.integrations.transformers.families import Family, UnsupportedModelError, family_of
-from hybridkv.integrations.transformers.paged_cache import PagedCache, attention_mask
+from hybridkv.integrations.transformers.forward import Forwards
+from hybridkv.integrations.transformers.paged_cache import PagedCache
 from hybridkv.integrations.transformers.sampling import Drafter, SamplingParams, sample
 from hybridkv.models.hf import spec_from_hf_config
 from hybridkv.models.spec import ModelSpec
@@ -54,7 +51,6 @@ from hybridkv.scheduler_adapter import (
     RequestState,
     Scheduler,
     SchedulerConfig,
-    StepMetadata,
     StepOutputs,
     StepPlan,
     build_step_metadata,
@@ -137,14 +133,6 @@ class StepStats(NamedTuple):
     num_finished: int
 
 
-class _Piece(NamedTuple):
-    row: int  # row of the plan
-    start: int  # first query token of the row this piece runs
-    length: int
-    src: np.ndarray | None  # [G, bps] the state set read (None: no initial state)
-    dst: np.ndarray  # [G, bps] the state set written
-
-
 class _Progress:
     """How far one step got (what :meth:`HFEngine._abandon` must undo)."""
 
@@ -156,7 +144,7 @@ class _Progress:
         self.branching: list[tuple[Any, Any]] = []  # (parent, sample) drawn in this step, not placed yet
 
 
-class HFEngine:
+class HFEngine(Forwards):
     """Serves ``model`` (an unmodified transformers causal LM of a family in
     :data:`~.families.FAMILIES`) through hybridkv. Not thread-safe.
 
@@ -210,6 +198,7 @@ class HFEngine:
             else None
         )
         self.cache = PagedCache(self.family, model.config, self.layout, self.pools, config.max_num_seqs)
+        self._has_state = bool(self.cache.states)  # (kept: the paged lightning hook empties cache.states)
         self.drafter = drafter
         self.params: dict[Any, SamplingParams] = {}
         self.tokens: dict[Any, list[int]] = {}  # prompt + outputs, kept after the request finishes
@@ -225,6 +214,13 @@ class HFEngine:
         self._fresh_forks: list[Any] = []  # forked since the last step: their state copy rides in the next plan
         self._update_epoch: int | None = None  # the manager's pin epoch of the last Scheduler.update()
         # transformers 5.24 names the cache argument ``cache`` (``past_key_values`` before)
+        # every kind of layer the model looks a mask up for (LFM2: "conv"): None (recurrent layers)
+        kinds = [
+            *(getattr(model.config, "layer_types", None) or ()),
+            *(getattr(model.config, "layers_block_type", None) or ()),
+            "linear_attention",
+        ]
+        self._mask_kinds: dict[str, Any] = dict.fromkeys(k for k in kinds if isinstance(k, str))
         self._kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
     def _check_dtypes(self) -> None:
@@ -311,12 +307,13 @@ class HFEngine:
     # ---- one step ----------------------------------------------------------------------------------
     def run_copies(self, plan: StepPlan) -> None:
         """The plan's copies, in the executor order of docs/contract.md."""
-        copy_blocks(self.pools, plan.checkpoint_copies)
+        backend = self.cache.backend
+        copy_blocks(self.pools, plan.checkpoint_copies, backend=backend)
         for p in plan.swap_out:
-            swap_blocks(self.pools, self.host, p).synchronize()
+            swap_blocks(self.pools, self.host, p, backend=backend).synchronize()
         for p in plan.swap_in:
-            swap_blocks(self.pools, self.host, p).synchronize()
-        copy_blocks(self.pools, plan.copies)
+            swap_blocks(self.pools, self.host, p, backend=backend).synchronize()
+        copy_blocks(self.pools, plan.copies, backend=backend)
 
     @torch.no_grad()
     def step(self) -> StepPlan:
@@ -517,73 +514,6 @@ class HFEngine:
             self.step()
             if progress is not None:
                 progress(self.stats[-1].num_finished)
-
-    # ---- the forwards -------------------------------------------------------------------------------
-    def pieces(self, plan: StepPlan, meta: StepMetadata) -> list[list[_Piece]]:
-        """Each row's pieces in the order they must run (see the module docstring)."""
-        out = []
-        for b, row in enumerate(plan.scheduled):
-            live = meta.state_tables[:, b]
-            init = bool(meta.has_initial_state[b])
-            n, d = row.num_scheduled_tokens, row.num_drafts
-            if d:  # a decode with drafts: token j writes the state after it to speculative set j - 1
-                spec = meta.speculative_state_tables[:, :, b]
-                ps = [_Piece(b, 0, 1, live, live)]
-                ps += [_Piece(b, j, 1, live if j == 1 else spec[j - 2], spec[j - 1]) for j in range(1, d + 1)]
-            elif init and n > 1 and not self.family.continues_multi_token:
-                ps = [_Piece(b, j, 1, live, live) for j in range(n)]
-            else:
-                ps = [_Piece(b, 0, n, live if init else None, live)]
-            out.append(ps)
-        return out
-
-    def forward(self, plan: StepPlan, meta: StepMetadata, inputs: list[list[int]]) -> list[torch.Tensor]:
-        """Logits ``[len(inputs[b]), vocab]`` of every row's query tokens (scheduled tokens, then drafts)."""
-        pieces = self.pieces(plan, meta)
-        results: list[list[torch.Tensor | None]] = [[None] * len(p) for p in pieces]
-        for r in range(max(len(p) for p in pieces)):
-            groups: dict[tuple[int, bool], list[_Piece]] = defaultdict(list)
-            for ps in pieces:
-                if r < len(ps):
-                    groups[(ps[r].length, ps[r].src is not None)].append(ps[r])
-            for (length, init), group in groups.items():
-                out = self.forward_pieces(meta, inputs, group, length, init)
-                for p, lg in zip(group, out, strict=True):
-                    results[p.row][r] = lg
-        return [torch.cat(rs) for rs in results]
-
-    def forward_pieces(
-        self, meta: StepMetadata, inputs: list[list[int]], group: list[_Piece], length: int, init: bool
-    ) -> torch.Tensor:
-        """One batched HF forward of ``group`` (pieces of ``length`` tokens); returns ``[B, length, vocab]``."""
-        past = [int(meta.seq_lens_decoder[p.row]) + p.start for p in group]
-        ids = torch.tensor([inputs[p.row][p.start : p.start + length] for p in group], dtype=torch.long)
-        pos = torch.tensor([[q + t for t in range(length)] for q in past], dtype=torch.long)
-        rows = [p.row for p in group]
-        block_tables = meta.block_tables[rows]
-        src = np.stack([p.src for p in group], axis=1) if init else None  # [G, B, bps]
-        dst = np.stack([p.dst for p in group], axis=1)
-        cu = meta.cu_seqlens_q
-        slots = np.concatenate([meta.slot_mapping[cu[p.row] + p.start : cu[p.row] + p.start + length] for p in group])
-        src, dst = self.state_tables_for(src, dst)
-        cache = self.cache.build(block_tables, past, src, init)
-        mask = None
-        if self.cache.kv:
-            m = attention_mask(past, length, next(self.model.parameters()).dtype)
-            mask = {"full_attention": m, "sliding_attention": m, "linear_attention": None}
-        kwargs = {self._kwarg: cache}
-        if self.mixer_hook is not None:
-            with self.mixer_hook(self, group, meta, past, src, dst, init):
-                out = self.model(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=True, **kwargs)
-        else:
-            out = self.model(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=True, **kwargs)
-        self.events.forwards += 1
-        self.cache.store(cache, past, slots, dst)
-        return out.logits.float() if out.logits.dtype != torch.float64 else out.logits
-
-    def state_tables_for(self, src: np.ndarray | None, dst: np.ndarray) -> tuple[np.ndarray | None, np.ndarray]:
-        """The state tables a forward reads and writes (``[G, B, bps]``); an extension point."""
-        return src, dst
 
     # ---- results -------------------------------------------------------------------------------------
     def outputs(self) -> dict[Any, list[int]]:

@@ -46,6 +46,16 @@ FAMILIES: dict[str, Family] = {
         Family("falcon_h1"),
         Family("granitemoehybrid"),
         Family("bamba"),
+        Family("zamba"),
+        Family("zamba2"),
+        Family("olmo_hybrid"),
+        Family("mamba", continues_multi_token=False),
+        Family("falcon_mamba", continues_multi_token=False),
+        Family("lfm2"),
+        Family("lfm2_moe"),
+        Family("kimi_linear"),
+        Family("bailing_hybrid"),
+        Family("minimax_m2"),
     )
 }
 

@@ -21,7 +21,7 @@ import torch
 from hybridkv.integrations.transformers.families import Family, UnsupportedModelError
 from hybridkv.models.spec import RecurrentLayerSpec
 from hybridkv.ops import BlockPools, StateBuffers, allocate_state_buffers, gather_states, kv_cache_views, scatter_states
-from hybridkv.ops._framework import torch_dtype
+from hybridkv.ops._framework import resolve_backend, torch_dtype
 from hybridkv.planner.layout import Layout
 
 
@@ -58,15 +58,25 @@ def _state_layers(layout: Layout) -> dict[int, StateLayer]:
     return out
 
 
-def attention_mask(past_lens: list[int], num_tokens: int, dtype: torch.dtype) -> torch.Tensor:
+def attention_mask(
+    past_lens: list[int], num_tokens: int, dtype: torch.dtype, pads: list[int] | None = None
+) -> torch.Tensor:
     """Additive mask ``[B, 1, T, P + T]`` (``P = max(past_lens)``): row ``b``'s query ``i`` sees its own
-    past ``0..past_lens[b]-1`` and the new tokens ``0..i``; the padded past is hidden."""
+    past ``0..past_lens[b]-1`` and the new tokens ``pads[b]..i``; the padded past is hidden. Row ``b``'s
+    first ``pads[b]`` new tokens are left padding: no real query sees them, and each sees only itself
+    (so no row of the softmax is empty)."""
     p = max(past_lens)
     keys = torch.arange(p + num_tokens)
     q = torch.arange(num_tokens)
     past = keys[None, :] < torch.tensor(past_lens)[:, None]  # [B, P + T]
     new = (keys[None, :] >= p) & (keys[None, :] - p <= q[:, None])  # [T, P + T]
     allowed = past[:, None, :] | new[None, :, :]  # [B, T, P + T]
+    if pads is not None and any(pads):
+        pad = torch.tensor(pads)[:, None]  # [B, 1]
+        allowed &= ~((keys[None, :] >= p) & (keys[None, :] - p < pad))[:, None, :]  # pads hidden
+        is_pad = q[None, :] < pad  # [B, T]
+        itself = keys[None, :] - p == q[:, None]  # [T, P + T]
+        allowed = torch.where(is_pad[:, :, None], itself[None], allowed)
     mask = torch.zeros(allowed.shape, dtype=dtype)
     mask.masked_fill_(~allowed, torch.finfo(dtype).min)
     return mask[:, None]
@@ -101,6 +111,7 @@ class PagedCache:
         for n, cache_id in enumerate(ids):
             self.kv[layout.decoder_layer_id(cache_id)] = (views[2 * n], views[2 * n + 1])
         self.states = _state_layers(layout)
+        self.backend = resolve_backend("auto", pools.device)  # once, not per gather / scatter
         self.buffers: StateBuffers | None = (
             allocate_state_buffers(layout, max_rows, device=pools.device) if self.states else None
         )
@@ -139,8 +150,9 @@ class PagedCache:
             # zero it, the mask hides it
             pad = (pos[None, :] >= torch.tensor(past_lens)[:, None])[:, None, :, None]  # [B, 1, P, 1]
             for lid, (k_view, v_view) in self.kv.items():
-                keys = k_view[blocks, :, offs].transpose(1, 2).masked_fill(pad, 0)  # [B, H, P, D]
-                values = v_view[blocks, :, offs].transpose(1, 2).masked_fill(pad, 0)
+                # (MLA: K and V of different widths are [.., segments, width] views: read as [B, P, H, D])
+                keys = k_view[blocks, :, offs].flatten(3).transpose(1, 2).masked_fill(pad, 0)  # [B, H, P, D]
+                values = v_view[blocks, :, offs].flatten(3).transpose(1, 2).masked_fill(pad, 0)
                 layer = cache.layers[lid]
                 layer.lazy_initialization(keys, values)
                 layer.keys, layer.values = keys, values
@@ -148,7 +160,7 @@ class PagedCache:
                     layer.cumulative_length = p
         if has_initial_state and self.states:
             bufs = self.buffers
-            gather_states(self.pools, state_tables, None, bufs)
+            gather_states(self.pools, state_tables, None, bufs, backend=self.backend)
             for lid, sl in self.states.items():
                 comps = bufs.layer(sl.group, sl.slot)
                 if self.family.cache == "minimax":
@@ -167,18 +179,28 @@ class PagedCache:
         return cache
 
     # ---- after the forward ----------------------------------------------------------------------
-    def store(self, cache, past_lens: list[int], slot_mapping: np.ndarray, out_tables: np.ndarray | None) -> None:
-        """Write the forward's new K/V (``[B, H, T, D]`` after the padded past) at ``slot_mapping``
-        ``[B * T]`` (row-major) and scatter each row's state into ``out_tables`` ``[G, B, bps]``."""
+    def store(
+        self,
+        cache,
+        past_lens: list[int],
+        slot_mapping: np.ndarray,
+        out_tables: np.ndarray | None,
+        real: torch.Tensor | None = None,
+    ) -> None:
+        """Write the forward's new K/V (``[B, H, T, D]`` after the padded past) of the real tokens
+        (``real`` bool ``[B, T]``, None: all; left padding is not stored) at ``slot_mapping`` (one slot
+        per real token, row-major) and scatter each row's state into ``out_tables`` ``[G, B, bps]``."""
         b, p = len(past_lens), max(past_lens)
         if self.kv:
             slots = torch.from_numpy(slot_mapping.astype(np.int64))
             blk, off = slots // self.block_size, slots % self.block_size
+            keep = None if real is None else real.reshape(-1).nonzero()[:, 0]
             for lid, (k_view, v_view) in self.kv.items():
                 layer = cache.layers[lid]
                 for view, new in ((k_view, layer.keys), (v_view, layer.values)):
-                    new = new[:, :, p:]  # [B, H, T, D]
-                    view[blk, :, off] = new.transpose(1, 2).reshape(-1, *new.shape[1:2], new.shape[-1]).to(view.dtype)
+                    new = new[:, :, p:].transpose(1, 2)  # [B, T, H, D]
+                    new = new.reshape(-1, *new.shape[2:]) if keep is None else new.flatten(0, 1)[keep]
+                    view[blk, :, off] = new.reshape(len(slots), *view.shape[1:2], *view.shape[3:]).to(view.dtype)
         if not self.states or out_tables is None:
             return
         bufs = self.buffers
@@ -193,7 +215,7 @@ class PagedCache:
                 comps[sl.conv][:b] = _same_dtype(conv[..., conv.shape[-1] - sl.conv_columns :], comps[sl.conv], lid)
             if sl.recurrent is not None:
                 comps[sl.recurrent][:b] = _same_dtype(layer.recurrent_states[0], comps[sl.recurrent], lid)
-        scatter_states(self.pools, out_tables, None, bufs)
+        scatter_states(self.pools, out_tables, None, bufs, backend=self.backend)
 
     def state_dtypes(self) -> dict[int, dict[str, torch.dtype]]:
         """Decoder layer -> component -> the dtype the pool keeps it in (hybridkv's model description)."""
