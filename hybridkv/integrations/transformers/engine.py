@@ -84,8 +84,8 @@ class EngineConfig:
     num_blocks: int = 256
     block_size: int = 16
     num_host_blocks: int = 0
-    max_num_seqs: int = 8
-    max_num_batched_tokens: int = 256
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 8192
     num_speculative_tokens: int = 0
     preemption_mode: PreemptionMode = PreemptionMode.AUTO
     prefix_cache: PrefixCacheConfig | None = field(default_factory=PrefixCacheConfig)
@@ -381,25 +381,26 @@ class HFEngine(Forwards):
         for b, row in enumerate(plan.scheduled):
             rid, start, n = row.request_id, row.num_computed_tokens, row.num_scheduled_tokens
             rows = logits[b]
+            base = n - 1 if self.config.record_logits else 0  # (rows: from the last scheduled token on, or all)
             if self.config.record_logits:
                 recorded.extend((rid, (start + t, rows[t])) for t in range(n))
             if not row.samples:
                 continue
             params, pos = self.params[rid], start + n - 1
-            out, a = [sample(rows[n - 1], params, pos)], 0
+            out, a = [sample(rows[base], params, pos)], 0
             for j, d in enumerate(drafts[rid]):  # draft j stands while it equals the token sampled there
                 if out[-1] != d:
                     break
                 a += 1
                 if self.config.record_logits:
-                    recorded.append((rid, (pos + j + 1, rows[n + j])))
-                out.append(sample(rows[n + j], params, pos + j + 1))
+                    recorded.append((rid, (pos + j + 1, rows[base + 1 + j])))
+                out.append(sample(rows[base + 1 + j], params, pos + j + 1))
             sampled[rid] = out
             if row.num_drafts:
                 accepted[rid] = a
             if rid in self._forks and not sched.requests[rid].output_token_ids:
                 # its first token: each other sample draws its own here, from the same logits
-                branch[rid] = [(child, p, sample(rows[n - 1], p, pos)) for child, p in self._forks[rid]]
+                branch[rid] = [(child, p, sample(rows[base], p, pos)) for child, p in self._forks[rid]]
         result = sched.update(StepOutputs(sampled, frozenset(), accepted))
         progress.updated = True
         self._update_epoch = self.manager.pin_epoch

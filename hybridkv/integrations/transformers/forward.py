@@ -6,8 +6,9 @@ for a family whose multi-token forward cannot continue a state), and a decode wi
 set ``j - 1`` (token 0 the live set), so the manager's ``commit_speculation`` rolls rejected drafts
 back by exchanging block-id lists.
 
-Batching, as ``generate`` batches: in a round, every piece that starts a state (a fresh prompt, or
-a chunk of a model without state) runs in one forward whatever its length, **left padded** to the
+Batching, as ``generate`` batches: in a round, the pieces that start a state (fresh prompts, or
+chunks of a model without state) run in one forward whatever their lengths (or in a few, by length,
+where the padding saved is worth a forward: :func:`_padding_groups`), **left padded** to the
 longest: the pads' queries see only themselves, no real query sees a pad (the additive 4-D mask
 for attention layers), and the recurrent layers get transformers' own 2-D padding mask, which
 zeroes the pads' inputs, so a state that starts at zero stays zero through them. A piece that
@@ -28,6 +29,11 @@ import torch
 
 from hybridkv.integrations.transformers.paged_cache import attention_mask
 from hybridkv.scheduler_adapter import StepMetadata, StepPlan
+
+# what one more forward costs, in padded tokens: a forward of a tiny model on one CPU thread costs
+# about as much as 40-60 more tokens in a batch (benchmarks/bench_hf.py); fresh prompts are split
+# into another left-padded forward only where that saves more padding than this
+FORWARD_COST_TOKENS = 128
 
 
 class Piece(NamedTuple):
@@ -50,6 +56,7 @@ class Forwards:
     _kwarg: str
     _mask_kinds: dict[str, Any]
     _has_state: bool
+    config: Any
 
     def pieces(self, plan: StepPlan, meta: StepMetadata) -> list[list[Piece | None]]:
         """Each row's pieces in the order they must run, by round (None: the row sits a round out;
@@ -71,9 +78,11 @@ class Forwards:
         return _binary_continuations(out)
 
     def forward(self, plan: StepPlan, meta: StepMetadata, inputs: list[list[int]]) -> list[torch.Tensor]:
-        """Logits ``[len(inputs[b]), vocab]`` of every row's query tokens (scheduled tokens, then drafts)."""
+        """Each row's logits: of all its query tokens (scheduled tokens, then drafts: ``[len(inputs[b]),
+        vocab]``) with ``record_logits``; else of the last scheduled token and the drafts only
+        (``[1 + drafts, vocab]``: the positions sampled; the LM head runs on nothing else)."""
         pieces = self.pieces(plan, meta)
-        pad = self.mixer_hook is None
+        pad, every = self.mixer_hook is None, self.config.record_logits
         results: list[list[torch.Tensor]] = [[] for _ in pieces]
         for r in range(max(len(p) for p in pieces)):
             groups: dict[tuple[int, bool], list[Piece]] = defaultdict(list)
@@ -83,16 +92,21 @@ class Forwards:
                     init = p.src is not None
                     groups[(0 if pad and not init else p.length, init)].append(p)
             for (_, init), group in groups.items():
-                out = self.forward_pieces(meta, inputs, group, init)
-                for p, lg in zip(group, out, strict=True):
-                    results[p.row].append(lg)  # (a row's pieces run in its order: rounds ascend)
-        return [torch.cat(rs) for rs in results]
+                for part in _padding_groups(group) if not init else (group,):
+                    out = self.forward_pieces(meta, inputs, part, init, every)
+                    for p, lg in zip(part, out, strict=True):
+                        results[p.row].append(lg)  # (a row's pieces run in its order: rounds ascend)
+        if every:
+            return [torch.cat(rs) for rs in results]
+        return [torch.cat(rs)[-1 - row.num_drafts :] for rs, row in zip(results, plan.scheduled, strict=True)]
 
     def forward_pieces(
-        self, meta: StepMetadata, inputs: list[list[int]], group: list[Piece], init: bool
+        self, meta: StepMetadata, inputs: list[list[int]], group: list[Piece], init: bool, every: bool = True
     ) -> list[torch.Tensor]:
         """One batched HF forward of ``group``, left padded to its longest piece (pieces that continue
-        a state all have one length); returns each piece's logits ``[length, vocab]``."""
+        a state all have one length); returns each piece's logits ``[length, vocab]`` (``every``), or
+        of its last token only ``[1, vocab]`` (the model's ``logits_to_keep=1``: left padding puts
+        every piece's last token last)."""
         lengths = np.array([p.length for p in group])
         b, t = len(group), int(lengths.max())
         pads = t - lengths
@@ -114,6 +128,8 @@ class Forwards:
         kwargs = {self._kwarg: cache}
         mask = self._mask(past, t, pads, real)
         call = dict(input_ids=torch.from_numpy(ids), position_ids=torch.from_numpy(pos), attention_mask=mask)
+        if not every:
+            call["logits_to_keep"] = 1
         if self.mixer_hook is not None:
             with self.mixer_hook(self, group, meta, past, src, dst, init):
                 out = self.model(**call, use_cache=True, **kwargs)
@@ -122,7 +138,7 @@ class Forwards:
         self.events.forwards += 1
         self.cache.store(cache, past, slots, dst, real=real)
         logits = out.logits if out.logits.dtype == torch.float64 else out.logits.float()
-        return [logits[i, pads[i] :] for i in range(b)]
+        return [logits[i, pads[i] :] for i in range(b)] if every else list(logits[:, -1:])
 
     def _mask(self, past: list[int], t: int, pads: np.ndarray, real: torch.Tensor | None) -> Any:
         """What the model's ``attention_mask`` takes: a dict by kind of layer (the 4-D additive mask for
@@ -169,3 +185,26 @@ def _binary_continuations(pieces: list[list[Piece | None]]) -> list[list[Piece |
                 parts.append(None)
         out.append(parts)
     return out
+
+
+def _padding_groups(group: list[Piece]) -> list[list[Piece]]:
+    """Fresh pieces of many lengths in as few left-padded forwards as pays: sorted by length, cut where
+    the padding saved is worth more than a forward (``FORWARD_COST_TOKENS``); the least total of
+    ``rows x longest`` tokens plus that cost per forward, by dynamic programming over the sorted
+    lengths (a group of a forward is a run of them)."""
+    if len(group) < 2:
+        return [group]
+    ps = sorted(group, key=lambda p: p.length)
+    n = len(ps)
+    best = [0.0] + [float("inf")] * n
+    cut = [0] * (n + 1)
+    for i in range(1, n + 1):
+        for j in range(i):
+            cost = best[j] + (i - j) * ps[i - 1].length + FORWARD_COST_TOKENS
+            if cost < best[i]:
+                best[i], cut[i] = cost, j
+    out, i = [], n
+    while i:
+        out.append(ps[cut[i] : i])
+        i = cut[i]
+    return out[::-1]

@@ -142,17 +142,18 @@ class PagedCache:
         cache = self.new_cache()
         b, p = len(past_lens), max(past_lens)
         if p and self.kv:
-            pos = torch.arange(p)
-            tables = torch.from_numpy(block_tables[:b].astype(np.int64))
-            blocks = tables[:, pos // self.block_size]  # [B, P] (past the row's length: stale, masked)
-            offs = (pos % self.block_size).expand(b, p)
-            # the padding past a row's length holds whatever the pool held (NaN in a NaN-filled pool):
+            n = -(-p // self.block_size)
+            tables = torch.from_numpy(block_tables[:b, :n].astype(np.int64))  # [B, n] (past a row's end: stale)
+            # the past beyond a row's length holds whatever the pool held (NaN in a NaN-filled pool):
             # zero it, the mask hides it
-            pad = (pos[None, :] >= torch.tensor(past_lens)[:, None])[:, None, :, None]  # [B, 1, P, 1]
+            pad = (torch.arange(p)[None, :] >= torch.tensor(past_lens)[:, None])[:, None, :, None]  # [B, 1, P, 1]
             for lid, (k_view, v_view) in self.kv.items():
-                # (MLA: K and V of different widths are [.., segments, width] views: read as [B, P, H, D])
-                keys = k_view[blocks, :, offs].flatten(3).transpose(1, 2).masked_fill(pad, 0)  # [B, H, P, D]
-                values = v_view[blocks, :, offs].flatten(3).transpose(1, 2).masked_fill(pad, 0)
+                kv = []
+                for view in (k_view, v_view):  # whole blocks at once, then [B, H, P, D]
+                    x = view[tables].transpose(1, 2)  # [B, H, n, block_size, D] (MLA: [.., segments, width])
+                    # (out of place: for one block the reshape is a view of the pool)
+                    kv.append(x.reshape(b, x.shape[1], n * self.block_size, -1)[:, :, :p].masked_fill(pad, 0))
+                keys, values = kv
                 layer = cache.layers[lid]
                 layer.lazy_initialization(keys, values)
                 layer.keys, layer.values = keys, values
@@ -161,18 +162,20 @@ class PagedCache:
         if has_initial_state and self.states:
             bufs = self.buffers
             gather_states(self.pools, state_tables, None, bufs, backend=self.backend)
+            # the cache takes views of the buffers, not copies: they are scratch, gathered again
+            # before every forward, and the states the model leaves are read back by store()
             for lid, sl in self.states.items():
                 comps = bufs.layer(sl.group, sl.slot)
                 if self.family.cache == "minimax":
-                    cache.linear_cache[lid] = comps[sl.recurrent][:b].clone()
+                    cache.linear_cache[lid] = comps[sl.recurrent][:b]
                     continue
                 layer = cache.layers[lid]
                 if sl.conv is not None:
-                    layer.conv_states[0] = comps[sl.conv][:b].clone()
+                    layer.conv_states[0] = comps[sl.conv][:b]
                     layer.conv_kernel_size[0] = sl.conv_columns
                     layer.is_conv_states_initialized[0] = True
                 if sl.recurrent is not None:
-                    layer.recurrent_states[0] = comps[sl.recurrent][:b].clone()
+                    layer.recurrent_states[0] = comps[sl.recurrent][:b]
                     layer.is_recurrent_states_initialized[0] = True
                 layer.has_previous_state[0] = True
                 layer.device, layer.dtype = comps[sl.recurrent or sl.conv].device, comps[sl.conv or sl.recurrent].dtype
