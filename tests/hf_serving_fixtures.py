@@ -144,7 +144,7 @@ def make_engine(
     model, engine_cls=HFEngine, num_blocks: int | None = None, num_host_blocks: int = 64, drafter=None
 ) -> HFEngine:
     """A pool of ``num_blocks`` blocks of 4 tokens (small: preemption by recompute and swap), prefix
-    caching with checkpoints at branch points and at the last token, 2 speculative tokens (drafter:
+    caching with checkpoints at branch points and at the last token and a host tier, 2 speculative tokens (drafter:
     default the model itself without cache, right for greedy requests and mostly wrong for sampled ones)."""
     config = EngineConfig(
         num_blocks=num_blocks or pool_blocks(model),
@@ -154,7 +154,8 @@ def make_engine(
         max_num_batched_tokens=16,
         num_speculative_tokens=2,
         preemption_mode=PreemptionMode.SWAP,
-        prefix_cache=PrefixCacheConfig(checkpoint="branch_and_last", eviction="lru"),
+        # the host tier on: evicted prefixes offloaded to the host pool (shared with swap) and hit there
+        prefix_cache=PrefixCacheConfig(checkpoint="branch_and_last", eviction="lru", host_tier=True),
         record_logits=True,
         # admit on the first chunk: the most admissions, so running requests run out of blocks and preempt
         scheduler_options={"admission": "first_chunk"},

@@ -4,7 +4,8 @@ Oracle: transformers itself. For each family a tiny random fp32 model (tests/hf_
 serves 32 requests (shared prefixes, staggered arrivals, seeded and greedy sampling, parallel samples
 (n = 2 and 3, one with a single output token), two aborts, two exceptions raised by the model's forward
 mid-step, speculative decoding with 2 drafts) through :class:`HFEngine` on a pool small enough that
-requests are preempted by recompute and by swap and hit the prefix cache (checkpoints restored).
+requests are preempted by recompute and by swap and hit the prefix cache (checkpoints restored), on
+the device and on its host tier (evicted prefixes offloaded to the host pool and copied back).
 Every logit the engine computed for a real token is compared with the same request alone in HF
 (one forward over its tokens); the requests of a step that raised are aborted and reported (``engine.failed``).
 
@@ -16,10 +17,11 @@ transformers 5.24's multi-token forward on a cache is not a continuation for Jam
 the cached SSM state) and differs for MiniMax, so it would measure those instead of noise. Greedy
 outputs must equal HF ``generate``.
 
-Five broken engines (the breakage lives here, wrapping the engine's gather / scatter and copies, not
-in the product) must be off by at least 100 x the tolerance on every family: a stale conv state
-(MiniMax has no conv: its lightning state is left stale), two rows exchanging state sets, a state
-set shared by two requests, a rejected draft's state kept, checkpoints taken from the wrong position.
+Six broken engines (the breakage lives here, wrapping the engine's gather / scatter and copies, not
+in the product) must be off by at least 100 x the tolerance on every family with state: a stale conv
+state (MiniMax has no conv: its lightning state is left stale), two rows exchanging state sets, a
+state set shared by two requests, a rejected draft's state kept, checkpoints taken from the wrong
+position, the host tier's offloads lost.
 
 Skips without torch / transformers (``pip install 'hybridkv[hf]'``).
 """
@@ -103,6 +105,8 @@ def test_every_logit_equals_hf_alone(model_type):
         rejected=ev.rejected,
         aborted=ev.aborted,
         failed=ev.failed,
+        tier_offloaded=ev.tier_offloaded,
+        tier_onloaded=ev.tier_onloaded,
     )
     RESULTS.setdefault(model_type, {}).update(err=err, floor=floor, tol=tol, events=counts)
     print(f"\n{model_type}: worst |logit - HF alone| {err:.2e} ({rid!r} @ {pos}); HF noise floor {floor:.2e}; {counts}")
@@ -249,12 +253,24 @@ class LateCheckpoint(HFEngine):
         return out
 
 
+class LostOffload(HFEngine):
+    """The host tier's offloads never run: a host hit copies back host blocks nobody wrote."""
+
+    def run_copies(self, plan):
+        tier = plan.tier_copies
+        empty = tier.offload._replace(
+            device_blocks=tier.offload.device_blocks[:0], host_blocks=tier.offload.host_blocks[:0]
+        )
+        super().run_copies(plan._replace(tier_copies=tier._replace(offload=empty)))
+
+
 BROKEN = {
     "stale_conv": StaleConv,
     "exchanged_rows": ExchangedRows,
     "shared_set": SharedSet,
     "kept_rejected_draft": KeepRejected,
     "late_checkpoint": LateCheckpoint,
+    "lost_offload": LostOffload,
 }
 
 
@@ -277,7 +293,10 @@ def test_broken_engines_are_caught(model_type, monkeypatch):
     margins = {}
     for name, cls in BROKEN.items():
         drafter = None if name == "kept_rejected_draft" else NgramDrafter()
-        if name == "late_checkpoint":  # needs prefix hits: all 32 requests, a pool for eight (less eviction)
+        if name == "lost_offload":  # needs host-tier hits: all 32 requests on the small pool
+            engine = run_workload(make_engine(model, engine_cls=cls, drafter=drafter), make_workload(32))
+            assert engine.events.tier_onloaded > 0
+        elif name == "late_checkpoint":  # needs prefix hits: all 32 requests, a pool for eight (less eviction)
             engine = make_engine(model, engine_cls=cls, drafter=drafter, num_blocks=pool_blocks(model, requests=8))
             engine = run_workload(engine, make_workload(32))
             assert engine.events.prefix_hit_tokens > 0

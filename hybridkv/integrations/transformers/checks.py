@@ -22,13 +22,6 @@ def check_prefix_cache(prefix_cache: PrefixCacheConfig | None) -> None:
     """The prefix-cache settings the engine cannot serve, refused before any work."""
     if prefix_cache is None:
         return
-    if prefix_cache.host_tier:
-        raise ValueError(
-            "PrefixCacheConfig(host_tier=True): the transformers engine does not run the host tier's copies yet "
-            "(StepPlan.tier_copies: offloads to the host pool, host hits copied back), so a request hitting a "
-            "prefix on the host tier would compute on bytes nobody wrote; set host_tier=False "
-            "(num_host_blocks still serves swap preemption)"
-        )
     if prefix_cache.export_alignment is not None:
         raise ValueError(
             "PrefixCacheConfig.export_alignment needs a prefill kernel that writes the state from inside "

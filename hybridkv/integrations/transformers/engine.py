@@ -118,6 +118,8 @@ class Events:
     aborted: int = 0
     failed: int = 0  # requests aborted because a step raised (HFEngine.failed)
     forks_queued: int = 0  # samples of n > 1 requests queued because their fork found no room
+    tier_offloaded: int = 0  # blocks the prefix cache's host tier copied device -> host
+    tier_onloaded: int = 0  # blocks of host-tier hits copied host -> device
 
 
 class StepStats(NamedTuple):
@@ -306,14 +308,20 @@ class HFEngine(Forwards):
 
     # ---- one step ----------------------------------------------------------------------------------
     def run_copies(self, plan: StepPlan) -> None:
-        """The plan's copies, in the executor order of docs/contract.md."""
-        backend = self.cache.backend
+        """The plan's copies, in the executor order of docs/contract.md (the host tier's included)."""
+        backend, tier = self.cache.backend, plan.tier_copies
+        if len(tier.offload):  # 0. the host tier's offloads: before anything writes the blocks they free
+            swap_blocks(self.pools, self.host, tier.offload, backend=backend).synchronize()
         copy_blocks(self.pools, plan.checkpoint_copies, backend=backend)
         for p in plan.swap_out:
             swap_blocks(self.pools, self.host, p, backend=backend).synchronize()
         for p in plan.swap_in:
             swap_blocks(self.pools, self.host, p, backend=backend).synchronize()
+        if len(tier.onload):  # 3b. host hits, after the swaps, before the copies and the forward
+            swap_blocks(self.pools, self.host, tier.onload, backend=backend).synchronize()
         copy_blocks(self.pools, plan.copies, backend=backend)
+        self.events.tier_offloaded += len(tier.offload)
+        self.events.tier_onloaded += len(tier.onload)
 
     @torch.no_grad()
     def step(self) -> StepPlan:

@@ -93,6 +93,14 @@ def _same_dtype(state: torch.Tensor, pool: torch.Tensor, layer: int) -> torch.Te
     return state
 
 
+def _put(buffer: torch.Tensor, state: torch.Tensor, layer: int) -> None:
+    """``buffer[...] = state`` (the model's state, dtype checked), skipped where the model updated the
+    buffer in place (the cache was handed views of the buffers)."""
+    state = _same_dtype(state, buffer, layer)
+    if state.data_ptr() != buffer.data_ptr() or state.stride() != buffer.stride() or state.shape != buffer.shape:
+        buffer.copy_(state)
+
+
 class PagedCache:
     """Moves K/V and recurrent states between the pools and transformers cache objects.
 
@@ -210,14 +218,14 @@ class PagedCache:
         for lid, sl in self.states.items():
             comps = bufs.layer(sl.group, sl.slot)
             if self.family.cache == "minimax":
-                comps[sl.recurrent][:b] = _same_dtype(cache.linear_cache[lid], comps[sl.recurrent], lid)
+                _put(comps[sl.recurrent][:b], cache.linear_cache[lid], lid)
                 continue
             layer = cache.layers[lid]
             if sl.conv is not None:
                 conv = layer.conv_states[0]
-                comps[sl.conv][:b] = _same_dtype(conv[..., conv.shape[-1] - sl.conv_columns :], comps[sl.conv], lid)
+                _put(comps[sl.conv][:b], conv[..., conv.shape[-1] - sl.conv_columns :], lid)
             if sl.recurrent is not None:
-                comps[sl.recurrent][:b] = _same_dtype(layer.recurrent_states[0], comps[sl.recurrent], lid)
+                _put(comps[sl.recurrent][:b], layer.recurrent_states[0], lid)
         scatter_states(self.pools, out_tables, None, bufs, backend=self.backend)
 
     def state_dtypes(self) -> dict[int, dict[str, torch.dtype]]:
