@@ -34,7 +34,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="needs torch (pip install 'hybridkv[torch]')")
 pytest.importorskip("transformers", reason="needs transformers (pip install 'hybridkv[hf]')")
 
-from hybridkv.blockmgr.records import BlockCopies  # noqa: E402
+from hybridkv.blockmgr.records import BlockCopies, TierCopies, TierPlan  # noqa: E402
 from hybridkv.integrations.transformers import HFEngine, NgramDrafter, UnsupportedModelError  # noqa: E402
 from hybridkv.integrations.transformers import paged_cache as paged_cache_module  # noqa: E402
 from hybridkv.ops import copy_blocks  # noqa: E402
@@ -258,10 +258,9 @@ class LostOffload(HFEngine):
 
     def run_copies(self, plan):
         tier = plan.tier_copies
-        empty = tier.offload._replace(
-            device_blocks=tier.offload.device_blocks[:0], host_blocks=tier.offload.host_blocks[:0]
-        )
-        super().run_copies(plan._replace(tier_copies=tier._replace(offload=empty)))
+        off = tier.offload  # (TierCopies' __len__ counts blocks: build new ones, not _replace)
+        none = TierCopies(off.device_blocks[:0], off.host_blocks[:0], off.direction)
+        super().run_copies(plan._replace(tier_copies=TierPlan(none, tier.onload)))
 
 
 BROKEN = {

@@ -310,6 +310,8 @@ class HFEngine(Forwards):
     def run_copies(self, plan: StepPlan) -> None:
         """The plan's copies, in the executor order of docs/contract.md (the host tier's included)."""
         backend, tier = self.cache.backend, plan.tier_copies
+        if len(tier) or len(plan.checkpoint_copies) or plan.swap_out or plan.swap_in or len(plan.copies):
+            self.cache.invalidate()  # (before: a copy that raises half way leaves the pool unknown)
         if len(tier.offload):  # 0. the host tier's offloads: before anything writes the blocks they free
             swap_blocks(self.pools, self.host, tier.offload, backend=backend).synchronize()
         copy_blocks(self.pools, plan.checkpoint_copies, backend=backend)
@@ -471,6 +473,7 @@ class HFEngine(Forwards):
     def _abandon(self, plan: StepPlan, progress: _Progress, forked: list[Any], forwards: int, exc: BaseException):
         """Close ``plan`` after ``exc`` (see :meth:`step`): abort what it may have left inconsistent."""
         sched, ev = self.scheduler, self.events
+        self.cache.invalidate()
         lost: list[Any] = []
         if not progress.updated:
             at_risk = [row.request_id for row in plan.scheduled]

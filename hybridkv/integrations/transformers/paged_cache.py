@@ -120,6 +120,10 @@ class PagedCache:
             self.kv[layout.decoder_layer_id(cache_id)] = (views[2 * n], views[2 * n + 1])
         self.states = _state_layers(layout)
         self.backend = resolve_backend("auto", pools.device)  # once, not per gather / scatter
+        # the state tables [G, B, bps] whose states the buffers hold as the pool does (the last
+        # store's, until anything else writes the pool: invalidate()), so the next forward that
+        # reads exactly those sets (consecutive decodes of one batch) gathers nothing
+        self._resident: np.ndarray | None = None
         self.buffers: StateBuffers | None = (
             allocate_state_buffers(layout, max_rows, device=pools.device) if self.states else None
         )
@@ -169,7 +173,8 @@ class PagedCache:
                     layer.cumulative_length = p
         if has_initial_state and self.states:
             bufs = self.buffers
-            gather_states(self.pools, state_tables, None, bufs, backend=self.backend)
+            if self._resident is None or not np.array_equal(state_tables, self._resident):
+                gather_states(self.pools, state_tables, None, bufs, backend=self.backend)
             # the cache takes views of the buffers, not copies: they are scratch, gathered again
             # before every forward, and the states the model leaves are read back by store()
             for lid, sl in self.states.items():
@@ -226,7 +231,16 @@ class PagedCache:
                 _put(comps[sl.conv][:b], conv[..., conv.shape[-1] - sl.conv_columns :], lid)
             if sl.recurrent is not None:
                 _put(comps[sl.recurrent][:b], layer.recurrent_states[0], lid)
+        self._resident = None
         scatter_states(self.pools, out_tables, None, bufs, backend=self.backend)
+        ids = out_tables[out_tables != 0]
+        if np.unique(ids).size == ids.size:  # (a set written by two rows is in the pool once)
+            self._resident = out_tables.copy()
+
+    def invalidate(self) -> None:
+        """Something other than :meth:`store` wrote the pool (copies, swaps, the host tier): the next
+        forward gathers its states."""
+        self._resident = None
 
     def state_dtypes(self) -> dict[int, dict[str, torch.dtype]]:
         """Decoder layer -> component -> the dtype the pool keeps it in (hybridkv's model description)."""
