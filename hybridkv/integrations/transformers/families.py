@@ -24,8 +24,8 @@ class Family:
 
     ``cache``: ``"dynamic"`` (``DynamicCache(config=...)``) or ``"minimax"`` (``MiniMaxCache``).
     ``continues_multi_token``: whether the model's multi-token forward starts from a cached recurrent
-    state. Jamba's full-sequence scan (transformers 5.24, ``mamba_selective_scan``) ignores the cached
-    SSM state, so a prefill chunk that continues a state runs one token per forward there.
+    state. The full-sequence scans of Jamba, Mamba and FalconMamba (transformers 5.24) ignore the
+    cached SSM state, so a prefill chunk that continues a state runs one token per forward there.
     """
 
     model_type: str

@@ -7,8 +7,9 @@ transformers K: with K - 1 the model's causal conv sees exactly the columns it n
 ``has_previous_state``. After the forward, :meth:`PagedCache.store` writes the new K/V at the slot
 mapping and scatters the last K - 1 conv columns and the recurrent state into the output state sets.
 
-Rows of one forward have the same query length; their past lengths may differ: K/V are padded to the
-longest past and :func:`attention_mask` hides the padding (an additive ``[B, 1, T, P + T]`` mask).
+Rows of one forward have the same query length (shorter fresh rows left padded to it) and past
+lengths that may differ: K/V are padded to the longest past and :func:`attention_mask` hides both
+paddings (an additive ``[B, 1, T, P + T]`` mask); the left padding's K/V are not stored.
 """
 
 from __future__ import annotations
