@@ -1,4 +1,4 @@
-"""Tiny random transformers models of seven hybrid families, a serving workload, and HF-alone references.
+"""Tiny random transformers models of every served hybrid family, a serving workload, and HF-alone references.
 
 Used by tests/test_hf_serving.py. The configs follow tests/test_models_hf.py's (2-4 layers, hidden 64,
 vocab 128, a few heads, two experts), with small SSM chunk sizes so the CPU runs fast. Models are
@@ -50,6 +50,22 @@ FAMILY_CONFIGS: dict[str, dict] = {
     "falcon_h1": _serving("falcon_h1", mamba_chunk_size=8),
     "bamba": _serving("bamba", mamba_chunk_size=8),
     "granitemoehybrid": _serving("granitemoehybrid", mamba_chunk_size=8),
+    # served since issue 38 (the oracle tests' configs as they are)
+    **{
+        t: _serving(t)
+        for t in (
+            "zamba",
+            "zamba2",
+            "olmo_hybrid",
+            "mamba",
+            "falcon_mamba",
+            "lfm2",
+            "lfm2_moe",
+            "kimi_linear",
+            "bailing_hybrid",
+            "minimax_m2",
+        )
+    },
 }
 
 
@@ -87,7 +103,7 @@ class Workload:
     some aborted, and faults injected in the middle of steps."""
 
     arrivals: dict[int, list[tuple[str, list[int], int, SamplingParams]]] = field(default_factory=dict)
-    aborts: tuple[int, ...] = ()  # steps at which the oldest running request is aborted
+    aborts: tuple[int, ...] = ()  # steps at which the oldest running request (else waiting) is aborted
     # steps from which the model's forward raises InjectedFault once, in the middle of a step (on a
     # forward after the step's first; a step with one forward passes it on to the next)
     faults: tuple[int, ...] = ()
@@ -98,7 +114,8 @@ def make_workload(num_requests: int = 32, seed: int = 0, vocab: int = 128) -> Wo
     """Prompts: one of two shared prefixes (8 and 12 tokens, i.e. 2 and 3 blocks of 4) plus a tail; a
     repeated motif in some tails so n-gram drafts are sometimes right. Every 5th request samples
     (seeded), the rest are greedy; every 7th has parallel samples (n = 3 or 2, one of them with
-    max_new_tokens = 1); two running requests are aborted; the model's forward raises twice, mid-step."""
+    max_new_tokens = 1); two requests are aborted (running ones where any run); the model's forward
+    raises twice, mid-step."""
     rng = random.Random(seed)
     prefixes = [[rng.randrange(1, vocab) for _ in range(n)] for n in (8, 12)]
     w = Workload(num_requests=num_requests)
@@ -127,7 +144,7 @@ def make_engine(
     model, engine_cls=HFEngine, num_blocks: int | None = None, num_host_blocks: int = 64, drafter=None
 ) -> HFEngine:
     """A pool of ``num_blocks`` blocks of 4 tokens (small: preemption by recompute and swap), prefix
-    caching with checkpoints at branch points and at the last token, 2 speculative tokens (drafter:
+    caching with checkpoints at branch points and at the last token and a host tier, 2 speculative tokens (drafter:
     default the model itself without cache, right for greedy requests and mostly wrong for sampled ones)."""
     config = EngineConfig(
         num_blocks=num_blocks or pool_blocks(model),
@@ -137,7 +154,8 @@ def make_engine(
         max_num_batched_tokens=16,
         num_speculative_tokens=2,
         preemption_mode=PreemptionMode.SWAP,
-        prefix_cache=PrefixCacheConfig(checkpoint="branch_and_last", eviction="lru"),
+        # the host tier on: evicted prefixes offloaded to the host pool (shared with swap) and hit there
+        prefix_cache=PrefixCacheConfig(checkpoint="branch_and_last", eviction="lru", host_tier=True),
         record_logits=True,
         # admit on the first chunk: the most admissions, so running requests run out of blocks and preempt
         scheduler_options={"admission": "first_chunk"},
@@ -167,8 +185,9 @@ def run_workload(engine: HFEngine, workload: Workload, max_steps: int = 2000) ->
         while step <= last or engine.has_unfinished:
             for rid, prompt, n, params in workload.arrivals.get(step, ()):
                 engine.add_request(rid, prompt, n, params)
-            if step in workload.aborts and engine.scheduler.running:
-                engine.abort(engine.scheduler.running[0].request_id)
+            victims = engine.scheduler.running or engine.scheduler.waiting  # (waiting: all were preempted)
+            if step in workload.aborts and victims:
+                engine.abort(victims[0].request_id)
             armed[0] += step in workload.faults
             if engine.has_unfinished:
                 step_start[0] = engine.events.forwards

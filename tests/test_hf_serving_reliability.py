@@ -15,7 +15,7 @@ pytest.importorskip("transformers", reason="needs transformers (pip install 'hyb
 
 from hybridkv.blockmgr.prefix import PrefixCacheConfig  # noqa: E402
 from hybridkv.errors import RequestTooLargeError  # noqa: E402
-from hybridkv.integrations.transformers import LLM, EngineConfig, HFEngine, SamplingParams  # noqa: E402
+from hybridkv.integrations.transformers import LLM, SamplingParams  # noqa: E402
 from hybridkv.integrations.transformers import engine as engine_module  # noqa: E402
 from hybridkv.integrations.transformers.sampling import sample  # noqa: E402
 
@@ -49,26 +49,32 @@ def sample_ids(rid, n: int) -> list:
     return [rid] + [(rid, i) for i in range(1, n)]
 
 
-# ---- 1. the host tier is refused until the engine runs its copies --------------------------------
+# ---- 1. the host tier --------------------------------
 
 
-def test_host_tier_prefix_cache_is_refused_at_construction(model, monkeypatch):
-    tier = PrefixCacheConfig(host_tier=True)
-
-    def no_work(*a, **kw):
-        raise AssertionError("the engine did work before refusing host_tier")
-
-    with monkeypatch.context() as m:  # refused before the spec is read or a manager or pool is built
-        m.setattr(engine_module, "model_spec", no_work)
-        m.setattr(engine_module, "HybridBlockManager", no_work)
-        with pytest.raises(ValueError, match="host_tier=True.*transformers engine does not run the host tier"):
-            HFEngine(model, EngineConfig(num_host_blocks=32, prefix_cache=tier))
-        with pytest.raises(ValueError, match="host_tier"):
-            LLM(model, num_blocks=64, block_size=4, num_host_blocks=32, prefix_cache=tier)
-    # the same config without the tier serves (the host pool still takes swap preemption)
-    llm = LLM(model, num_blocks=64, block_size=4, num_host_blocks=32, prefix_cache=PrefixCacheConfig())
-    llm.add_request("a", PROMPTS[0], 4)
-    assert llm.run() == {"a": hf_alone(model, PROMPTS[0], 4)}
+def test_the_host_tier_serves_prefixes_evicted_to_the_host_pool(model):
+    """Requests that share a prefix, one after another, on a pool too small to keep it: it is offloaded
+    to the host pool and hit there (copied back in stage 3b of docs/contract.md); every output equals
+    the request alone in HF."""
+    tier = PrefixCacheConfig(checkpoint="branch_and_last", host_tier=True)
+    llm = LLM(
+        model,
+        num_blocks=pool_blocks(model, requests=2, kv_blocks=10, k=0),
+        block_size=4,
+        num_host_blocks=64,
+        prefix_cache=tier,
+        max_num_seqs=1,
+    )
+    prefix = [7, 3, 9, 4, 1, 8, 2, 6, 5, 11, 12, 13]
+    prompts = {f"p{i}": prefix + [20 + i, 40 + i] for i in range(6)} | {f"o{i}": [60 + i] * 9 for i in range(3)}
+    order = ["p0", "p1", "o0", "p2", "o1", "p3", "o2", "p4", "p5"]
+    for rid in order:
+        llm.add_request(rid, prompts[rid], 3)
+    out = llm.run()
+    assert out == {rid: hf_alone(model, prompts[rid], 3) for rid in order}
+    ev = llm.events
+    assert ev.tier_offloaded > 0 and ev.tier_onloaded > 0 and ev.prefix_hit_tokens > 0, ev
+    llm.engine.manager.check_integrity()
 
 
 # ---- 2. n parallel samples ---------------------------------------------------------------------------

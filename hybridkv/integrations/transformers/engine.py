@@ -5,12 +5,9 @@
 
 1. ``Scheduler.step()``; the plan's copies in the order of docs/contract.md: ``checkpoint_copies``,
    every swap-out, every swap-in, then ``copies`` (copy-on-write, prefix hits' checkpoint -> live);
-2. the rows' forwards. A row is cut into *pieces* that run in rounds: a prefill chunk is one piece
-   (one token per piece for a family whose multi-token forward cannot continue a state, and for a
-   decode with drafts: token ``j`` reads the state after token ``j - 1`` and writes speculative set
-   ``j - 1``, token 0 the live set). Pieces of one round with equal length and the same
-   ``has_initial_state`` run as one batched forward of the HF model: explicit ``position_ids``, a
-   dict ``attention_mask`` (additive 4-D for full attention, None for linear attention), a fresh cache
+2. the rows' forwards (:mod:`.forward`): rows cut into pieces, batched as ``generate`` batches
+   (fresh prompts of any length left padded into one forward, every decode in one forward), each
+   forward with explicit ``position_ids``, the masks transformers' models honour, and a fresh cache
    built from the pools and stored back after it;
 3. sampling (:mod:`.sampling`) and draft verification; ``Scheduler.update()``; a request with
    ``n > 1`` branches where it samples its first token: each other sample draws its own first token
@@ -28,14 +25,21 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-import numpy as np
 import torch
 
 from hybridkv.blockmgr.manager import HybridBlockManager
 from hybridkv.blockmgr.prefix import PrefixCacheConfig
-from hybridkv.errors import DuplicateRequestError, HybridKVError
+from hybridkv.errors import DuplicateRequestError, HybridKVError, RequestTooLargeError
+from hybridkv.integrations.transformers.checks import (
+    check_length,
+    check_prefix_cache,
+    max_positions,
+    prompt_token_ids,
+    too_large,
+)
 from hybridkv.integrations.transformers.families import Family, UnsupportedModelError, family_of
-from hybridkv.integrations.transformers.paged_cache import PagedCache, attention_mask
+from hybridkv.integrations.transformers.forward import Forwards
+from hybridkv.integrations.transformers.paged_cache import PagedCache
 from hybridkv.integrations.transformers.sampling import Drafter, SamplingParams, sample
 from hybridkv.models.hf import spec_from_hf_config
 from hybridkv.models.spec import ModelSpec
@@ -47,7 +51,6 @@ from hybridkv.scheduler_adapter import (
     RequestState,
     Scheduler,
     SchedulerConfig,
-    StepMetadata,
     StepOutputs,
     StepPlan,
     build_step_metadata,
@@ -81,8 +84,8 @@ class EngineConfig:
     num_blocks: int = 256
     block_size: int = 16
     num_host_blocks: int = 0
-    max_num_seqs: int = 8
-    max_num_batched_tokens: int = 256
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 8192
     num_speculative_tokens: int = 0
     preemption_mode: PreemptionMode = PreemptionMode.AUTO
     prefix_cache: PrefixCacheConfig | None = field(default_factory=PrefixCacheConfig)
@@ -115,6 +118,8 @@ class Events:
     aborted: int = 0
     failed: int = 0  # requests aborted because a step raised (HFEngine.failed)
     forks_queued: int = 0  # samples of n > 1 requests queued because their fork found no room
+    tier_offloaded: int = 0  # blocks the prefix cache's host tier copied device -> host
+    tier_onloaded: int = 0  # blocks of host-tier hits copied host -> device
 
 
 class StepStats(NamedTuple):
@@ -130,14 +135,6 @@ class StepStats(NamedTuple):
     num_finished: int
 
 
-class _Piece(NamedTuple):
-    row: int  # row of the plan
-    start: int  # first query token of the row this piece runs
-    length: int
-    src: np.ndarray | None  # [G, bps] the state set read (None: no initial state)
-    dst: np.ndarray  # [G, bps] the state set written
-
-
 class _Progress:
     """How far one step got (what :meth:`HFEngine._abandon` must undo)."""
 
@@ -149,25 +146,7 @@ class _Progress:
         self.branching: list[tuple[Any, Any]] = []  # (parent, sample) drawn in this step, not placed yet
 
 
-def _check_prefix_cache(prefix_cache: PrefixCacheConfig | None) -> None:
-    """The prefix-cache settings the engine cannot serve, refused before any work."""
-    if prefix_cache is None:
-        return
-    if prefix_cache.host_tier:
-        raise ValueError(
-            "PrefixCacheConfig(host_tier=True): the transformers engine does not run the host tier's copies yet "
-            "(StepPlan.tier_copies: offloads to the host pool, host hits copied back), so a request hitting a "
-            "prefix on the host tier would compute on bytes nobody wrote; set host_tier=False "
-            "(num_host_blocks still serves swap preemption)"
-        )
-    if prefix_cache.export_alignment is not None:
-        raise ValueError(
-            "PrefixCacheConfig.export_alignment needs a prefill kernel that writes the state from inside "
-            "a chunk (StepPlan.exports); transformers' forward cannot: leave it None"
-        )
-
-
-class HFEngine:
+class HFEngine(Forwards):
     """Serves ``model`` (an unmodified transformers causal LM of a family in
     :data:`~.families.FAMILIES`) through hybridkv. Not thread-safe.
 
@@ -179,7 +158,7 @@ class HFEngine:
 
     def __init__(self, model: torch.nn.Module, config: EngineConfig | None = None, drafter: Drafter | None = None):
         self.config = config = config or EngineConfig()
-        _check_prefix_cache(config.prefix_cache)
+        check_prefix_cache(config.prefix_cache)
         model_type = getattr(getattr(model, "config", None), "model_type", None)
         self.family: Family = family_of(model_type)
         if config.num_speculative_tokens and drafter is None:
@@ -199,6 +178,11 @@ class HFEngine:
         self.manager = HybridBlockManager(
             self.layout, num_host_blocks=config.num_host_blocks, prefix_cache=config.prefix_cache
         )
+        try:  # the smallest request: one prompt token, one new token, its speculative sets
+            self.manager.check_fits(2, config.num_speculative_tokens)
+        except RequestTooLargeError as e:
+            what = "the pool can never hold one request: the smallest (1 prompt + 1 new token)"
+            raise too_large(what, e, config.num_blocks, config.num_speculative_tokens, request=False) from None
         self.scheduler = Scheduler(
             self.manager,
             SchedulerConfig(
@@ -216,6 +200,7 @@ class HFEngine:
             else None
         )
         self.cache = PagedCache(self.family, model.config, self.layout, self.pools, config.max_num_seqs)
+        self._has_state = bool(self.cache.states)  # (kept: the paged lightning hook empties cache.states)
         self.drafter = drafter
         self.params: dict[Any, SamplingParams] = {}
         self.tokens: dict[Any, list[int]] = {}  # prompt + outputs, kept after the request finishes
@@ -231,6 +216,13 @@ class HFEngine:
         self._fresh_forks: list[Any] = []  # forked since the last step: their state copy rides in the next plan
         self._update_epoch: int | None = None  # the manager's pin epoch of the last Scheduler.update()
         # transformers 5.24 names the cache argument ``cache`` (``past_key_values`` before)
+        # every kind of layer the model looks a mask up for (LFM2: "conv"): None (recurrent layers)
+        kinds = [
+            *(getattr(model.config, "layer_types", None) or ()),
+            *(getattr(model.config, "layers_block_type", None) or ()),
+            "linear_attention",
+        ]
+        self._mask_kinds: dict[str, Any] = dict.fromkeys(k for k in kinds if isinstance(k, str))
         self._kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
     def _check_dtypes(self) -> None:
@@ -249,9 +241,11 @@ class HFEngine:
     def add_request(
         self, request_id: Any, prompt: list[int], max_new_tokens: int, params: SamplingParams | None = None
     ) -> None:
-        """Queue a request (token ids). Everything is checked before anything is queued: ``params``
-        (a :class:`SamplingParams`, ``TypeError`` otherwise), the prompt's token ids, the sizes (the
-        scheduler's checks: :class:`~hybridkv.errors.RequestTooLargeError` when the request can never
+        """Queue a request (token ids: a list, or a 1-D integer array / tensor). Everything is checked
+        before anything is queued: ``params`` (a :class:`SamplingParams`, ``TypeError`` otherwise), the
+        prompt's token ids (:func:`~.checks.prompt_token_ids`), its length against the model's
+        ``max_position_embeddings`` (``ValueError``), the sizes (the scheduler's checks:
+        :class:`~hybridkv.errors.RequestTooLargeError`, naming ``num_blocks``, when the request can never
         fit in the pool) and the ids of its samples; a refused request leaves no trace.
 
         ``params.n > 1``: ``n`` outputs, the request's and those of ``n - 1`` samples ``(request_id, i)``
@@ -270,16 +264,8 @@ class HFEngine:
             hash(request_id)
         except TypeError:
             raise TypeError(f"request id {request_id!r} is not hashable") from None
-        if isinstance(prompt, (str, bytes)):
-            raise TypeError(f"request {request_id!r}: prompt must be token ids, got {prompt!r}")
-        try:
-            ids = list(prompt)
-        except TypeError:
-            raise TypeError(f"request {request_id!r}: prompt must be token ids, got {prompt!r}") from None
-        vocab = self.model.config.vocab_size
-        bad = [t for t in ids if isinstance(t, (int, np.integer)) and not 0 <= int(t) < vocab]
-        if bad:
-            raise ValueError(f"request {request_id!r}: token ids {bad[:3]} outside the vocabulary 0..{vocab - 1}")
+        ids = prompt_token_ids(request_id, prompt, self.model.config.vocab_size)
+        check_length(request_id, len(ids), max_new_tokens, max_positions(self.model.config))
         samples = [(request_id, i) for i in range(1, params.n)]
         for rid in (request_id, *samples):
             if rid in self._samples or rid in self._done:
@@ -288,7 +274,11 @@ class HFEngine:
                 raise DuplicateRequestError(
                     f"request {request_id!r}: the id of its sample {rid!r} was already submitted: use another id"
                 )
-        self.scheduler.add_request(request_id, ids, max_new_tokens)  # (its own checks, before it queues)
+        try:
+            self.scheduler.add_request(request_id, ids, max_new_tokens)  # (its own checks, before it queues)
+        except RequestTooLargeError as e:
+            what = f"request {request_id!r} ({len(ids)} prompt + {max_new_tokens} new tokens)"
+            raise too_large(what, e, self.config.num_blocks, self.config.num_speculative_tokens) from None
         self.params[request_id] = params
         self.tokens[request_id] = ids
         if samples:
@@ -318,13 +308,22 @@ class HFEngine:
 
     # ---- one step ----------------------------------------------------------------------------------
     def run_copies(self, plan: StepPlan) -> None:
-        """The plan's copies, in the executor order of docs/contract.md."""
-        copy_blocks(self.pools, plan.checkpoint_copies)
+        """The plan's copies, in the executor order of docs/contract.md (the host tier's included)."""
+        backend, tier = self.cache.backend, plan.tier_copies
+        if len(tier) or len(plan.checkpoint_copies) or plan.swap_out or plan.swap_in or len(plan.copies):
+            self.cache.invalidate()  # (before: a copy that raises half way leaves the pool unknown)
+        if len(tier.offload):  # 0. the host tier's offloads: before anything writes the blocks they free
+            swap_blocks(self.pools, self.host, tier.offload, backend=backend).synchronize()
+        copy_blocks(self.pools, plan.checkpoint_copies, backend=backend)
         for p in plan.swap_out:
-            swap_blocks(self.pools, self.host, p).synchronize()
+            swap_blocks(self.pools, self.host, p, backend=backend).synchronize()
         for p in plan.swap_in:
-            swap_blocks(self.pools, self.host, p).synchronize()
-        copy_blocks(self.pools, plan.copies)
+            swap_blocks(self.pools, self.host, p, backend=backend).synchronize()
+        if len(tier.onload):  # 3b. host hits, after the swaps, before the copies and the forward
+            swap_blocks(self.pools, self.host, tier.onload, backend=backend).synchronize()
+        copy_blocks(self.pools, plan.copies, backend=backend)
+        self.events.tier_offloaded += len(tier.offload)
+        self.events.tier_onloaded += len(tier.onload)
 
     @torch.no_grad()
     def step(self) -> StepPlan:
@@ -392,25 +391,26 @@ class HFEngine:
         for b, row in enumerate(plan.scheduled):
             rid, start, n = row.request_id, row.num_computed_tokens, row.num_scheduled_tokens
             rows = logits[b]
+            base = n - 1 if self.config.record_logits else 0  # (rows: from the last scheduled token on, or all)
             if self.config.record_logits:
                 recorded.extend((rid, (start + t, rows[t])) for t in range(n))
             if not row.samples:
                 continue
             params, pos = self.params[rid], start + n - 1
-            out, a = [sample(rows[n - 1], params, pos)], 0
+            out, a = [sample(rows[base], params, pos)], 0
             for j, d in enumerate(drafts[rid]):  # draft j stands while it equals the token sampled there
                 if out[-1] != d:
                     break
                 a += 1
                 if self.config.record_logits:
-                    recorded.append((rid, (pos + j + 1, rows[n + j])))
-                out.append(sample(rows[n + j], params, pos + j + 1))
+                    recorded.append((rid, (pos + j + 1, rows[base + 1 + j])))
+                out.append(sample(rows[base + 1 + j], params, pos + j + 1))
             sampled[rid] = out
             if row.num_drafts:
                 accepted[rid] = a
             if rid in self._forks and not sched.requests[rid].output_token_ids:
                 # its first token: each other sample draws its own here, from the same logits
-                branch[rid] = [(child, p, sample(rows[n - 1], p, pos)) for child, p in self._forks[rid]]
+                branch[rid] = [(child, p, sample(rows[base], p, pos)) for child, p in self._forks[rid]]
         result = sched.update(StepOutputs(sampled, frozenset(), accepted))
         progress.updated = True
         self._update_epoch = self.manager.pin_epoch
@@ -473,6 +473,7 @@ class HFEngine:
     def _abandon(self, plan: StepPlan, progress: _Progress, forked: list[Any], forwards: int, exc: BaseException):
         """Close ``plan`` after ``exc`` (see :meth:`step`): abort what it may have left inconsistent."""
         sched, ev = self.scheduler, self.events
+        self.cache.invalidate()
         lost: list[Any] = []
         if not progress.updated:
             at_risk = [row.request_id for row in plan.scheduled]
@@ -525,73 +526,6 @@ class HFEngine:
             self.step()
             if progress is not None:
                 progress(self.stats[-1].num_finished)
-
-    # ---- the forwards -------------------------------------------------------------------------------
-    def pieces(self, plan: StepPlan, meta: StepMetadata) -> list[list[_Piece]]:
-        """Each row's pieces in the order they must run (see the module docstring)."""
-        out = []
-        for b, row in enumerate(plan.scheduled):
-            live = meta.state_tables[:, b]
-            init = bool(meta.has_initial_state[b])
-            n, d = row.num_scheduled_tokens, row.num_drafts
-            if d:  # a decode with drafts: token j writes the state after it to speculative set j - 1
-                spec = meta.speculative_state_tables[:, :, b]
-                ps = [_Piece(b, 0, 1, live, live)]
-                ps += [_Piece(b, j, 1, live if j == 1 else spec[j - 2], spec[j - 1]) for j in range(1, d + 1)]
-            elif init and n > 1 and not self.family.continues_multi_token:
-                ps = [_Piece(b, j, 1, live, live) for j in range(n)]
-            else:
-                ps = [_Piece(b, 0, n, live if init else None, live)]
-            out.append(ps)
-        return out
-
-    def forward(self, plan: StepPlan, meta: StepMetadata, inputs: list[list[int]]) -> list[torch.Tensor]:
-        """Logits ``[len(inputs[b]), vocab]`` of every row's query tokens (scheduled tokens, then drafts)."""
-        pieces = self.pieces(plan, meta)
-        results: list[list[torch.Tensor | None]] = [[None] * len(p) for p in pieces]
-        for r in range(max(len(p) for p in pieces)):
-            groups: dict[tuple[int, bool], list[_Piece]] = defaultdict(list)
-            for ps in pieces:
-                if r < len(ps):
-                    groups[(ps[r].length, ps[r].src is not None)].append(ps[r])
-            for (length, init), group in groups.items():
-                out = self.forward_pieces(meta, inputs, group, length, init)
-                for p, lg in zip(group, out, strict=True):
-                    results[p.row][r] = lg
-        return [torch.cat(rs) for rs in results]
-
-    def forward_pieces(
-        self, meta: StepMetadata, inputs: list[list[int]], group: list[_Piece], length: int, init: bool
-    ) -> torch.Tensor:
-        """One batched HF forward of ``group`` (pieces of ``length`` tokens); returns ``[B, length, vocab]``."""
-        past = [int(meta.seq_lens_decoder[p.row]) + p.start for p in group]
-        ids = torch.tensor([inputs[p.row][p.start : p.start + length] for p in group], dtype=torch.long)
-        pos = torch.tensor([[q + t for t in range(length)] for q in past], dtype=torch.long)
-        rows = [p.row for p in group]
-        block_tables = meta.block_tables[rows]
-        src = np.stack([p.src for p in group], axis=1) if init else None  # [G, B, bps]
-        dst = np.stack([p.dst for p in group], axis=1)
-        cu = meta.cu_seqlens_q
-        slots = np.concatenate([meta.slot_mapping[cu[p.row] + p.start : cu[p.row] + p.start + length] for p in group])
-        src, dst = self.state_tables_for(src, dst)
-        cache = self.cache.build(block_tables, past, src, init)
-        mask = None
-        if self.cache.kv:
-            m = attention_mask(past, length, next(self.model.parameters()).dtype)
-            mask = {"full_attention": m, "sliding_attention": m, "linear_attention": None}
-        kwargs = {self._kwarg: cache}
-        if self.mixer_hook is not None:
-            with self.mixer_hook(self, group, meta, past, src, dst, init):
-                out = self.model(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=True, **kwargs)
-        else:
-            out = self.model(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=True, **kwargs)
-        self.events.forwards += 1
-        self.cache.store(cache, past, slots, dst)
-        return out.logits.float() if out.logits.dtype != torch.float64 else out.logits
-
-    def state_tables_for(self, src: np.ndarray | None, dst: np.ndarray) -> tuple[np.ndarray | None, np.ndarray]:
-        """The state tables a forward reads and writes (``[G, B, bps]``); an extension point."""
-        return src, dst
 
     # ---- results -------------------------------------------------------------------------------------
     def outputs(self) -> dict[Any, list[int]]:

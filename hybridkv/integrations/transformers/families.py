@@ -24,8 +24,8 @@ class Family:
 
     ``cache``: ``"dynamic"`` (``DynamicCache(config=...)``) or ``"minimax"`` (``MiniMaxCache``).
     ``continues_multi_token``: whether the model's multi-token forward starts from a cached recurrent
-    state. Jamba's full-sequence scan (transformers 5.24, ``mamba_selective_scan``) ignores the cached
-    SSM state, so a prefill chunk that continues a state runs one token per forward there.
+    state. The full-sequence scans of Jamba, Mamba and FalconMamba (transformers 5.24) ignore the
+    cached SSM state, so a prefill chunk that continues a state runs one token per forward there.
     """
 
     model_type: str
@@ -46,6 +46,16 @@ FAMILIES: dict[str, Family] = {
         Family("falcon_h1"),
         Family("granitemoehybrid"),
         Family("bamba"),
+        Family("zamba"),
+        Family("zamba2"),
+        Family("olmo_hybrid"),
+        Family("mamba", continues_multi_token=False),
+        Family("falcon_mamba", continues_multi_token=False),
+        Family("lfm2"),
+        Family("lfm2_moe"),
+        Family("kimi_linear"),
+        Family("bailing_hybrid"),
+        Family("minimax_m2"),
     )
 }
 

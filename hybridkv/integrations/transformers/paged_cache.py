@@ -7,8 +7,9 @@ transformers K: with K - 1 the model's causal conv sees exactly the columns it n
 ``has_previous_state``. After the forward, :meth:`PagedCache.store` writes the new K/V at the slot
 mapping and scatters the last K - 1 conv columns and the recurrent state into the output state sets.
 
-Rows of one forward have the same query length; their past lengths may differ: K/V are padded to the
-longest past and :func:`attention_mask` hides the padding (an additive ``[B, 1, T, P + T]`` mask).
+Rows of one forward have the same query length (shorter fresh rows left padded to it) and past
+lengths that may differ: K/V are padded to the longest past and :func:`attention_mask` hides both
+paddings (an additive ``[B, 1, T, P + T]`` mask); the left padding's K/V are not stored.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch
 from hybridkv.integrations.transformers.families import Family, UnsupportedModelError
 from hybridkv.models.spec import RecurrentLayerSpec
 from hybridkv.ops import BlockPools, StateBuffers, allocate_state_buffers, gather_states, kv_cache_views, scatter_states
-from hybridkv.ops._framework import torch_dtype
+from hybridkv.ops._framework import resolve_backend, torch_dtype
 from hybridkv.planner.layout import Layout
 
 
@@ -58,15 +59,25 @@ def _state_layers(layout: Layout) -> dict[int, StateLayer]:
     return out
 
 
-def attention_mask(past_lens: list[int], num_tokens: int, dtype: torch.dtype) -> torch.Tensor:
+def attention_mask(
+    past_lens: list[int], num_tokens: int, dtype: torch.dtype, pads: list[int] | None = None
+) -> torch.Tensor:
     """Additive mask ``[B, 1, T, P + T]`` (``P = max(past_lens)``): row ``b``'s query ``i`` sees its own
-    past ``0..past_lens[b]-1`` and the new tokens ``0..i``; the padded past is hidden."""
+    past ``0..past_lens[b]-1`` and the new tokens ``pads[b]..i``; the padded past is hidden. Row ``b``'s
+    first ``pads[b]`` new tokens are left padding: no real query sees them, and each sees only itself
+    (so no row of the softmax is empty)."""
     p = max(past_lens)
     keys = torch.arange(p + num_tokens)
     q = torch.arange(num_tokens)
     past = keys[None, :] < torch.tensor(past_lens)[:, None]  # [B, P + T]
     new = (keys[None, :] >= p) & (keys[None, :] - p <= q[:, None])  # [T, P + T]
     allowed = past[:, None, :] | new[None, :, :]  # [B, T, P + T]
+    if pads is not None and any(pads):
+        pad = torch.tensor(pads)[:, None]  # [B, 1]
+        allowed &= ~((keys[None, :] >= p) & (keys[None, :] - p < pad))[:, None, :]  # pads hidden
+        is_pad = q[None, :] < pad  # [B, T]
+        itself = keys[None, :] - p == q[:, None]  # [T, P + T]
+        allowed = torch.where(is_pad[:, :, None], itself[None], allowed)
     mask = torch.zeros(allowed.shape, dtype=dtype)
     mask.masked_fill_(~allowed, torch.finfo(dtype).min)
     return mask[:, None]
@@ -81,6 +92,14 @@ def _same_dtype(state: torch.Tensor, pool: torch.Tensor, layer: int) -> torch.Te
             f"{pool.dtype}: the reader (hybridkv.models.hf) and the model disagree"
         )
     return state
+
+
+def _put(buffer: torch.Tensor, state: torch.Tensor, layer: int) -> None:
+    """``buffer[...] = state`` (the model's state, dtype checked), skipped where the model updated the
+    buffer in place (the cache was handed views of the buffers)."""
+    state = _same_dtype(state, buffer, layer)
+    if state.data_ptr() != buffer.data_ptr() or state.stride() != buffer.stride() or state.shape != buffer.shape:
+        buffer.copy_(state)
 
 
 class PagedCache:
@@ -101,6 +120,11 @@ class PagedCache:
         for n, cache_id in enumerate(ids):
             self.kv[layout.decoder_layer_id(cache_id)] = (views[2 * n], views[2 * n + 1])
         self.states = _state_layers(layout)
+        self.backend = resolve_backend("auto", pools.device)  # once, not per gather / scatter
+        # the state tables [G, B, bps] whose states the buffers hold as the pool does (the last
+        # store's, until anything else writes the pool: invalidate()), so the next forward that
+        # reads exactly those sets (consecutive decodes of one batch) gathers nothing
+        self._resident: np.ndarray | None = None
         self.buffers: StateBuffers | None = (
             allocate_state_buffers(layout, max_rows, device=pools.device) if self.states else None
         )
@@ -131,16 +155,18 @@ class PagedCache:
         cache = self.new_cache()
         b, p = len(past_lens), max(past_lens)
         if p and self.kv:
-            pos = torch.arange(p)
-            tables = torch.from_numpy(block_tables[:b].astype(np.int64))
-            blocks = tables[:, pos // self.block_size]  # [B, P] (past the row's length: stale, masked)
-            offs = (pos % self.block_size).expand(b, p)
-            # the padding past a row's length holds whatever the pool held (NaN in a NaN-filled pool):
+            n = -(-p // self.block_size)
+            tables = torch.from_numpy(block_tables[:b, :n].astype(np.int64))  # [B, n] (past a row's end: stale)
+            # the past beyond a row's length holds whatever the pool held (NaN in a NaN-filled pool):
             # zero it, the mask hides it
-            pad = (pos[None, :] >= torch.tensor(past_lens)[:, None])[:, None, :, None]  # [B, 1, P, 1]
+            pad = (torch.arange(p)[None, :] >= torch.tensor(past_lens)[:, None])[:, None, :, None]  # [B, 1, P, 1]
             for lid, (k_view, v_view) in self.kv.items():
-                keys = k_view[blocks, :, offs].transpose(1, 2).masked_fill(pad, 0)  # [B, H, P, D]
-                values = v_view[blocks, :, offs].transpose(1, 2).masked_fill(pad, 0)
+                kv = []
+                for view in (k_view, v_view):  # whole blocks at once, then [B, H, P, D]
+                    x = view[tables].transpose(1, 2)  # [B, H, n, block_size, D] (MLA: [.., segments, width])
+                    # (out of place: for one block the reshape is a view of the pool)
+                    kv.append(x.reshape(b, x.shape[1], n * self.block_size, -1)[:, :, :p].masked_fill(pad, 0))
+                keys, values = kv
                 layer = cache.layers[lid]
                 layer.lazy_initialization(keys, values)
                 layer.keys, layer.values = keys, values
@@ -148,52 +174,74 @@ class PagedCache:
                     layer.cumulative_length = p
         if has_initial_state and self.states:
             bufs = self.buffers
-            gather_states(self.pools, state_tables, None, bufs)
+            if self._resident is None or not np.array_equal(state_tables, self._resident):
+                gather_states(self.pools, state_tables, None, bufs, backend=self.backend)
+            # the cache takes views of the buffers, not copies: they are scratch, gathered again
+            # before every forward, and the states the model leaves are read back by store()
             for lid, sl in self.states.items():
                 comps = bufs.layer(sl.group, sl.slot)
                 if self.family.cache == "minimax":
-                    cache.linear_cache[lid] = comps[sl.recurrent][:b].clone()
+                    cache.linear_cache[lid] = comps[sl.recurrent][:b]
                     continue
                 layer = cache.layers[lid]
                 if sl.conv is not None:
-                    layer.conv_states[0] = comps[sl.conv][:b].clone()
+                    layer.conv_states[0] = comps[sl.conv][:b]
                     layer.conv_kernel_size[0] = sl.conv_columns
                     layer.is_conv_states_initialized[0] = True
                 if sl.recurrent is not None:
-                    layer.recurrent_states[0] = comps[sl.recurrent][:b].clone()
+                    layer.recurrent_states[0] = comps[sl.recurrent][:b]
                     layer.is_recurrent_states_initialized[0] = True
                 layer.has_previous_state[0] = True
                 layer.device, layer.dtype = comps[sl.recurrent or sl.conv].device, comps[sl.conv or sl.recurrent].dtype
         return cache
 
     # ---- after the forward ----------------------------------------------------------------------
-    def store(self, cache, past_lens: list[int], slot_mapping: np.ndarray, out_tables: np.ndarray | None) -> None:
-        """Write the forward's new K/V (``[B, H, T, D]`` after the padded past) at ``slot_mapping``
-        ``[B * T]`` (row-major) and scatter each row's state into ``out_tables`` ``[G, B, bps]``."""
+    def store(
+        self,
+        cache,
+        past_lens: list[int],
+        slot_mapping: np.ndarray,
+        out_tables: np.ndarray | None,
+        real: torch.Tensor | None = None,
+    ) -> None:
+        """Write the forward's new K/V (``[B, H, T, D]`` after the padded past) of the real tokens
+        (``real`` bool ``[B, T]``, None: all; left padding is not stored) at ``slot_mapping`` (one slot
+        per real token, row-major) and scatter each row's state into ``out_tables`` ``[G, B, bps]``."""
         b, p = len(past_lens), max(past_lens)
         if self.kv:
             slots = torch.from_numpy(slot_mapping.astype(np.int64))
             blk, off = slots // self.block_size, slots % self.block_size
+            keep = None if real is None else real.reshape(-1).nonzero()[:, 0]
             for lid, (k_view, v_view) in self.kv.items():
                 layer = cache.layers[lid]
                 for view, new in ((k_view, layer.keys), (v_view, layer.values)):
-                    new = new[:, :, p:]  # [B, H, T, D]
-                    view[blk, :, off] = new.transpose(1, 2).reshape(-1, *new.shape[1:2], new.shape[-1]).to(view.dtype)
+                    new = new[:, :, p:].transpose(1, 2)  # [B, T, H, D]
+                    new = new.reshape(-1, *new.shape[2:]) if keep is None else new.flatten(0, 1)[keep]
+                    view[blk, :, off] = new.reshape(len(slots), *view.shape[1:2], *view.shape[3:]).to(view.dtype)
         if not self.states or out_tables is None:
             return
         bufs = self.buffers
         for lid, sl in self.states.items():
             comps = bufs.layer(sl.group, sl.slot)
             if self.family.cache == "minimax":
-                comps[sl.recurrent][:b] = _same_dtype(cache.linear_cache[lid], comps[sl.recurrent], lid)
+                _put(comps[sl.recurrent][:b], cache.linear_cache[lid], lid)
                 continue
             layer = cache.layers[lid]
             if sl.conv is not None:
                 conv = layer.conv_states[0]
-                comps[sl.conv][:b] = _same_dtype(conv[..., conv.shape[-1] - sl.conv_columns :], comps[sl.conv], lid)
+                _put(comps[sl.conv][:b], conv[..., conv.shape[-1] - sl.conv_columns :], lid)
             if sl.recurrent is not None:
-                comps[sl.recurrent][:b] = _same_dtype(layer.recurrent_states[0], comps[sl.recurrent], lid)
-        scatter_states(self.pools, out_tables, None, bufs)
+                _put(comps[sl.recurrent][:b], layer.recurrent_states[0], lid)
+        self._resident = None
+        scatter_states(self.pools, out_tables, None, bufs, backend=self.backend)
+        ids = out_tables[out_tables != 0]
+        if np.unique(ids).size == ids.size:  # (a set written by two rows is in the pool once)
+            self._resident = out_tables.copy()
+
+    def invalidate(self) -> None:
+        """Something other than :meth:`store` wrote the pool (copies, swaps, the host tier): the next
+        forward gathers its states."""
+        self._resident = None
 
     def state_dtypes(self) -> dict[int, dict[str, torch.dtype]]:
         """Decoder layer -> component -> the dtype the pool keeps it in (hybridkv's model description)."""
