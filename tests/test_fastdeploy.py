@@ -14,17 +14,17 @@ import numpy as np
 import pytest
 
 from hybridkv.blockmgr.manager import HybridBlockManager
-from hybridkv.models.presets import preset
-from hybridkv.models.spec import with_kv_dtype
-from hybridkv.planner.layout import plan
-from hybridkv.scheduler_adapter import Scheduler, SchedulerConfig, StepOutputs, attach, build_step_metadata
-from hybridkv.scheduler_adapter.fastdeploy_state import read_state_bytes, write_state_bytes
-from hybridkv.scheduler_adapter.fastdeploy_worker import (
+from hybridkv.integrations.fastdeploy.state import read_state_bytes, write_state_bytes
+from hybridkv.integrations.fastdeploy.worker import (
     allocate_caches,
     allocation_start,
     is_own_allocation,
     state_layer_slots,
 )
+from hybridkv.models.presets import preset
+from hybridkv.models.spec import with_kv_dtype
+from hybridkv.planner.layout import plan
+from hybridkv.scheduler_adapter import Scheduler, SchedulerConfig, StepOutputs, attach, build_step_metadata
 
 torch = pytest.importorskip("torch")
 

@@ -29,8 +29,8 @@ import pytest
 import hybridkv
 from hybridkv.blockmgr.manager import HybridBlockManager
 from hybridkv.blockmgr.prefix import PrefixCacheConfig
+from hybridkv.integrations.fastdeploy.facade import HYBRID_TASK_FIELDS, EnginePatchError, FastDeployBlockManager
 from hybridkv.planner.layout import plan
-from hybridkv.scheduler_adapter.fastdeploy import HYBRID_TASK_FIELDS, EnginePatchError, FastDeployBlockManager
 from hybridkv.transfer.errors import TransferError
 from hybridkv.transfer.loopback import LoopbackEngine, LoopbackHub, connect_pair, regions_of_array
 from hybridkv.transfer.testing import reference_bytes, seeded_pool

@@ -15,7 +15,7 @@ import pytest
 from hybridkv.blockmgr.manager import HybridBlockManager
 from hybridkv.blockmgr.prefix import PrefixCacheConfig
 from hybridkv.errors import NoFreeBlocksError, RequestStateError
-from hybridkv.scheduler_adapter.fastdeploy import PATCH_SERIES, EnginePatchError, FastDeployBlockManager
+from hybridkv.integrations.fastdeploy.facade import PATCH_SERIES, EnginePatchError, FastDeployBlockManager
 from tests.test_fastdeploy_world import BLOCK_SIZE, STATE_BLOCKS, Request, tiny_layout
 
 

@@ -25,13 +25,13 @@ torch = pytest.importorskip("torch")
 import hybridkv  # noqa: E402
 from hybridkv.blockmgr.manager import HybridBlockManager  # noqa: E402
 from hybridkv.blockmgr.prefix import PrefixCacheConfig  # noqa: E402
+from hybridkv.integrations.fastdeploy.facade import FastDeployBlockManager  # noqa: E402
+from hybridkv.integrations.fastdeploy.gdn import HybridGDNStatePool, attach_gdn  # noqa: E402
+from hybridkv.integrations.fastdeploy.state import read_state_bytes  # noqa: E402
+from hybridkv.integrations.fastdeploy.worker import StateTables, allocate_caches, copy_blocks  # noqa: E402
 from hybridkv.models.presets import gdn_layer, layers_from_pattern  # noqa: E402
 from hybridkv.models.spec import AttentionLayerSpec, DType, ModelSpec  # noqa: E402
 from hybridkv.planner.layout import plan  # noqa: E402
-from hybridkv.scheduler_adapter.fastdeploy import FastDeployBlockManager  # noqa: E402
-from hybridkv.scheduler_adapter.fastdeploy_gdn import HybridGDNStatePool, attach_gdn  # noqa: E402
-from hybridkv.scheduler_adapter.fastdeploy_state import read_state_bytes  # noqa: E402
-from hybridkv.scheduler_adapter.fastdeploy_worker import StateTables, allocate_caches, copy_blocks  # noqa: E402
 from tests.test_fastdeploy_rmv1 import RMv1  # noqa: E402
 from tests.test_fastdeploy_world import Request, check_books, run_worker_step  # noqa: E402
 

@@ -48,7 +48,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from hybridkv.scheduler_adapter.fastdeploy import PATCH_SERIES
+from hybridkv.integrations.fastdeploy.facade import PATCH_SERIES
 from tests.test_fastdeploy_world import (
     Request,
     RequestStatus,

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from hybridkv.blockmgr.manager import HybridBlockManager
-from hybridkv.scheduler_adapter.fastdeploy import FastDeployBlockManager
-from hybridkv.scheduler_adapter.fastdeploy_worker import PAD_BLOCK, StateTables, allocate_caches, attach_worker
+from hybridkv.integrations.fastdeploy.facade import FastDeployBlockManager
+from hybridkv.integrations.fastdeploy.worker import PAD_BLOCK, StateTables, allocate_caches, attach_worker
 from tests.test_fastdeploy_rmv1 import RMv1
 from tests.test_fastdeploy_world import check_books, make_requests, run_worker_step, tiny_layout
 
@@ -149,8 +149,8 @@ def test_states_survive_prefix_hits_chunks_and_preemption_through_the_task_copie
     the tokens before its first position, then writes the state after its last one. The copies
     travel in the tasks: prefix-hit fills before the forward, checkpoints right after it."""
     from hybridkv.blockmgr.prefix import PrefixCacheConfig
-    from hybridkv.scheduler_adapter.fastdeploy_state import read_state_bytes, write_state_bytes
-    from hybridkv.scheduler_adapter.fastdeploy_worker import copy_blocks, state_layer_slots
+    from hybridkv.integrations.fastdeploy.state import read_state_bytes, write_state_bytes
+    from hybridkv.integrations.fastdeploy.worker import copy_blocks, state_layer_slots
     from tests.test_fastdeploy_world import Request
 
     layout = tiny_layout(num_blocks)
@@ -314,8 +314,8 @@ def test_worker_constructors_refuse_bad_arguments():
 
 def test_copy_blocks_and_state_bytes_refuse_ids_that_are_no_real_block():
     pytest.importorskip("torch")
-    from hybridkv.scheduler_adapter.fastdeploy_state import gather_state_bytes, read_state_bytes, write_state_bytes
-    from hybridkv.scheduler_adapter.fastdeploy_worker import copy_blocks
+    from hybridkv.integrations.fastdeploy.state import gather_state_bytes, read_state_bytes, write_state_bytes
+    from hybridkv.integrations.fastdeploy.worker import copy_blocks
 
     layout = tiny_layout(17)
     caches = allocate_caches(layout, framework="torch")
@@ -361,7 +361,7 @@ def test_copy_blocks_and_state_bytes_refuse_ids_that_are_no_real_block():
 
 def test_worker_errors_are_typed():
     from hybridkv.errors import HybridKVError
-    from hybridkv.scheduler_adapter.fastdeploy_worker import BatchSlotError, BlockIdError
+    from hybridkv.integrations.fastdeploy.worker import BatchSlotError, BlockIdError
 
     assert issubclass(BatchSlotError, IndexError) and issubclass(BlockIdError, ValueError)
     assert issubclass(BatchSlotError, HybridKVError) and issubclass(BlockIdError, HybridKVError)
@@ -390,7 +390,7 @@ class ByteWorker:
     bytes land in its host block and every onloaded host block's bytes in its device block."""
 
     def __init__(self, fd: FastDeployBlockManager):
-        from hybridkv.scheduler_adapter.fastdeploy_worker import allocate_host_caches
+        from hybridkv.integrations.fastdeploy.host_tier import allocate_host_caches
 
         self.fd, self.bs = fd, fd.block_size
         self.caches = allocate_caches(fd.manager.layout, framework="torch")
@@ -416,7 +416,7 @@ class ByteWorker:
         return b"".join(_pattern(_key(key, i), t.shape[1]).tobytes() for i, t in enumerate(self.tensors))
 
     def run_tier(self, tasks) -> None:
-        from hybridkv.scheduler_adapter.fastdeploy_worker import run_tier_copies
+        from hybridkv.integrations.fastdeploy.host_tier import run_tier_copies
 
         for task in tasks:
             copies = getattr(task, "tier_copies", None)
@@ -436,7 +436,7 @@ class ByteWorker:
             self.moved["bytes"] += moved
 
     def step(self, tasks) -> None:
-        from hybridkv.scheduler_adapter.fastdeploy_worker import copy_blocks
+        from hybridkv.integrations.fastdeploy.worker import copy_blocks
         from tests.test_fastdeploy_world import Request
 
         self.run_tier(tasks)
@@ -538,7 +538,7 @@ def _all_bytes(caches, host) -> list[bytes]:
 def test_tier_copies_move_every_segment_and_block_wise_fp8_scale_of_a_block():
     import torch
 
-    from hybridkv.scheduler_adapter.fastdeploy_worker import allocate_host_caches, run_tier_copies
+    from hybridkv.integrations.fastdeploy.host_tier import allocate_host_caches, run_tier_copies
     from tests.test_fastdeploy import minimax_layout
 
     layout = minimax_layout("block_wise_fp8", num_blocks=8)
@@ -575,7 +575,7 @@ def test_tier_copies_move_every_segment_and_block_wise_fp8_scale_of_a_block():
 def test_run_tier_copies_checks_both_lists_before_moving_a_byte(copies, error):
     import torch
 
-    from hybridkv.scheduler_adapter.fastdeploy_worker import allocate_host_caches, run_tier_copies
+    from hybridkv.integrations.fastdeploy.host_tier import allocate_host_caches, run_tier_copies
 
     caches = allocate_caches(tiny_layout(17), framework="torch")
     host = allocate_host_caches(caches, 4, pin_memory=False)
@@ -588,7 +588,7 @@ def test_run_tier_copies_checks_both_lists_before_moving_a_byte(copies, error):
 
 
 def test_allocate_host_caches_refuses_bad_arguments():
-    from hybridkv.scheduler_adapter.fastdeploy_worker import allocate_host_caches, run_tier_copies
+    from hybridkv.integrations.fastdeploy.host_tier import allocate_host_caches, run_tier_copies
 
     caches = allocate_caches(tiny_layout(17), framework="torch")
     with pytest.raises(TypeError, match="FastDeployCaches"):

@@ -228,7 +228,7 @@ def segment_kv_view(segments: Any, spec: AttentionLayerSpec, block_size: int) ->
 def kv_cache_views(pools: BlockPools) -> list[Any]:
     """``[k0, v0, k1, v1, ...]`` for the attention layers in slot order: views of the one backing
     allocation, so not FastDeploy's ``caches`` (those are built by
-    ``hybridkv.scheduler_adapter.fastdeploy_worker.kv_cache_list``, one allocation per tensor).
+    ``hybridkv.integrations.fastdeploy.worker.kv_cache_list``, one allocation per tensor).
     Quantized (1-byte) KV is seen as uint8, as FastDeploy stores it.
 
     K takes the slot's segments ``[0, layout.key_segments)``, V the next ``layout.value_segments``.

@@ -10,12 +10,12 @@ from typing import Any
 from hybridkv.blockmgr.manager import HybridBlockManager
 from hybridkv.blockmgr.records import RequestId
 from hybridkv.errors import RequestStateError
-from hybridkv.scheduler_adapter.fastdeploy_types import ALLOCATE_FORMS, PATCH_SERIES, SPLITWISE_ROLES, EnginePatchError
+from hybridkv.integrations.fastdeploy.types import ALLOCATE_FORMS, PATCH_SERIES, SPLITWISE_ROLES, EnginePatchError
 from hybridkv.units import as_count, is_integer
 
 
 class EngineContractMixin:
-    """Part of :class:`~hybridkv.scheduler_adapter.fastdeploy.FastDeployBlockManager`: the binding and
+    """Part of :class:`~hybridkv.integrations.fastdeploy.facade.FastDeployBlockManager`: the binding and
     the tickets. Ownership: ``_binding`` is set once; ``_tickets`` holds ids of requests the engine
     has not allocated yet and whose next first allocation includes their state sets; ``_admitted``
     (the facade's) the host hits admitted at their match, waiting for that first allocation."""
