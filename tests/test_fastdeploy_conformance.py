@@ -102,7 +102,7 @@ def make_requests(sc: Scenario, rng: random.Random) -> list[Request]:
     return out
 
 
-def build(preset: str, sc: Scenario, *, v1_mode: bool, patched: bool, role: str = "mixed"):
+def build(preset: str, sc: Scenario, *, v1_mode: bool, patched: bool, role: str = "mixed", omit=frozenset()):
     layout = preset_layout(preset, 64)
     S = sum(layout.blocks_per_state)
     total = sc.seqs * S + sc.pool + 1
@@ -110,14 +110,16 @@ def build(preset: str, sc: Scenario, *, v1_mode: bool, patched: bool, role: str 
     fd = FastDeployBlockManager(HybridBlockManager(layout, num_host_blocks=sc.host, prefix_cache=cfg))
     rm = RMv1(
         fd, max_num_seqs=sc.seqs, max_num_batched_tokens=sc.budget, v1_mode=v1_mode, prefix=sc.prefix,
-        patched=patched, role=role, enc_dec_block_num=2, prealloc_threshold=12,
+        patched=patched, omit=omit, role=role, enc_dec_block_num=2, prealloc_threshold=12,
     )  # fmt: skip
     return fd, rm, total
 
 
-def run_mixed(preset: str, name: str, *, v1_mode: bool, seed: int = 0, max_steps: int = 3000) -> dict:
+def run_mixed(
+    preset: str, name: str, *, v1_mode: bool, seed: int = 0, max_steps: int = 3000, omit=frozenset()
+) -> dict:
     sc = SCENARIOS[name]
-    fd, rm, total = build(preset, sc, v1_mode=v1_mode, patched=True)
+    fd, rm, total = build(preset, sc, v1_mode=v1_mode, patched=True, omit=omit)
     rm.reset_cache_config(SimpleNamespace(total_block_num=total))  # E6: after the profiling run
     assert rm.total_block_number() == total and fd.manager.layout.num_blocks == total
     rng = random.Random(seed)
@@ -196,6 +198,15 @@ def test_patched_engine_runs_every_scenario(preset, name, v1_mode):
     check_outcome(out, name)
     if v1_mode:
         assert out["backup_calls"] == out["steps"]  # check_and_add_pending_backup ends every v1 schedule()
+
+
+@pytest.mark.parametrize("v1_mode", [False, True])
+def test_an_engine_without_e9_stops_loudly_when_the_host_tier_queues_copies(v1_mode):
+    """E9 left out with a host tier: the tier's copies were never handed out, so their pins never
+    ended and the engine waited forever, silently. Now the facade raises at the second begin_step
+    that finds them queued, naming E9, as a missing E4 raises at the first checkpoint reservation."""
+    with pytest.raises(EnginePatchError, match=r"begin_step: .*patch E9"):
+        run_mixed("qwen3-next-tp2", "prefix-host", v1_mode=v1_mode, omit={"E9"})
 
 
 @pytest.mark.parametrize(("preset", "name", "v1_mode"), MATRIX)

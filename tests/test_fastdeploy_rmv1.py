@@ -71,6 +71,7 @@ class RMv1:
         v1_mode=False,
         prefix=False,
         patched=True,
+        omit=frozenset(),
         role="mixed",
         enc_dec_block_num=1,
         prealloc_threshold=1,
@@ -83,6 +84,7 @@ class RMv1:
         self.enable_cache_manager_v1 = v1_mode
         self.enable_prefix_caching = prefix
         self.patched = patched
+        self.omit = frozenset(omit)  # patches a patched engine leaves out (a missing line must fail loudly)
         self.splitwise_role = role
         self.enc_dec_block_num = enc_dec_block_num
         self.prealloc_dec_block_slot_num_threshold = prealloc_threshold
@@ -339,7 +341,7 @@ class RMv1:
             if self.current_reserve == 0:
                 self.can_relax_prefill_strategy = True
         self.update_metrics()
-        if self.patched and batch_request:  # E9: the step's host-tier copies ride on its first task
+        if self.patched and "E9" not in self.omit and batch_request:  # E9: the host-tier copies ride on task 0
             tier = self.cache_manager.take_tier_copies()
             if tier is not None:
                 batch_request[0].tier_copies = tier

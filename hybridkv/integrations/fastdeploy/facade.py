@@ -89,7 +89,7 @@ from hybridkv.integrations.fastdeploy.worker import (
 from hybridkv.planner.layout import Layout
 from hybridkv.scheduler_adapter.cost import GpuSpec
 from hybridkv.scheduler_adapter.metadata import StepMetadata
-from hybridkv.units import as_count, cdiv
+from hybridkv.units import as_count, cdiv, is_integer
 
 
 class FastDeployBlockManager(EngineContractMixin, SplitwiseMixin, PrefixMixin):
@@ -131,6 +131,8 @@ class FastDeployBlockManager(EngineContractMixin, SplitwiseMixin, PrefixMixin):
         self._transfers = {}  # decode role: pending import plans (SplitwiseMixin)
         self._admitted: set[RequestId] = set()  # host hits admitted at their match, not allocated by the engine yet
         self._take_epoch = 0  # pin epoch of the last take_tier_copies (host tier)
+        self._took_tier_copies = False  # take_tier_copies (patch E9) ran at least once
+        self._untaken_steps = 0  # begin_steps in a row that found tier copies queued
 
     @classmethod
     def from_cache_config(
@@ -270,9 +272,14 @@ class FastDeployBlockManager(EngineContractMixin, SplitwiseMixin, PrefixMixin):
 
     def can_allocate_gpu_blocks(self, num_blocks: int, try_free_gpu_blocks: bool = True) -> bool:
         """True if ``num_blocks`` blocks can be taken now (evicting cached blocks as needed).
-        ``TypeError`` for a count that is not an integer, ``ValueError`` below 0."""
+        ``TypeError`` for a count that is not an integer. A negative count is True, as FastDeploy's
+        own managers answer it (``PrefixCacheManager`` and v1 ``CacheManager`` compare the free count
+        with it): develop c1b7c083's ``get_new_block_nums`` has no ``max(block_num, 0)``, so a
+        request holding more blocks than its tokens need asks for a negative count."""
         self._require("can_allocate_gpu_blocks")
-        return as_count(num_blocks, "can_allocate_gpu_blocks num_blocks") <= self.num_free_device_blocks
+        if not is_integer(num_blocks):
+            raise TypeError(f"can_allocate_gpu_blocks: num_blocks must be an integer, got {num_blocks!r}")
+        return int(num_blocks) <= self.num_free_device_blocks
 
     can_allocate_device_blocks = can_allocate_gpu_blocks
 

@@ -232,6 +232,7 @@ class PrefixMixin:
         this call: the worker ran them before this step's copies. Tier copies that E9 has not taken
         yet (a step with an empty batch) keep their pins until a later step hands them out."""
         self._require("begin_step")
+        self._check_e9()
         self._stepped = True
         self._tickets.clear()
         for rid in sorted(self._admitted, key=repr):
@@ -250,6 +251,23 @@ class PrefixMixin:
                 self._lapsed.add(rid)
         self._pending.clear()
 
+    def _check_e9(self) -> None:
+        """Patch E9 missing fails loudly, as a missing E4 does: tier copies queued across two
+        ``begin_step`` calls while ``take_tier_copies`` never ran mean the engine has no E9 line
+        (a patched engine takes them on its first non-empty batch). Without this the copies' pins
+        never end and the engine waits forever. Raises before anything changes."""
+        tier = self._tier
+        if tier is None or not tier.has_queued():
+            self._untaken_steps = 0
+            return
+        self._untaken_steps += 1
+        if self._untaken_steps >= 2 and not self._took_tier_copies:
+            raise EnginePatchError(
+                "begin_step: the host tier's copies of earlier steps were never taken: patch E9 adds, at the end of "
+                "schedule(), tier_copies = self.cache_manager.take_tier_copies() on the batch's first task "
+                "(docs/fastdeploy.md); without it their blocks stay pinned and the engine waits forever"
+            )
+
     def take_tier_copies(self) -> dict[str, list[list[int]]] | None:
         """Patch E9, the last lines of ``schedule()``: the host tier's copies of this step, for the
         first task of the batch (field :data:`TIER_COPIES_FIELD`), or None when there are none (or
@@ -260,6 +278,7 @@ class PrefixMixin:
         and 3b). Taken once per step, after every allocation and checkpoint reservation of the step;
         the host blocks they touch stay held until the next :meth:`begin_step`."""
         self._require("take_tier_copies")
+        self._took_tier_copies, self._untaken_steps = True, 0
         tier = self._tier
         if tier is None or not tier.has_queued():
             return None
