@@ -478,7 +478,7 @@ class StateTables:
 
 
 def attach_worker(forward_meta: Any, caches: FastDeployCaches, tables: StateTables) -> Any:
-    """Set ``caches``, ``state_block_tables`` and ``state_layer_slots`` on ``forward_meta`` (after
+    """Set ``caches``, ``state_block_tables``, ``state_layer_slots``, ``hybridkv_layout`` on ``forward_meta`` (after
     ``initialize_forward_meta``). Always the same objects: nothing is allocated per step.
     ``has_initial_state`` of a row is ``seq_lens_decoder[idx] > 0``, read by the kernel itself.
     ``TypeError`` for other objects, ``ValueError`` if the two were built for different layouts."""
@@ -492,4 +492,5 @@ def attach_worker(forward_meta: Any, caches: FastDeployCaches, tables: StateTabl
     forward_meta.caches = caches.caches
     forward_meta.state_block_tables = tables.state_block_tables
     forward_meta.state_layer_slots = caches.layer_slots
+    forward_meta.hybridkv_layout = caches.layout  # what layers.lightning_attention addresses the states by
     return forward_meta
