@@ -53,15 +53,36 @@ def _state_rows(slot: StateLayerSlot, layout: Layout, tables: Any, nbytes: int, 
     return np.ascontiguousarray(rows)
 
 
-def gather_state_bytes(slot: StateLayerSlot, layout: Layout, tables: Any, nbytes: int) -> Any:
+def _use_kernel(slot: StateLayerSlot, backend: str) -> bool:
+    """``backend``: ``"naive"`` (index moves), ``"triton"`` (:mod:`hybridkv.ops.segments`, one launch
+    over the segments' pointer table) or ``"auto"`` (Triton on CUDA when installed)."""
+    if backend not in ("auto", "naive", "triton"):
+        raise ValueError(f"backend must be 'auto', 'naive' or 'triton', got {backend!r}")
+    if backend != "auto":
+        return backend == "triton"
+    import importlib.util
+
+    first = slot.segments[0]
+    on_gpu = first.place.is_gpu_place() if tensors_.is_paddle(first) else first.device.type == "cuda"
+    return on_gpu and importlib.util.find_spec("triton") is not None
+
+
+def gather_state_bytes(slot: StateLayerSlot, layout: Layout, tables: Any, nbytes: int, backend: str = "auto") -> Any:
     """The first ``nbytes`` of each row's state: uint8 ``[B, nbytes]`` (a new tensor of the segments'
     framework and device) from state sets ``tables`` int ``[B, >= ceil(nbytes / block_bytes)]`` (rows
     of ``state_block_tables[group]``). Reference path over per-segment base pointers: byte ``o`` of
     segment ``k`` of block ``b`` is at ``segments[k] + b * segment_bytes + o``; one index move per
     segment for the whole blocks, one per (last block, segment) for the rest. The tables are checked
-    on the host first (real block ids only, see :func:`check_block_ids`)."""
+    on the host first (real block ids only, see :func:`check_block_ids`). ``backend``: see
+    :func:`_use_kernel` (the kernel path gives the same bytes)."""
     rows = _state_rows(slot, layout, tables, nbytes, "gather_state_bytes")
     segs, batch = slot.segments, rows.shape[0]
+    if _use_kernel(slot, backend):
+        from hybridkv.ops import segments as segment_ops
+
+        out = tensors_.zeros(segs[0], (batch, nbytes), "uint8")
+        segment_ops.run(False, segs, layout, rows, out)
+        return out
     full = nbytes // layout.block_bytes  # whole blocks: one index move per segment
     pieces = []
     if full:
@@ -74,7 +95,7 @@ def gather_state_bytes(slot: StateLayerSlot, layout: Layout, tables: Any, nbytes
     return tensors_.concat(pieces, axis=1)
 
 
-def scatter_state_bytes(slot: StateLayerSlot, layout: Layout, tables: Any, data: Any) -> None:
+def scatter_state_bytes(slot: StateLayerSlot, layout: Layout, tables: Any, data: Any, backend: str = "auto") -> None:
     """Write ``data`` uint8 ``[B, nbytes]`` (numpy, or a tensor of any framework) into the state sets
     ``tables``, in place, in the segments' framework. Checks the tables (as
     :func:`gather_state_bytes`) and ``data``'s dtype and shape before writing."""
@@ -87,6 +108,11 @@ def scatter_state_bytes(slot: StateLayerSlot, layout: Layout, tables: Any, data:
         raise ValueError(f"scatter_state_bytes: {rows.shape[0]} table rows for {shape[0]} data rows")
     segs = slot.segments
     data = tensors_.to_like(data, segs[0])
+    if _use_kernel(slot, backend):
+        from hybridkv.ops import segments as segment_ops
+
+        segment_ops.run(True, segs, layout, rows, data.contiguous())
+        return
     full = shape[1] // layout.block_bytes  # whole blocks: one index move per segment
     if full:
         idx = tensors_.index(segs[0], rows[:, :full].reshape(-1))
