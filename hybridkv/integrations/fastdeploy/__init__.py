@@ -5,7 +5,8 @@
 - :mod:`.worker`: FastDeploy's ``caches`` (one allocation per tensor) and the persistent state
   tables; :mod:`.state`: a recurrent layer's state bytes in those allocations; :mod:`.host_tier`:
   the host tier's pool and copies (W6); :mod:`.gdn`: PR #7074's GDN pool calls over paged state;
-  :mod:`.layers`: what a model layer calls (``lightning_attention``, W4).
+  :mod:`.layers`: what a model layer calls (``lightning_attention``, W4; ``gdn_conv`` /
+  ``gated_delta_rule``, W5).
 
 The worker side runs with Paddle alone (no torch; ``tensors`` keeps each move in the framework of
 its tensors). The patch series and what each file of FastDeploy changes: docs/fastdeploy.md.
@@ -29,7 +30,7 @@ from hybridkv.integrations.fastdeploy.host_tier import (
     run_step_tier_copies,
     run_tier_copies,
 )
-from hybridkv.integrations.fastdeploy.layers import lightning_attention
+from hybridkv.integrations.fastdeploy.layers import gated_delta_rule, gdn_conv, lightning_attention
 from hybridkv.integrations.fastdeploy.worker import (
     BatchSlotError,
     BlockIdError,
@@ -65,6 +66,8 @@ __all__ = [
     "attach_gdn",
     "attach_worker",
     "copy_blocks",
+    "gated_delta_rule",
+    "gdn_conv",
     "kv_cache_list",
     "lightning_attention",
     "run_step_tier_copies",
