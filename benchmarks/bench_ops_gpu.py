@@ -22,11 +22,14 @@ so and exits with status 0.
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -213,7 +216,7 @@ def _hybridkv_states(model, batch, name, nbytes, copy_gbps, quick, check) -> lis
         del ref
         out.torch_data.random_(0, 255)
         want = pools.torch_data.clone()
-        ref_pools = dataclasses.replace(pools, data=want, torch_data=want, cache={})
+        ref_pools = dataclasses.replace(pools, data=want, cache={})
         scatter_states(ref_pools, table, None, out, backend="naive")
         scatter_states(pools, table_dev, None, out, backend=mine, validate=False)
         _sync()
@@ -330,6 +333,71 @@ def blocks_and_swap_case(copy_gbps: float, pinned: dict[str, float], quick: bool
     return records
 
 
+def _wall_ms(fn: Callable[[], Any], sync: Callable[[], Any], reps: int) -> float:
+    """Median-free wall time per call over ``reps`` calls between two device synchronisations (Paddle
+    launches run on Paddle's stream, which torch's events in ``do_bench`` would not time)."""
+    fn()
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    sync()
+    return (time.perf_counter() - t0) * 1e3 / reps
+
+
+def segments_case(copy_gbps: float, quick: bool, check: bool) -> list[dict[str, Any]]:
+    """FastDeploy's per-segment caches (docs/fastdeploy.md W1): one lightning layer's states of B
+    requests gathered / scattered through the pointer-table kernel (hybridkv.ops.segments) and through
+    the index moves, on torch and, when Paddle with CUDA is installed, on Paddle tensors."""
+    from hybridkv.integrations.fastdeploy.state import gather_state_bytes, scatter_state_bytes
+    from hybridkv.integrations.fastdeploy.worker import allocate_caches
+    from hybridkv.models.presets import preset
+    from hybridkv.ops._framework import interpreter_on
+    from hybridkv.planner.layout import plan
+
+    batch = 1 if _RUN["smoke"] else 8 if quick else 32
+    model = preset("minimax-m1", "bfloat16", 8)
+    probe = plan(model, 1 << 30, block_size=64)
+    layout = plan(model, (batch * sum(probe.blocks_per_state) + 64) * probe.bytes_per_block, block_size=64)
+    frameworks = ["torch"]
+    try:
+        import paddle
+
+        if paddle.device.is_compiled_with_cuda() and not _RUN["smoke"]:
+            frameworks.append("paddle")
+    except ImportError:
+        pass
+    kernel = "naive" if _RUN["smoke"] and not interpreter_on() else "triton"
+    records = []
+    for fw in frameworks:
+        device = "cpu" if _RUN["smoke"] else "gpu:0"
+        caches = allocate_caches(layout, framework=fw, device=device)
+        slot = caches.layer_slots[0]
+        nbytes = layout.model.layers[0].state_bytes
+        rng = np.random.default_rng(0)
+        tables = rng.permutation(np.arange(1, layout.num_blocks))[: batch * layout.blocks_per_state[slot.group]]
+        tables = tables.reshape(batch, -1)
+        data = rng.integers(0, 256, (batch, nbytes), dtype=np.uint8)
+        scatter_state_bytes(slot, layout, tables, data, backend="naive")
+        if check:
+            a = gather_state_bytes(slot, layout, tables, nbytes, backend=kernel)
+            _check(np.array_equal(np.asarray(a.cpu().numpy()), data), f"segments gather ({fw}, B={batch})")
+        if fw == "paddle":
+            import paddle
+
+            sync = paddle.device.synchronize
+        else:
+            sync = _sync
+        reps = 1 if _RUN["smoke"] else 20 if quick else 100
+        name = f"minimax-m1 TP8 layer 0 per-segment caches B={batch} ({nbytes // KiB} KiB states)"
+        for op, run in (("gather", gather_state_bytes), ("scatter", scatter_state_bytes)):
+            arg = nbytes if op == "gather" else data
+            for impl, backend in ((f"segments kernel ({fw})", kernel), (f"index moves ({fw})", "naive")):
+                call = functools.partial(run, slot, layout, tables, arg, backend=backend)
+                records.append(_record(name, op, impl, _wall_ms(call, sync, reps), 2 * batch * nbytes, copy_gbps))
+    return records
+
+
 def print_table(copy: dict[str, Any], pinned: dict[str, float], records: list[dict[str, Any]]) -> None:
     print(f"device copy: {copy['gbps']:.0f} GB/s ({copy['ms']:.3f} ms for {copy['bytes'] / GiB:.1f} GiB r+w); "
           f"pinned: in {pinned['in_gbps']:.1f} GB/s, out {pinned['out_gbps']:.1f} GB/s")  # fmt: skip
@@ -386,6 +454,7 @@ def main(argv: list[str] | None = None) -> int:
     for model_name, batch in cases:
         records += state_case(models[model_name], batch, copy["gbps"], args.quick, check=not args.no_check)
     records += blocks_and_swap_case(copy["gbps"], pinned, args.quick, check=not args.no_check)
+    records += segments_case(copy["gbps"], args.quick, check=not args.no_check)
     print_table(copy, pinned, records)
     payload = {
         "quick": args.quick,

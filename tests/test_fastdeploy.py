@@ -7,6 +7,7 @@ cache, and with ``block_wise_fp8`` each layer adds K and V scales ``[num_blocks,
 (``caches[4*l .. 4*l+3]``).
 """
 
+import importlib.util
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,19 +15,23 @@ import numpy as np
 import pytest
 
 from hybridkv.blockmgr.manager import HybridBlockManager
-from hybridkv.models.presets import preset
-from hybridkv.models.spec import with_kv_dtype
-from hybridkv.planner.layout import plan
-from hybridkv.scheduler_adapter import Scheduler, SchedulerConfig, StepOutputs, attach, build_step_metadata
-from hybridkv.scheduler_adapter.fastdeploy_state import read_state_bytes, write_state_bytes
-from hybridkv.scheduler_adapter.fastdeploy_worker import (
+from hybridkv.integrations.fastdeploy.state import read_state_bytes, write_state_bytes
+from hybridkv.integrations.fastdeploy.worker import (
     allocate_caches,
     allocation_start,
     is_own_allocation,
     state_layer_slots,
 )
+from hybridkv.models.presets import preset
+from hybridkv.models.spec import with_kv_dtype
+from hybridkv.planner.layout import plan
+from hybridkv.scheduler_adapter import Scheduler, SchedulerConfig, StepOutputs, attach, build_step_metadata
 
-torch = pytest.importorskip("torch")
+FRAMEWORKS = [f for f in ("torch", "paddle") if importlib.util.find_spec(f) is not None]
+FW = FRAMEWORKS[0]  # torch in the torch lane, Paddle in the no-torch lane
+needs_torch = pytest.mark.skipif(
+    "torch" not in FRAMEWORKS, reason="K and V of different widths (several segments each) are built for torch only"
+)
 
 
 def minimax_layout(kv_dtype: str = "bfloat16", num_blocks: int = 24):
@@ -41,10 +46,8 @@ def _dtype_name(t: Any) -> str:
     return str(t.dtype).removeprefix("torch.").removeprefix("paddle.")
 
 
-@pytest.mark.parametrize("framework", ["torch", "paddle"])
+@pytest.mark.parametrize("framework", FRAMEWORKS)
 def test_minimax_m1_tp8_caches_are_fastdeploys_list_one_allocation_each(framework):
-    if framework == "paddle":
-        pytest.importorskip("paddle")
     layout = minimax_layout()
     c = allocate_caches(layout, framework=framework)
     assert len(c.caches) == 2 * 80 and c.stride == 2
@@ -64,10 +67,8 @@ def test_minimax_m1_tp8_caches_are_fastdeploys_list_one_allocation_each(framewor
     assert names[0] is None
 
 
-@pytest.mark.parametrize("framework", ["torch", "paddle"])
+@pytest.mark.parametrize("framework", FRAMEWORKS)
 def test_block_wise_fp8_caches_interleave_scales(framework):
-    if framework == "paddle":
-        pytest.importorskip("paddle")
     layout = minimax_layout("block_wise_fp8")
     assert layout.scale_segment_bytes == 64 * 4  # 64 tokens x 1 head x float32, for K (and for V)
     c = allocate_caches(layout, framework=framework)
@@ -84,17 +85,16 @@ def test_block_wise_fp8_caches_interleave_scales(framework):
 def test_int8_kv_is_uint8_storage_without_scales():
     layout = minimax_layout("int8")
     assert layout.segment_bytes == 64 * 128 and layout.scale_segment_bytes == 0
-    c = allocate_caches(layout, framework="torch")
-    assert len(c.caches) == 160 and c.caches[14].dtype == torch.uint8 and c.caches[14].shape == (24, 1, 64, 128)
+    c = allocate_caches(layout, framework=FW)
+    assert len(c.caches) == 160 and _dtype_name(c.caches[14]) == "uint8"
+    assert tuple(c.caches[14].shape) == (24, 1, 64, 128)
     bf16 = minimax_layout("bfloat16")
     assert layout.block_bytes * 2 == bf16.block_bytes  # half the bytes per block: state sets span twice the blocks
     assert layout.blocks_per_state[0] == 2 * bf16.blocks_per_state[0]
 
 
-@pytest.mark.parametrize("framework", ["torch", "paddle"])
+@pytest.mark.parametrize("framework", FRAMEWORKS)
 def test_state_lives_in_the_same_allocations_addressed_per_segment(framework):
-    if framework == "paddle":
-        pytest.importorskip("paddle")
     layout = minimax_layout(num_blocks=130)
     m = HybridBlockManager(layout)
     m.allocate("a", 100)  # 2 KV blocks + 7 state sets of 8 blocks (56; bf16 lightning state)
@@ -143,15 +143,16 @@ def test_attach_for_hybridkv_scheduler_uses_the_same_caches():
     s.add_request("b", 70, 4)
     s.update(StepOutputs({r.request_id: [7] for r in s.step().scheduled if r.samples}))
     md = build_step_metadata(m, s.step(), batch_size=4)
-    c = allocate_caches(layout, framework="torch")
+    c = allocate_caches(layout, framework=FW)
     fm = attach(FakeForwardMeta(), md, c, set_seq_lens=True)
-    assert fm.caches is c.caches and fm.block_tables.dtype == torch.int32 and fm.block_tables.shape == (4, 2)
+    assert fm.caches is c.caches and _dtype_name(fm.block_tables) == "int32" and tuple(fm.block_tables.shape) == (4, 2)
     # 7 state groups x 4 rows x 8 blocks: a TP8 bf16 lightning state (8 x 128 x 128 x 2 B = 256 KiB) over
     # 32 KiB blocks (64 tokens x 1 KV head x 128 x K and V x 2 B)
-    assert fm.state_block_tables.shape == (7, 4, 8) and fm.has_initial_state.tolist() == [True, True, False, False]
+    assert tuple(fm.state_block_tables.shape) == (7, 4, 8)
+    assert fm.has_initial_state.tolist() == [True, True, False, False]
     assert fm.state_layer_slots[78].slot == 9 and fm.state_layer_slots[78].group == 6
     with pytest.raises(ValueError, match="different layout"):
-        attach(FakeForwardMeta(), md, allocate_caches(minimax_layout(), framework="torch"))
+        attach(FakeForwardMeta(), md, allocate_caches(minimax_layout(), framework=FW))
 
 
 def test_plan_kv_dtype_cli(capsys):
@@ -179,17 +180,20 @@ def test_ops_pools_hold_block_wise_fp8_scales_and_uint8_kv_views():
     from hybridkv.ops.pools import allocate_pools, kv_cache_views
 
     layout = minimax_layout("block_wise_fp8")
-    pools = allocate_pools(layout, device="cpu")
-    assert tuple(pools.scales.shape) == (10, 2, 24, 64 * 4) and pools.scales.dtype == torch.uint8
+    pools = allocate_pools(layout, device="cpu", framework=FW)
+    assert tuple(pools.scales.shape) == (10, 2, 24, 64 * 4) and _dtype_name(pools.scales) == "uint8"
     views = kv_cache_views(pools)
-    assert len(views) == 20 and views[0].dtype == torch.uint8 and views[0].shape == (24, 1, 64, 128)
-    assert allocate_pools(minimax_layout(), device="cpu").scales is None
+    assert len(views) == 20 and _dtype_name(views[0]) == "uint8" and tuple(views[0].shape) == (24, 1, 64, 128)
+    assert allocate_pools(minimax_layout(), device="cpu", framework=FW).scales is None
 
 
+@needs_torch
 def test_k_and_v_of_different_widths_are_one_allocation_each_in_fastdeploys_list():
     """Kimi-like MLA (K 12 wide, V 4: segments of 4, K takes 3): caches[2l] is K [num_blocks, kv_heads,
     block_size, 3, 4] over one allocation of its 3 segments, caches[2l+1] V over the 4th; the state
     addressing still sees one tensor per segment of that memory."""
+    import torch
+
     from tests.test_ops_pools import _mla_layout
 
     layout = _mla_layout()
@@ -211,6 +215,7 @@ def test_k_and_v_of_different_widths_are_one_allocation_each_in_fastdeploys_list
         allocate_caches(layout, framework="paddle")
 
 
+@needs_torch
 def test_a_hybrid_models_caches_are_indexed_by_decoder_layer():
     """Falcon-H1-like: every decoder layer keeps K/V and a state (two cache layers each); FastDeploy's
     caches[2l] / [2l+1] are decoder layer l's K and V (layout.decoder_layer_id)."""

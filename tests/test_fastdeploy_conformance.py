@@ -29,8 +29,8 @@ import pytest
 import hybridkv
 from hybridkv.blockmgr.manager import HybridBlockManager
 from hybridkv.blockmgr.prefix import PrefixCacheConfig
+from hybridkv.integrations.fastdeploy.facade import HYBRID_TASK_FIELDS, EnginePatchError, FastDeployBlockManager
 from hybridkv.planner.layout import plan
-from hybridkv.scheduler_adapter.fastdeploy import HYBRID_TASK_FIELDS, EnginePatchError, FastDeployBlockManager
 from hybridkv.transfer.errors import TransferError
 from hybridkv.transfer.loopback import LoopbackEngine, LoopbackHub, connect_pair, regions_of_array
 from hybridkv.transfer.testing import reference_bytes, seeded_pool
@@ -102,7 +102,7 @@ def make_requests(sc: Scenario, rng: random.Random) -> list[Request]:
     return out
 
 
-def build(preset: str, sc: Scenario, *, v1_mode: bool, patched: bool, role: str = "mixed"):
+def build(preset: str, sc: Scenario, *, v1_mode: bool, patched: bool, role: str = "mixed", **kw):
     layout = preset_layout(preset, 64)
     S = sum(layout.blocks_per_state)
     total = sc.seqs * S + sc.pool + 1
@@ -110,14 +110,14 @@ def build(preset: str, sc: Scenario, *, v1_mode: bool, patched: bool, role: str 
     fd = FastDeployBlockManager(HybridBlockManager(layout, num_host_blocks=sc.host, prefix_cache=cfg))
     rm = RMv1(
         fd, max_num_seqs=sc.seqs, max_num_batched_tokens=sc.budget, v1_mode=v1_mode, prefix=sc.prefix,
-        patched=patched, role=role, enc_dec_block_num=2, prealloc_threshold=12,
+        patched=patched, role=role, enc_dec_block_num=2, prealloc_threshold=12, **kw,
     )  # fmt: skip
     return fd, rm, total
 
 
-def run_mixed(preset: str, name: str, *, v1_mode: bool, seed: int = 0, max_steps: int = 3000) -> dict:
+def run_mixed(preset: str, name: str, *, v1_mode: bool, seed: int = 0, max_steps: int = 3000, **kw) -> dict:
     sc = SCENARIOS[name]
-    fd, rm, total = build(preset, sc, v1_mode=v1_mode, patched=True)
+    fd, rm, total = build(preset, sc, v1_mode=v1_mode, patched=True, **kw)
     rm.reset_cache_config(SimpleNamespace(total_block_num=total))  # E6: after the profiling run
     assert rm.total_block_number() == total and fd.manager.layout.num_blocks == total
     rng = random.Random(seed)
@@ -198,6 +198,15 @@ def test_patched_engine_runs_every_scenario(preset, name, v1_mode):
         assert out["backup_calls"] == out["steps"]  # check_and_add_pending_backup ends every v1 schedule()
 
 
+@pytest.mark.parametrize("v1_mode", [False, True])
+def test_an_engine_without_e9_stops_loudly_when_the_host_tier_queues_copies(v1_mode):
+    """E9 left out with a host tier: the tier's copies were never handed out, so their pins never
+    ended and the engine waited forever, silently. Now the facade raises at the second begin_step
+    that finds them queued, naming E9, as a missing E4 raises at the first checkpoint reservation."""
+    with pytest.raises(EnginePatchError, match=r"begin_step: .*patch E9"):
+        run_mixed("qwen3-next-tp2", "prefix-host", v1_mode=v1_mode, omit={"E9"})
+
+
 @pytest.mark.parametrize(("preset", "name", "v1_mode"), MATRIX)
 def test_unpatched_engine_stops_at_its_first_call(preset, name, v1_mode):
     sc = SCENARIOS[name]
@@ -226,10 +235,12 @@ class FailingWrite(LoopbackEngine):
         super().write(peer, pairs, remote, notification, timeout_s)
 
 
-def run_splitwise(preset: str, *, v1_mode: bool, prefix: bool = False, seed: int = 0, max_steps: int = 2000) -> dict:
+def run_splitwise(
+    preset: str, *, v1_mode: bool, prefix: bool = False, seed: int = 0, max_steps: int = 2000, version: str = "7808a119"
+) -> dict:
     sc = Scenario(pool=60, seqs=3, n=6, prompt=(100, 1200), out=(3, 30), prefix=prefix)
-    P_fd, P, p_total = build(preset, sc, v1_mode=v1_mode, patched=True, role="prefill")
-    D_fd, D, d_total = build(preset, sc, v1_mode=v1_mode, patched=True, role="decode")
+    P_fd, P, p_total = build(preset, sc, v1_mode=v1_mode, patched=True, role="prefill", version=version)
+    D_fd, D, d_total = build(preset, sc, v1_mode=v1_mode, patched=True, role="decode", version=version)
     P.reset_cache_config(SimpleNamespace(total_block_num=p_total))
     D.reset_cache_config(SimpleNamespace(total_block_num=d_total))
     p_pool, d_pool = seeded_pool(P_fd.manager.layout, 1), seeded_pool(D_fd.manager.layout, 2)
@@ -300,6 +311,27 @@ def test_splitwise_prefill_and_decode_roles_move_state_and_leak_nothing(preset, 
     out = run_splitwise(preset, v1_mode=v1_mode)
     assert out["failed"] == ["r3"] and out["moved"] == out["n"] - 1 and out["finished"] == out["n"] - 1, out
     assert out["bytes_checked"] == 1, out
+    for side in ("P", "D"):
+        assert out[side]["blocks_back"] and not out[side]["over_slots"] and not out[side]["swallowed"], out
+
+
+OTHER_VERSIONS = [("c1b7c083", False), ("c1b7c083", True), ("7198b588", False)]  # release/2.6: no v1 manager
+
+
+@pytest.mark.parametrize(("version", "v1_mode"), OTHER_VERSIONS, ids=["develop-legacy", "develop-v1", "2.6-legacy"])
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_patched_engine_runs_every_scenario_in_the_call_order_of_develop_and_release_2_6(name, version, v1_mode):
+    """The same scenarios with the differences of develop c1b7c083 (int v1 flag, no clamp in
+    get_new_block_nums) and release/2.6 7198b588 (no v1 manager), on one preset."""
+    check_outcome(run_mixed("qwen3-next-tp2", name, v1_mode=v1_mode, version=version), name)
+
+
+@pytest.mark.parametrize(("version", "v1_mode"), OTHER_VERSIONS, ids=["develop-legacy", "develop-v1", "2.6-legacy"])
+def test_splitwise_roles_in_the_call_order_of_develop_and_release_2_6(version, v1_mode):
+    """develop's prefill role asks can_allocate_gpu_blocks(n < 0) for a chunk of a preallocated
+    request: the facade answers it as FastDeploy's managers do (it used to refuse: a stall)."""
+    out = run_splitwise("minimax-m1-tp8", v1_mode=v1_mode, version=version)
+    assert out["failed"] == ["r3"] and out["finished"] == out["n"] - 1, out
     for side in ("P", "D"):
         assert out[side]["blocks_back"] and not out[side]["over_slots"] and not out[side]["swallowed"], out
 

@@ -15,7 +15,7 @@ import pytest
 from hybridkv.blockmgr.manager import HybridBlockManager
 from hybridkv.blockmgr.prefix import PrefixCacheConfig
 from hybridkv.errors import NoFreeBlocksError, RequestStateError
-from hybridkv.scheduler_adapter.fastdeploy import PATCH_SERIES, EnginePatchError, FastDeployBlockManager
+from hybridkv.integrations.fastdeploy.facade import PATCH_SERIES, EnginePatchError, FastDeployBlockManager
 from tests.test_fastdeploy_world import BLOCK_SIZE, STATE_BLOCKS, Request, tiny_layout
 
 
@@ -69,11 +69,12 @@ def test_bind_engine_checks_the_series_the_mode_and_the_role_and_binds_once():
     fd = FastDeployBlockManager(HybridBlockManager(tiny_layout(17)))
     with pytest.raises(EnginePatchError, match="patch series 'hybridkv-fastdeploy-0fe1d25/1'"):
         fd.bind_engine("hybridkv-fastdeploy-0fe1d25/1", cache_manager_v1=False)
-    with pytest.raises(TypeError, match="cache_manager_v1 must be a bool"):
-        fd.bind_engine(PATCH_SERIES, cache_manager_v1=1)
+    for bad in (2, -1, "1", 1.0, None):  # develop c1b7c083 passes its env int 0 / 1; nothing else is a mode
+        with pytest.raises(TypeError, match="cache_manager_v1 must be a bool or 0 / 1"):
+            fd.bind_engine(PATCH_SERIES, cache_manager_v1=bad)
     with pytest.raises(ValueError, match="splitwise_role"):
         fd.bind_engine(PATCH_SERIES, cache_manager_v1=False, splitwise_role="both")
-    fd.bind_engine(PATCH_SERIES, cache_manager_v1=True)
+    fd.bind_engine(PATCH_SERIES, cache_manager_v1=1)  # develop's int: v1 mode
     with pytest.raises(RequestStateError, match="bound to this facade already"):
         fd.bind_engine(PATCH_SERIES, cache_manager_v1=False)
     with pytest.raises(TypeError, match="v1 mode calls allocate_gpu_blocks\\(request, n\\)"):
@@ -328,8 +329,14 @@ def test_allocate_gpu_blocks_takes_both_forms_positionally_and_by_keyword():
     ):
         with pytest.raises(TypeError, match="allocate_gpu_blocks"):
             fd.allocate_gpu_blocks(*args, **kwargs)
-    with pytest.raises(ValueError, match=">= 0"):
-        v1.allocate_gpu_blocks(SimpleNamespace(request_id="c"), -1)
+    # a negative count (develop c1b7c083's get_new_block_nums has no max(block_num, 0)) is answered as
+    # FastDeploy's managers answer it: can_allocate True, allocate nothing
+    free = v1.manager.pool.num_free
+    assert v1.can_allocate_gpu_blocks(-2) and fd.can_allocate_gpu_blocks(-1)
+    assert v1.allocate_gpu_blocks(SimpleNamespace(request_id="c"), -1) == []
+    assert fd.allocate_gpu_blocks(-2, "a") == [] and v1.manager.pool.num_free == free
+    with pytest.raises(TypeError, match="integer"):
+        fd.can_allocate_gpu_blocks(1.5)
     assert sorted(fd.manager.requests) == ["a", "b"] and sorted(v1.manager.requests) == ["c", "d"]
     fd.manager.check_integrity()
 

@@ -9,43 +9,55 @@ offset ``forward_meta.gdn_slot_ids`` by +1, read and update the rows of its batc
 recurrence itself is a stand-in whose state after ``n`` tokens is a known function of them, so every
 forward checks that each request starts from the state after exactly the tokens before it, through
 prefix hits (checkpoint -> live copies), checkpoints (live -> checkpoint), chunks and preemption.
-Runs on torch CPU; the same objects take paddle tensors on a GPU worker.
+Runs on torch CPU tensors in the torch lane and on Paddle CPU tensors in the no-torch lane (the
+worker side imports no torch); the same objects take Paddle GPU tensors on a worker.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import random
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
-
-import hybridkv  # noqa: E402
-from hybridkv.blockmgr.manager import HybridBlockManager  # noqa: E402
-from hybridkv.blockmgr.prefix import PrefixCacheConfig  # noqa: E402
-from hybridkv.models.presets import gdn_layer, layers_from_pattern  # noqa: E402
-from hybridkv.models.spec import AttentionLayerSpec, DType, ModelSpec  # noqa: E402
-from hybridkv.planner.layout import plan  # noqa: E402
-from hybridkv.scheduler_adapter.fastdeploy import FastDeployBlockManager  # noqa: E402
-from hybridkv.scheduler_adapter.fastdeploy_gdn import HybridGDNStatePool, attach_gdn  # noqa: E402
-from hybridkv.scheduler_adapter.fastdeploy_state import read_state_bytes  # noqa: E402
-from hybridkv.scheduler_adapter.fastdeploy_worker import StateTables, allocate_caches, copy_blocks  # noqa: E402
-from tests.test_fastdeploy_rmv1 import RMv1  # noqa: E402
-from tests.test_fastdeploy_world import Request, check_books, run_worker_step  # noqa: E402
+import hybridkv
+from hybridkv.blockmgr.manager import HybridBlockManager
+from hybridkv.blockmgr.prefix import PrefixCacheConfig
+from hybridkv.integrations.fastdeploy.facade import FastDeployBlockManager
+from hybridkv.integrations.fastdeploy.gdn import HybridGDNStatePool, attach_gdn
+from hybridkv.integrations.fastdeploy.state import read_state_bytes
+from hybridkv.integrations.fastdeploy.worker import StateTables, allocate_caches, copy_blocks
+from hybridkv.models.presets import gdn_layer, layers_from_pattern
+from hybridkv.models.spec import AttentionLayerSpec, DType, ModelSpec
+from hybridkv.planner.layout import plan
+from tests.test_fastdeploy_rmv1 import RMv1
+from tests.test_fastdeploy_world import Request, check_books, run_worker_step
 
 _MOD = 65521
+FW = "torch" if importlib.util.find_spec("torch") is not None else "paddle"
+"""torch in the torch lane, Paddle in the no-torch lane."""
 
 
 @pytest.fixture(autouse=True)
-def one_torch_thread():
+def one_thread():
     """The CPU index moves of MiB-sized states run 10x faster on one thread on this shared 2-core
-    machine; restored afterwards."""
+    machine; restored afterwards (torch only: Paddle's CPU kernels here run on one thread)."""
+    if FW != "torch":
+        yield
+        return
+    import torch
+
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+def _values(t) -> np.ndarray:
+    """A state tensor's values as float32 numpy (bf16 included), either framework."""
+    return (t.astype("float32") if FW == "paddle" else t.float()).numpy()
 
 
 def fold(tokens) -> int:
@@ -70,13 +82,13 @@ def gdn_backend_forward(forward_meta, rows: dict[int, tuple[list[int], int, int]
     for layer in range(num_layers):
         conv = forward_meta.gdn_state_pool.get_layer_conv_pool(layer)  # [max_num_seqs + 1, conv_dim, k - 1]
         ssm = forward_meta.gdn_state_pool.get_layer_ssm_pool(layer)  # [max_num_seqs + 1, H, K, V]
-        assert not ssm[0].any() and not conv[0].any(), "slot 0 is the zero sentinel"
+        assert not _values(ssm[0]).any() and not _values(conv[0]).any(), "slot 0 is the zero sentinel"
         for idx, (tokens, start, end) in rows.items():
             sid = int(slot_ids[idx])
             assert sid == idx + 1
             want_ssm, want_conv = expected(tokens[:start], layer)
             got_ssm, got_conv = ssm[sid], conv[sid]
-            assert torch.all(got_ssm == want_ssm) and torch.all(got_conv == want_conv), (idx, layer, start)
+            assert (_values(got_ssm) == want_ssm).all() and (_values(got_conv) == want_conv).all(), (idx, layer, start)
             seen["checked"] += 1
             seen["initial"] += start > 0
             new_ssm, new_conv = expected(tokens[:end], layer)
@@ -89,8 +101,8 @@ def run_gdn(layout, requests, *, max_num_seqs, budget, v1_mode, steps=400, arriv
     fd = FastDeployBlockManager(HybridBlockManager(layout, prefix_cache=cfg))
     rm = RMv1(fd, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, v1_mode=v1_mode, prefix=True)
     rm.reset_cache_config(SimpleNamespace(total_block_num=layout.num_blocks))
-    caches = allocate_caches(layout, framework="torch")
-    tables = StateTables(layout, max_num_seqs, framework="torch")
+    caches = allocate_caches(layout, framework=FW)
+    tables = StateTables(layout, max_num_seqs, framework=FW)
     gdn = HybridGDNStatePool(caches, tables)
     n_gdn = len(gdn.gdn_layer_ids)
     rng = random.Random(seed)
@@ -190,8 +202,8 @@ def test_gdn_states_survive_preemption_prefix_hits_and_chunks(v1_mode):
 
 def test_the_gdn_pool_refuses_what_it_cannot_serve():
     layout = mini_gdn(40)
-    caches = allocate_caches(layout, framework="torch")
-    tables = StateTables(layout, 3, framework="torch")
+    caches = allocate_caches(layout, framework=FW)
+    tables = StateTables(layout, 3, framework=FW)
     gdn = HybridGDNStatePool(caches, tables)
     assert len(gdn.gdn_layer_ids) == 6 and list(gdn.ssm_staging.shape) == [4, 2, 4, 4]
     with pytest.raises(IndexError, match="gdn_layer_idx"):
@@ -206,4 +218,4 @@ def test_the_gdn_pool_refuses_what_it_cannot_serve():
     attn_only = ModelSpec("attn", (AttentionLayerSpec(1, 8, DType.BFLOAT16),))
     lay = plan(attn_only, 1 << 16, block_size=4)
     with pytest.raises(ValueError, match="no GDN"):
-        HybridGDNStatePool(allocate_caches(lay, framework="torch"), StateTables(lay, 2, framework="torch"))
+        HybridGDNStatePool(allocate_caches(lay, framework=FW), StateTables(lay, 2, framework=FW))

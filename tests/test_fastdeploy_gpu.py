@@ -17,7 +17,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 @pytest.mark.parametrize("kv_dtype", ["bfloat16", "block_wise_fp8"])
 def test_every_cache_tensor_is_at_offset_0_of_its_ipc_allocation(kv_dtype):
-    from hybridkv.scheduler_adapter.fastdeploy_worker import allocate_caches
+    from hybridkv.integrations.fastdeploy.worker import allocate_caches
 
     c = allocate_caches(minimax_layout(kv_dtype, num_blocks=512), framework="torch", device="cuda:0")
     for i, t in enumerate(c.caches):

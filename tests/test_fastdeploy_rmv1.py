@@ -23,6 +23,9 @@ numbers are those of the 7808a119 text:
   ``add_prefilled_request``, ``pre_recycle_resource``; and ``recycle_abort_task``,
   ``reschedule_preempt_task``.
 
+``version`` picks the call order where the three FastDeploy versions differ (docs/fastdeploy.md, version
+table): ``"c1b7c083"`` (develop) passes its int ``enable_cache_manager_v1`` to E0 and its
+``get_new_block_nums`` has no ``max(block_num, 0)``; ``"7198b588"`` (release/2.6) has no v1 manager.
 ``patched=True`` applies the series of docs/fastdeploy.md: E0 ``bind_engine`` at the end of
 ``__init__``, E2 ``state_blocks_for`` in the WAITING/PREEMPTED branches and the two preallocations,
 E3 the chunk cap and the v1 ``update_cache_blocks`` calls, E4 ``begin_step``, E5 the task fields,
@@ -48,7 +51,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from hybridkv.scheduler_adapter.fastdeploy import PATCH_SERIES
+from hybridkv.integrations.fastdeploy.facade import PATCH_SERIES
 from tests.test_fastdeploy_world import (
     Request,
     RequestStatus,
@@ -63,19 +66,10 @@ class RMv1:
     """``ResourceManagerV1``'s block-related control flow over ``cache_manager`` (module docstring)."""
 
     def __init__(
-        self,
-        cache_manager,
-        *,
-        max_num_seqs=4,
-        max_num_batched_tokens=16,
-        v1_mode=False,
-        prefix=False,
-        patched=True,
-        role="mixed",
-        enc_dec_block_num=1,
-        prealloc_threshold=1,
+        self, cache_manager, *, max_num_seqs=4, max_num_batched_tokens=16, v1_mode=False, prefix=False,
+        patched=True, omit=frozenset(), version="7808a119", role="mixed", enc_dec_block_num=1, prealloc_threshold=1,
         reserve=(2, 1.0, 0),  # FD_RESERVE_OUTPUT_BLOCK_NUM_..._NEW_PREFILL init, decay, min (chosen here)
-    ):
+    ):  # fmt: skip
         self.cache_manager = cache_manager
         self.block_size = cache_manager.block_size
         self.max_num_seqs = max_num_seqs
@@ -83,6 +77,10 @@ class RMv1:
         self.enable_cache_manager_v1 = v1_mode
         self.enable_prefix_caching = prefix
         self.patched = patched
+        self.omit = frozenset(omit)  # patches a patched engine leaves out (a missing line must fail loudly)
+        if version not in ("7808a119", "c1b7c083", "7198b588") or version == "7198b588" and v1_mode:
+            raise ValueError(f"FastDeploy version {version!r} (release/2.6 7198b588 has no v1 cache manager)")
+        self.version = version
         self.splitwise_role = role
         self.enc_dec_block_num = enc_dec_block_num
         self.prealloc_dec_block_slot_num_threshold = prealloc_threshold
@@ -112,7 +110,8 @@ class RMv1:
         self.backup_calls = 0
         self.tickets: set[str] = set()  # requests whose next allocation includes their state sets (E2)
         if patched:  # E0
-            cache_manager.bind_engine(PATCH_SERIES, cache_manager_v1=v1_mode, splitwise_role=role)
+            v1_flag = int(v1_mode) if version == "c1b7c083" else v1_mode  # develop: the env value, 0 or 1
+            cache_manager.bind_engine(PATCH_SERIES, cache_manager_v1=v1_flag, splitwise_role=role)
 
     # ---- ResourceManager (base) ----------------------------------------------------------------------
     def info(self):
@@ -151,7 +150,8 @@ class RMv1:
 
     def get_new_block_nums(self, request, num_new_tokens):
         bs = self.block_size
-        return max((request.num_computed_tokens + num_new_tokens + bs - 1) // bs - len(request.block_tables), 0)
+        need = (request.num_computed_tokens + num_new_tokens + bs - 1) // bs - len(request.block_tables)
+        return need if self.version == "c1b7c083" else max(need, 0)  # develop does not clamp
 
     def _is_decoding(self, request):
         return request.num_computed_tokens >= request.need_prefill_tokens
@@ -180,9 +180,11 @@ class RMv1:
             ids = cm.allocate_gpu_blocks(request, num_blocks)
         else:
             ids = cm.allocate_gpu_blocks(num_blocks, request.request_id)
-        # can_allocate_gpu_blocks said yes just before: n blocks taken, n ids back (first: its S state blocks)
-        assert before - cm.num_free_device_blocks == num_blocks, (request.request_id, num_blocks)
-        assert len(ids) == num_blocks - (cm.num_state_blocks_per_request if first else 0), (request.request_id, ids)
+        # can_allocate_gpu_blocks said yes just before: n blocks taken, n ids back (first: its S state
+        # blocks); a negative n (develop's unclamped get_new_block_nums) takes none, as FastDeploy's managers
+        n = max(num_blocks, 0)
+        assert before - cm.num_free_device_blocks == n, (request.request_id, num_blocks)
+        assert len(ids) == n - (cm.num_state_blocks_per_request if first else 0), (request.request_id, ids)
         return ids
 
     def _prepare_prefill_task(self, request, new_token_num):
@@ -339,7 +341,7 @@ class RMv1:
             if self.current_reserve == 0:
                 self.can_relax_prefill_strategy = True
         self.update_metrics()
-        if self.patched and batch_request:  # E9: the step's host-tier copies ride on its first task
+        if self.patched and "E9" not in self.omit and batch_request:  # E9: the host-tier copies ride on task 0
             tier = self.cache_manager.take_tier_copies()
             if tier is not None:
                 batch_request[0].tier_copies = tier

@@ -8,6 +8,7 @@ its new block ids. The host tier (patches E9, W6): the step's ``tier_copies`` ru
 every offloaded and onloaded block compared byte for byte, and every prefill chunk's reads checked.
 """
 
+import importlib.util
 import random
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -16,8 +17,9 @@ import numpy as np
 import pytest
 
 from hybridkv.blockmgr.manager import HybridBlockManager
-from hybridkv.scheduler_adapter.fastdeploy import FastDeployBlockManager
-from hybridkv.scheduler_adapter.fastdeploy_worker import PAD_BLOCK, StateTables, allocate_caches, attach_worker
+from hybridkv.integrations.fastdeploy.facade import FastDeployBlockManager
+from hybridkv.integrations.fastdeploy.tensors import to_like, to_numpy
+from hybridkv.integrations.fastdeploy.worker import PAD_BLOCK, StateTables, allocate_caches, attach_worker
 from tests.test_fastdeploy_rmv1 import RMv1
 from tests.test_fastdeploy_world import check_books, make_requests, run_worker_step, tiny_layout
 
@@ -26,6 +28,8 @@ try:
 except ImportError:  # the paddle tests skip; the argument checks below run on torch
     paddle = None
 needs_paddle = pytest.mark.skipif(paddle is None, reason="paddle is not installed")
+FW = "torch" if importlib.util.find_spec("torch") is not None else "paddle"
+"""The framework of the host-tier runs: torch where installed (the torch lane), Paddle in the no-torch lane."""
 
 MAX_NUM_SEQS = 6
 
@@ -149,8 +153,8 @@ def test_states_survive_prefix_hits_chunks_and_preemption_through_the_task_copie
     the tokens before its first position, then writes the state after its last one. The copies
     travel in the tasks: prefix-hit fills before the forward, checkpoints right after it."""
     from hybridkv.blockmgr.prefix import PrefixCacheConfig
-    from hybridkv.scheduler_adapter.fastdeploy_state import read_state_bytes, write_state_bytes
-    from hybridkv.scheduler_adapter.fastdeploy_worker import copy_blocks, state_layer_slots
+    from hybridkv.integrations.fastdeploy.state import read_state_bytes, write_state_bytes
+    from hybridkv.integrations.fastdeploy.worker import copy_blocks, state_layer_slots
     from tests.test_fastdeploy_world import Request
 
     layout = tiny_layout(num_blocks)
@@ -218,9 +222,8 @@ def test_states_survive_prefix_hits_chunks_and_preemption_through_the_task_copie
 # The checks raise BatchSlotError (an IndexError) and BlockIdError (a ValueError); the tests below
 # match the base classes and the messages, test_worker_errors_are_typed the classes themselves.
 def _torch_tables(max_num_seqs: int = 3):
-    pytest.importorskip("torch")
     layout = tiny_layout(17)  # block ids 1..16 are real; 2 state groups of 2 blocks
-    return layout, StateTables(layout, max_num_seqs, framework="torch")
+    return layout, StateTables(layout, max_num_seqs, framework=FW)
 
 
 @pytest.mark.parametrize("slot", [-1, -3, 3, 10**6])
@@ -291,21 +294,20 @@ def test_release_and_apply_check_every_slot_and_task_before_writing():
 
 
 def test_worker_constructors_refuse_bad_arguments():
-    pytest.importorskip("torch")
     layout = tiny_layout(17)
     for bad in (0, -1, 2.0, True):
         with pytest.raises((TypeError, ValueError)):
-            StateTables(layout, bad, framework="torch")
+            StateTables(layout, bad, framework=FW)
     with pytest.raises(ValueError, match="framework"):
         StateTables(layout, 2, framework="jax")
     with pytest.raises(ValueError, match="framework"):
         allocate_caches(layout, framework="jax")
     with pytest.raises(ValueError, match="below the model's 3 layers"):
-        allocate_caches(layout, num_layers=2, framework="torch")
+        allocate_caches(layout, num_layers=2, framework=FW)
     with pytest.raises(TypeError):
-        allocate_caches(layout, num_layers=3.0, framework="torch")
-    caches = allocate_caches(layout, framework="torch")
-    other = StateTables(tiny_layout(25), 2, framework="torch")
+        allocate_caches(layout, num_layers=3.0, framework=FW)
+    caches = allocate_caches(layout, framework=FW)
+    other = StateTables(tiny_layout(25), 2, framework=FW)
     with pytest.raises(ValueError, match="different layouts"):
         attach_worker(SimpleNamespace(), caches, other)
     with pytest.raises(TypeError):
@@ -313,12 +315,11 @@ def test_worker_constructors_refuse_bad_arguments():
 
 
 def test_copy_blocks_and_state_bytes_refuse_ids_that_are_no_real_block():
-    pytest.importorskip("torch")
-    from hybridkv.scheduler_adapter.fastdeploy_state import gather_state_bytes, read_state_bytes, write_state_bytes
-    from hybridkv.scheduler_adapter.fastdeploy_worker import copy_blocks
+    from hybridkv.integrations.fastdeploy.state import gather_state_bytes, read_state_bytes, write_state_bytes
+    from hybridkv.integrations.fastdeploy.worker import copy_blocks
 
     layout = tiny_layout(17)
-    caches = allocate_caches(layout, framework="torch")
+    caches = allocate_caches(layout, framework=FW)
     for t in caches.segments[0]:
         t[16] = 9  # the last block: what a -1 index would reach
     tensors = [t for segs in caches.segments for t in segs]
@@ -361,7 +362,7 @@ def test_copy_blocks_and_state_bytes_refuse_ids_that_are_no_real_block():
 
 def test_worker_errors_are_typed():
     from hybridkv.errors import HybridKVError
-    from hybridkv.scheduler_adapter.fastdeploy_worker import BatchSlotError, BlockIdError
+    from hybridkv.integrations.fastdeploy.worker import BatchSlotError, BlockIdError
 
     assert issubclass(BatchSlotError, IndexError) and issubclass(BlockIdError, ValueError)
     assert issubclass(BatchSlotError, HybridKVError) and issubclass(BlockIdError, HybridKVError)
@@ -390,10 +391,10 @@ class ByteWorker:
     bytes land in its host block and every onloaded host block's bytes in its device block."""
 
     def __init__(self, fd: FastDeployBlockManager):
-        from hybridkv.scheduler_adapter.fastdeploy_worker import allocate_host_caches
+        from hybridkv.integrations.fastdeploy.host_tier import allocate_host_caches
 
         self.fd, self.bs = fd, fd.block_size
-        self.caches = allocate_caches(fd.manager.layout, framework="torch")
+        self.caches = allocate_caches(fd.manager.layout, framework=FW)
         self.host = allocate_host_caches(self.caches, fd.manager.host_pool.num_usable, pin_memory=False)
         self.tensors = [t for segs in self.caches.segments for t in segs]
         self.on_host: dict[int, bytes] = {}  # host block -> the bytes an offload put there
@@ -401,22 +402,20 @@ class ByteWorker:
         self.prefill_checks = 0
 
     def block(self, b: int) -> bytes:
-        return b"".join(t[b].numpy().tobytes() for t in self.tensors)
+        return b"".join(to_numpy(t[b]).tobytes() for t in self.tensors)
 
     def host_block(self, h: int) -> bytes:
-        return self.host.pools.torch_data[h].numpy().tobytes()
+        return to_numpy(self.host.pools.data[h]).tobytes()
 
     def write(self, b: int, key: int) -> None:
-        import torch
-
         for i, t in enumerate(self.tensors):
-            t[b] = torch.from_numpy(_pattern(_key(key, i), t.shape[1]))
+            t[b] = to_like(_pattern(_key(key, i), t.shape[1]), t)
 
     def expected(self, key: int) -> bytes:
         return b"".join(_pattern(_key(key, i), t.shape[1]).tobytes() for i, t in enumerate(self.tensors))
 
     def run_tier(self, tasks) -> None:
-        from hybridkv.scheduler_adapter.fastdeploy_worker import run_tier_copies
+        from hybridkv.integrations.fastdeploy.host_tier import run_tier_copies
 
         for task in tasks:
             copies = getattr(task, "tier_copies", None)
@@ -436,7 +435,7 @@ class ByteWorker:
             self.moved["bytes"] += moved
 
     def step(self, tasks) -> None:
-        from hybridkv.scheduler_adapter.fastdeploy_worker import copy_blocks
+        from hybridkv.integrations.fastdeploy.worker import copy_blocks
         from tests.test_fastdeploy_world import Request
 
         self.run_tier(tasks)
@@ -529,33 +528,32 @@ def test_host_hits_bring_back_every_offloaded_byte_and_their_metrics_match_the_m
 
 
 def _all_bytes(caches, host) -> list[bytes]:
-    out = [t.numpy().tobytes() for segs in caches.segments for t in segs]
-    out += [t.numpy().tobytes() for pair in caches.scales if pair is not None for t in pair]
-    out.append(host.pools.torch_data.numpy().tobytes())
-    return out + [t.numpy().tobytes() for pair in host.scales if pair is not None for t in pair]
+    out = [to_numpy(t).tobytes() for segs in caches.segments for t in segs]
+    out += [to_numpy(t).tobytes() for pair in caches.scales if pair is not None for t in pair]
+    out.append(to_numpy(host.pools.data).tobytes())
+    return out + [to_numpy(t).tobytes() for pair in host.scales if pair is not None for t in pair]
 
 
 def test_tier_copies_move_every_segment_and_block_wise_fp8_scale_of_a_block():
-    import torch
-
-    from hybridkv.scheduler_adapter.fastdeploy_worker import allocate_host_caches, run_tier_copies
+    from hybridkv.integrations.fastdeploy.host_tier import allocate_host_caches, run_tier_copies
     from tests.test_fastdeploy import minimax_layout
 
     layout = minimax_layout("block_wise_fp8", num_blocks=8)
-    caches = allocate_caches(layout, framework="torch")
+    caches = allocate_caches(layout, framework=FW)
     host = allocate_host_caches(caches, 4, pin_memory=False)
     assert host.bytes_per_block == layout.bytes_per_block  # every segment row and both scale rows
-    gen = torch.Generator().manual_seed(0)
+    rng = np.random.default_rng(0)
     tensors = [t for segs in caches.segments for t in segs] + [t for p in caches.scales if p is not None for t in p]
     for t in tensors:  # block 5: random bytes in every allocation (scales as float32 values)
-        t[5] = torch.randint(0, 256, t[5].shape, generator=gen).to(t.dtype)
-    original = [t[5].clone() for t in tensors]
+        values = rng.integers(0, 256, tuple(t[5].shape))
+        t[5] = to_like(values.astype(np.uint8 if "uint8" in str(t.dtype) else np.float32), t)
+    original = [to_numpy(t[5]).copy() for t in tensors]
     moved = run_tier_copies(caches, host, {"offload": [[5], [3]], "onload": [[], []]})
     for t in tensors:
         t[5] = 0
     moved += run_tier_copies(caches, host, {"offload": [[], []], "onload": [[7], [3]]})
     assert moved == 2 * layout.bytes_per_block
-    assert all(torch.equal(t[7], o) for t, o in zip(tensors, original, strict=True))
+    assert all(np.array_equal(to_numpy(t[7]), o) for t, o in zip(tensors, original, strict=True))
 
 
 @pytest.mark.parametrize(
@@ -573,14 +571,13 @@ def test_tier_copies_move_every_segment_and_block_wise_fp8_scale_of_a_block():
     ],
 )
 def test_run_tier_copies_checks_both_lists_before_moving_a_byte(copies, error):
-    import torch
+    from hybridkv.integrations.fastdeploy.host_tier import allocate_host_caches, run_tier_copies
 
-    from hybridkv.scheduler_adapter.fastdeploy_worker import allocate_host_caches, run_tier_copies
-
-    caches = allocate_caches(tiny_layout(17), framework="torch")
+    caches = allocate_caches(tiny_layout(17), framework=FW)
     host = allocate_host_caches(caches, 4, pin_memory=False)
     for i, t in enumerate(t for segs in caches.segments for t in segs):
-        t[:] = torch.arange(t.numel(), dtype=torch.int64).reshape(t.shape).add(i).remainder(251).to(torch.uint8)
+        shape = tuple(int(d) for d in t.shape)
+        t[:] = to_like(((np.arange(int(np.prod(shape))) + i) % 251).astype(np.uint8).reshape(shape), t)
     before = _all_bytes(caches, host)
     with pytest.raises(error):
         run_tier_copies(caches, host, copies)
@@ -588,15 +585,15 @@ def test_run_tier_copies_checks_both_lists_before_moving_a_byte(copies, error):
 
 
 def test_allocate_host_caches_refuses_bad_arguments():
-    from hybridkv.scheduler_adapter.fastdeploy_worker import allocate_host_caches, run_tier_copies
+    from hybridkv.integrations.fastdeploy.host_tier import allocate_host_caches, run_tier_copies
 
-    caches = allocate_caches(tiny_layout(17), framework="torch")
+    caches = allocate_caches(tiny_layout(17), framework=FW)
     with pytest.raises(TypeError, match="FastDeployCaches"):
         allocate_host_caches(object(), 4)
     with pytest.raises(ValueError):
         allocate_host_caches(caches, 0)
     with pytest.raises(TypeError):
         allocate_host_caches(caches, 2.0)
-    other = allocate_host_caches(allocate_caches(tiny_layout(20), framework="torch"), 4, pin_memory=False)
+    other = allocate_host_caches(allocate_caches(tiny_layout(20), framework=FW), 4, pin_memory=False)
     with pytest.raises(ValueError, match="another layout"):
         run_tier_copies(caches, other, {"offload": [[], []], "onload": [[], []]})

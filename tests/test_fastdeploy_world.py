@@ -13,9 +13,9 @@ from types import SimpleNamespace
 from typing import Any
 
 from hybridkv.blockmgr.manager import HybridBlockManager
+from hybridkv.integrations.fastdeploy.facade import FastDeployBlockManager
 from hybridkv.models.spec import AttentionLayerSpec, DType, ModelSpec, RecurrentLayerSpec, StateComponent
 from hybridkv.planner.layout import plan
-from hybridkv.scheduler_adapter.fastdeploy import FastDeployBlockManager
 
 BLOCK_SIZE = 4  # tiny_layout's
 STATE_BLOCKS = 4  # tiny_layout's: 2 state groups x 2 blocks
@@ -162,7 +162,7 @@ def test_the_driver_refuses_a_facade_that_was_never_bound():
     raises the facade's typed error (the guard every scenario of the conformance test relies on)."""
     import pytest
 
-    from hybridkv.scheduler_adapter.fastdeploy import EnginePatchError
+    from hybridkv.integrations.fastdeploy.facade import EnginePatchError
     from tests.test_fastdeploy_rmv1 import RMv1
 
     fd = FastDeployBlockManager(HybridBlockManager(tiny_layout(17)))

@@ -223,7 +223,9 @@ def test_batches_beyond_the_grid_limit_are_chunked(monkeypatch):
     assert torch.equal(a.torch_data, b.torch_data)
 
 
-def test_cuda_without_an_index_means_torchs_current_device_in_both_frameworks(monkeypatch):
+def test_cuda_without_an_index_means_the_current_device_of_the_allocating_framework(monkeypatch):
+    """torch allocations: torch's current device; Paddle allocations: Paddle's (a FastDeploy worker
+    sets Paddle's device and may have no torch at all)."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
     assert resolve_device("cuda") == torch.device("cuda", 1)
@@ -232,9 +234,13 @@ def test_cuda_without_an_index_means_torchs_current_device_in_both_frameworks(mo
     paddle = pytest.importorskip("paddle")
     places = []
     monkeypatch.setattr(paddle, "CUDAPlace", lambda index: places.append(index) or index)
-    _framework.paddle_place_for(torch.device("cuda"))
+    monkeypatch.setattr(paddle.device, "get_device", lambda: "gpu:3")
+    _framework.paddle_place_for("cuda")
     _framework.paddle_place_for(torch.device("cuda", 2))
-    assert places == [1, 2]
+    _framework.paddle_place_for("gpu:1")
+    assert places == [3, 2, 1]
+    assert _framework.resolve_paddle_device("cuda") == torch.device("cuda", 3)
+    assert _framework.resolve_paddle_device(torch.device("cpu")) == torch.device("cpu")
 
 
 def test_word_alignment_and_tiles():

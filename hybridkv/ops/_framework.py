@@ -1,8 +1,12 @@
-"""Framework plumbing shared by the ops: torch/paddle conversion, dtypes, backend choice.
+"""Framework plumbing shared by the ops: torch/paddle conversion, dtypes, devices, backend choice.
 
-Every op computes on torch tensors. A paddle tensor is turned into a torch tensor over the same
-memory with DLPack (zero-copy), so a kernel launched on the torch view writes into the paddle
-tensor. paddle and triton are imported lazily: ``hybridkv.ops`` imports without them.
+No tensor framework is imported here at import time: torch, paddle and triton are imported by the
+function that needs them, so ``hybridkv.ops`` imports with Paddle and no torch (a FastDeploy
+deployment) as well as with torch and no Paddle. Torch tensors go through the torch paths as they
+always did; Paddle tensors go through :mod:`hybridkv.ops._paddle` (references in Paddle, Triton
+kernels launched on the Paddle tensors under Paddle's torch-compat guard, as FastDeploy launches its
+own), except under Triton's CPU interpreter, which only takes torch tensors: there a Paddle tensor is
+seen through a zero-copy DLPack torch view.
 """
 
 from __future__ import annotations
@@ -11,19 +15,18 @@ import contextlib
 import enum
 import importlib.util
 import os
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from hybridkv.models.spec import DType
 
-_TORCH_DTYPES = {
-    DType.FLOAT32: torch.float32,
-    DType.BFLOAT16: torch.bfloat16,
-    DType.FLOAT16: torch.float16,
-    DType.INT64: torch.int64,  # token ids and positions some caches keep (Qwen4-exp)
-}
+if TYPE_CHECKING:
+    import torch
+
+# token ids and positions some caches keep (Qwen4-exp) are int64
+_DTYPE_NAMES = {DType.FLOAT32: "float32", DType.BFLOAT16: "bfloat16", DType.FLOAT16: "float16", DType.INT64: "int64"}
 
 
 class Framework(enum.Enum):
@@ -37,16 +40,81 @@ class Backend(enum.Enum):
     TRITON = "triton"
 
 
-def torch_dtype(dtype: DType) -> torch.dtype:
-    return _TORCH_DTYPES[DType.parse(dtype)]
+def dtype_name(dtype: DType | str) -> str:
+    """The framework-neutral name of a state / KV dtype (``"float32"``, ``"bfloat16"``, ...)."""
+    return _DTYPE_NAMES[DType.parse(dtype)]
+
+
+def torch_dtype(dtype: DType | str) -> torch.dtype:
+    import torch
+
+    return getattr(torch, dtype_name(dtype))
+
+
+def paddle_dtype(dtype: DType | str) -> Any:
+    import paddle
+
+    return getattr(paddle, dtype_name(dtype))
 
 
 def is_paddle_tensor(x: Any) -> bool:
     return type(x).__module__.startswith("paddle") and hasattr(x, "place")
 
 
+def interpreter_on() -> bool:
+    """Triton's CPU interpreter is on (``TRITON_INTERPRET=1``): it takes torch tensors only."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@dataclass(frozen=True)
+class DeviceId:
+    """Where a Paddle tensor lives, in torch's words (``type`` ``"cpu"`` or ``"cuda"``, ``index``),
+    without importing torch. Compares equal to a ``torch.device`` naming the same device."""
+
+    type: str
+    index: int | None = None
+
+    def __eq__(self, other: object) -> bool:
+        kind, index = getattr(other, "type", None), getattr(other, "index", None)
+        return kind is not None and (kind, index) == (self.type, self.index)
+
+    def __hash__(self) -> int:
+        return hash((self.type, self.index))
+
+    def __str__(self) -> str:
+        return self.type if self.index is None else f"{self.type}:{self.index}"
+
+
+def paddle_device(t: Any) -> DeviceId:
+    """The :class:`DeviceId` of a Paddle tensor's place (``cpu``, ``cuda:N``; pinned host is ``cpu``)."""
+    place = t.place
+    if place.is_gpu_place():
+        return DeviceId("cuda", place.gpu_device_id())
+    return DeviceId("cpu")
+
+
+@contextlib.contextmanager
+def paddle_compat() -> Any:
+    """Paddle's torch-compat guard around a Triton launch on Paddle tensors: inside it, Triton's own
+    ``import torch`` (device, stream, tensor checks) is served by Paddle, which is what FastDeploy's
+    ``enable_compat_on_triton_kernel`` does for its kernels. Paddle >= 3.3 has ``use_compat_guard``."""
+    import paddle
+
+    guard = getattr(paddle, "use_compat_guard", None)
+    if guard is None:
+        raise RuntimeError(
+            f"launching Triton kernels on Paddle tensors needs paddle.use_compat_guard (Paddle >= 3.3), "
+            f"this is Paddle {paddle.__version__}"
+        )
+    with guard(enable=True, silent=True):
+        yield
+
+
 def to_torch(x: Any) -> torch.Tensor:
-    """A torch tensor over the memory of ``x`` (paddle: a DLPack view; numpy: a view; lists: a new tensor)."""
+    """A torch tensor over the memory of ``x`` (paddle: a DLPack view; numpy: a view; lists: a new tensor).
+    Imports torch: the torch paths and the interpreter only."""
+    import torch
+
     if isinstance(x, torch.Tensor):
         return x
     if isinstance(x, np.ndarray):
@@ -73,14 +141,35 @@ class DeviceMismatchError(ValueError):
 
 def resolve_device(device: str | torch.device) -> torch.device:
     """``device`` with an index: ``"cuda"`` without one means torch's current CUDA device, for torch
-    *and* paddle allocations alike (paddle's own current place is not consulted)."""
+    *and* paddle allocations alike (paddle's own current place is not consulted). Torch allocations
+    only; Paddle allocations use :func:`resolve_paddle_device`."""
+    import torch
+
     d = torch.device(device)
     if d.type == "cuda" and d.index is None and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return d
 
 
-def require_device(expected: torch.device, actual: torch.device, what: str) -> None:
+def resolve_paddle_device(device: Any) -> DeviceId:
+    """``device`` (``"cpu"``, ``"cuda"``, ``"cuda:N"``, ``"gpu:N"``, a ``torch.device`` or a
+    :class:`DeviceId`) as a :class:`DeviceId` with an index; ``"cuda"`` without one is Paddle's
+    current device. Imports no torch."""
+    kind, index = getattr(device, "type", None), getattr(device, "index", None)
+    if kind is None:
+        name, _, num = str(device).partition(":")
+        kind, index = ("cuda" if name in ("cuda", "gpu") else name), (int(num) if num else None)
+    if kind == "cuda" and index is None:
+        import paddle
+
+        index = paddle.device.get_device().partition(":")[2]
+        index = int(index) if index else 0
+    if kind not in ("cpu", "cuda"):
+        raise ValueError(f"device must be cpu or cuda[:N] (gpu:N), got {device!r}")
+    return DeviceId(kind, index if kind == "cuda" else None)
+
+
+def require_device(expected: Any, actual: Any, what: str) -> None:
     """Raise :class:`DeviceMismatchError` unless ``what`` is on the pools' device ``expected``."""
     if actual != expected:
         raise DeviceMismatchError(
@@ -89,21 +178,40 @@ def require_device(expected: torch.device, actual: torch.device, what: str) -> N
         )
 
 
-def device_guard(device: torch.device) -> contextlib.AbstractContextManager:
-    """Make ``device`` current for a Triton launch (Triton launches on the current device and stream)."""
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+def device_guard(device: Any) -> contextlib.AbstractContextManager:
+    """Make ``device`` current for a Triton launch (Triton launches on the current device and stream).
+    A :class:`DeviceId` (Paddle tensors) is made current with Paddle's ``set_device`` for the launch."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    if isinstance(device, DeviceId):
+        return _paddle_device_guard(device)
+    import torch
+
+    return torch.cuda.device(device)
 
 
-def paddle_place_for(device: torch.device) -> Any:
+@contextlib.contextmanager
+def _paddle_device_guard(device: DeviceId) -> Any:
     import paddle
 
-    device = resolve_device(device)
+    before = paddle.device.get_device()
+    paddle.device.set_device(f"gpu:{device.index or 0}")
+    try:
+        yield
+    finally:
+        paddle.device.set_device(before)
+
+
+def paddle_place_for(device: Any) -> Any:
+    import paddle
+
+    device = resolve_paddle_device(device)
     if device.type == "cuda":
         return paddle.CUDAPlace(0 if device.index is None else device.index)
     return paddle.CPUPlace()
 
 
-def paddle_zeros(shape: list[int], device: torch.device) -> Any:
+def paddle_zeros(shape: list[int], device: Any) -> Any:
     """A zero uint8 paddle tensor allocated directly on ``device``'s place (paddle >= 3.0 takes ``device=``)."""
     import paddle
 
@@ -114,7 +222,7 @@ def paddle_zeros(shape: list[int], device: torch.device) -> Any:
         return paddle.zeros(shape, dtype="uint8").to(place)
 
 
-def resolve_backend(backend: Backend | str, device: torch.device) -> Backend:
+def resolve_backend(backend: Backend | str, device: Any) -> Backend:
     """``auto``: Triton on CUDA tensors (when installed), the reference elsewhere.
 
     ``triton`` off CUDA needs TRITON_INTERPRET=1 (raises ``RuntimeError`` otherwise)."""
@@ -122,7 +230,7 @@ def resolve_backend(backend: Backend | str, device: torch.device) -> Backend:
     if choice is Backend.AUTO:
         has_triton = importlib.util.find_spec("triton") is not None
         return Backend.TRITON if device.type == "cuda" and has_triton else Backend.NAIVE
-    if choice is Backend.TRITON and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+    if choice is Backend.TRITON and device.type != "cuda" and not interpreter_on():
         raise RuntimeError(
             f"backend='triton' on a {device.type} tensor needs Triton's interpreter: "
             "set TRITON_INTERPRET=1 before starting Python, or use backend='auto'"
@@ -161,9 +269,23 @@ def tile_words(word: int, align: int) -> int:
     return min(TILE_BYTES // word, 32 * NUM_WARPS * align * 8)
 
 
-WORD_DTYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+WORD_NAMES = {8: "int64", 4: "int32", 2: "int16", 1: "uint8"}
 
 
-def as_words(flat_bytes: torch.Tensor, word: int) -> torch.Tensor:
-    """A 1-D uint8 tensor viewed as ``word``-byte integers (same memory; sizes must divide)."""
-    return flat_bytes.view(WORD_DTYPES[word])
+def __getattr__(name: str) -> Any:
+    if name == "WORD_DTYPES":  # torch dtypes by word size, for torch callers (imports torch)
+        import torch
+
+        return {w: getattr(torch, n) for w, n in WORD_NAMES.items()}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def as_words(flat_bytes: Any, word: int) -> Any:
+    """A 1-D uint8 tensor (torch or Paddle) viewed as ``word``-byte integers (same memory; sizes must divide)."""
+    if is_paddle_tensor(flat_bytes):
+        import paddle
+
+        return flat_bytes.view(getattr(paddle, WORD_NAMES[word]))
+    import torch
+
+    return flat_bytes.view(getattr(torch, WORD_NAMES[word]))

@@ -10,22 +10,27 @@ when asked (``validate=True``, which synchronises). Ids on any other device rais
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
-from hybridkv.ops._framework import require_device, to_torch
+from hybridkv.ops._framework import is_paddle_tensor, require_device, to_torch
 
-Ids = np.ndarray | torch.Tensor  # host ids (numpy) or the caller's device tensor
+if TYPE_CHECKING:
+    import torch
+
+Ids = Any  # host ids (numpy) or the caller's device tensor (torch or Paddle)
 
 
 def by_origin(ids: Any) -> Ids:
-    """Host-provided ids as a numpy array (a view where the input allows), device tensors unchanged."""
+    """Host-provided ids as a numpy array (a view where the input allows), device tensors unchanged.
+    A CPU Paddle tensor comes to the host through numpy, a GPU one stays as given (no torch)."""
     if isinstance(ids, np.ndarray):
         return ids
     if isinstance(ids, list | tuple | range | int | np.integer):
         return np.asarray(ids, dtype=np.int64)
+    if is_paddle_tensor(ids):
+        return ids if ids.place.is_gpu_place() else np.asarray(ids.numpy())
     t = to_torch(ids)
     return t.detach().numpy() if t.device.type == "cpu" else t
 
@@ -38,6 +43,8 @@ def host_copy(ids: Ids) -> np.ndarray:
     """The ids as int64 numpy on the host (for a device tensor: a synchronising copy)."""
     if isinstance(ids, np.ndarray):
         return ids.astype(np.int64, copy=False)
+    if is_paddle_tensor(ids):
+        return np.asarray(ids.numpy()).astype(np.int64)
     return ids.detach().cpu().numpy().astype(np.int64)
 
 
@@ -48,6 +55,8 @@ def to_device(arrays: list[np.ndarray], device: torch.device, dtype: torch.dtype
     caching host allocator keeps the buffer alive until the copy is done). The caller checks ranges
     first: values are cast to ``dtype`` as they are.
     """
+    import torch
+
     sizes = [a.size for a in arrays]
     pinned = device.type == "cuda"
     staging = torch.empty(sum(sizes), dtype=dtype, pin_memory=pinned)

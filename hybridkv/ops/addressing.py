@@ -8,12 +8,14 @@ segment_bytes]`` that byte is at ``seg * num_blocks * segment_bytes + block * se
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
-import torch
 
 from hybridkv.planner.layout import NULL_BLOCK, Layout
+
+if TYPE_CHECKING:
+    import torch
 
 
 def state_byte_addresses(
@@ -21,11 +23,26 @@ def state_byte_addresses(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Byte address in a layer slot tensor of every state byte, and whether its block is the null block.
 
-    ``table_rows``: int ``[B, >= blocks_per_state]`` block ids. Returns int64 ``[B, state_bytes]``
-    addresses and bool ``[B, state_bytes]`` null flags.
+    ``table_rows``: int ``[B, >= blocks_per_state]`` block ids (torch). Returns int64 ``[B, state_bytes]``
+    addresses and bool ``[B, state_bytes]`` null flags (:func:`state_byte_addresses_host`: the same in numpy).
     """
+    import torch
+
     o = torch.arange(state_bytes, dtype=torch.int64, device=table_rows.device)
     block = table_rows.to(torch.int64)[:, o // layout.block_bytes]
+    within = o % layout.block_bytes
+    seg, off = within // layout.segment_bytes, within % layout.segment_bytes
+    address = seg * num_blocks * layout.segment_bytes + block * layout.segment_bytes + off
+    return address, block == NULL_BLOCK
+
+
+def state_byte_addresses_host(
+    layout: Layout, num_blocks: int, table_rows: Any, state_bytes: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`state_byte_addresses` on the host: ``table_rows`` int ``[B, >= blocks_per_state]``
+    (numpy) -> int64 ``[B, state_bytes]`` addresses and bool ``[B, state_bytes]`` null flags."""
+    o = np.arange(state_bytes, dtype=np.int64)
+    block = np.asarray(table_rows, dtype=np.int64)[:, o // layout.block_bytes]
     within = o % layout.block_bytes
     seg, off = within // layout.segment_bytes, within % layout.segment_bytes
     address = seg * num_blocks * layout.segment_bytes + block * layout.segment_bytes + off

@@ -14,14 +14,26 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from hybridkv.models.spec import AttentionLayerSpec
-from hybridkv.ops._framework import Framework, from_torch, paddle_zeros, resolve_device, to_torch, torch_dtype
+from hybridkv.ops._framework import (
+    DeviceId,
+    Framework,
+    from_torch,
+    paddle_device,
+    paddle_dtype,
+    paddle_zeros,
+    resolve_device,
+    resolve_paddle_device,
+    to_torch,
+    torch_dtype,
+)
 from hybridkv.ops.addressing import BufferRegion, state_byte_addresses
 from hybridkv.planner.layout import NULL_BLOCK, Layout
+
+if TYPE_CHECKING:
+    import torch
 
 NAN_FILL = 0xFF  # all-ones bytes read as NaN in float32, bfloat16 and float16
 BUFFER_ALIGN_BYTES = 256
@@ -41,11 +53,11 @@ def _fill_byte(fill: int | float | str | None) -> int | None:
 class BlockPools:
     """All layer slots of one pool. ``data``: uint8 ``[group_size, num_segments, num_blocks, segment_bytes]``
     (host pools, ``block_major``: ``[num_blocks, group_size, num_segments, segment_bytes]``) in
-    ``framework``; ``torch_data`` is the same memory as a torch tensor (a DLPack view for paddle)."""
+    ``framework``; ``torch_data`` is the same memory as a torch tensor (a DLPack view for paddle,
+    made on first use: it imports torch, which a Paddle deployment need not have)."""
 
     layout: Layout
     data: Any
-    torch_data: torch.Tensor
     framework: Framework
     block_major: bool = False
     # block_wise_fp8 KV scales: uint8 [group_size, 2 (K, V), num_blocks, scale_segment_bytes], else None
@@ -53,8 +65,12 @@ class BlockPools:
     cache: dict = field(default_factory=dict, repr=False)  # unused by the ops (run tables: ops.states)
 
     @property
+    def torch_data(self) -> torch.Tensor:
+        return _torch_alias(self.data, self.framework, self.cache)
+
+    @property
     def num_blocks(self) -> int:
-        return self.torch_data.shape[0 if self.block_major else 2]
+        return int(self.data.shape[0 if self.block_major else 2])
 
     def require_slot_major(self, op: str) -> None:
         """Raise ``ValueError`` for a host (block-major) pool passed to a device op."""
@@ -62,8 +78,10 @@ class BlockPools:
             raise ValueError(f"{op} works on device pools from allocate_pools, not on a host pool")
 
     @property
-    def device(self) -> torch.device:
-        return self.torch_data.device
+    def device(self) -> torch.device | DeviceId:
+        """``torch.device`` of a torch pool; :class:`~hybridkv.ops._framework.DeviceId` of a Paddle
+        pool (equal to the ``torch.device`` of the same device)."""
+        return paddle_device(self.data) if self.framework is Framework.PADDLE else self.data.device
 
     def slot(self, i: int) -> Any:
         """Layer slot ``i``: ``[num_segments, num_blocks, segment_bytes]`` uint8, a view of ``data``."""
@@ -73,33 +91,62 @@ class BlockPools:
         return [self.slot(i) for i in range(self.layout.group_size)]
 
 
+def _torch_alias(data: Any, framework: Framework, cache: dict) -> torch.Tensor:
+    """``data`` as torch: itself, or (Paddle) a DLPack view made once and kept in ``cache``."""
+    if framework is Framework.TORCH:
+        return data
+    alias = cache.get("torch_data")
+    if alias is None:
+        alias = cache["torch_data"] = to_torch(data)
+    return alias
+
+
+def _paddle_uint8(shape: list[int], device: DeviceId, pin: bool) -> Any:
+    """A zero uint8 Paddle tensor on ``device`` (``pin``: page-locked host memory)."""
+    if pin:
+        import paddle
+
+        return paddle.zeros(shape, dtype="uint8").pin_memory()
+    return paddle_zeros(shape, device)
+
+
 def _new_pools(
-    layout: Layout, num_blocks: int, device: torch.device, framework: Framework, fill: Any, pin: bool, host: bool
+    layout: Layout, num_blocks: int, device: Any, framework: Framework, fill: Any, pin: bool, host: bool
 ) -> BlockPools:
     shape = [layout.group_size, layout.num_segments, num_blocks, layout.segment_bytes]
     if host:
         shape = [num_blocks, layout.group_size, layout.num_segments, layout.segment_bytes]
     byte = _fill_byte(fill)
-    if framework is Framework.PADDLE and not host:
-        data = paddle_zeros(shape, device)
-        t = to_torch(data)
-    else:
-        t = torch.zeros(shape, dtype=torch.uint8, device=device, pin_memory=pin)
-        data = from_torch(t, framework)
-    if byte is not None:
-        t.fill_(byte)
-        if not host:
-            t[:, :, NULL_BLOCK].zero_()
     scales = None
+    if framework is Framework.PADDLE:  # allocated by Paddle; no torch involved
+        data = _paddle_uint8(shape, device, pin)
+        if byte is not None:
+            data.fill_(byte)
+            if not host:
+                data[:, :, NULL_BLOCK] = 0
+        if layout.scale_segment_bytes and not host:
+            scales = paddle_zeros([layout.group_size, 2, num_blocks, layout.scale_segment_bytes], device)
+        return BlockPools(layout, data, framework, block_major=host, scales=scales)
+    import torch
+
+    data = torch.zeros(shape, dtype=torch.uint8, device=device, pin_memory=pin)
+    if byte is not None:
+        data.fill_(byte)
+        if not host:
+            data[:, :, NULL_BLOCK].zero_()
     if layout.scale_segment_bytes and not host:
         shape = [layout.group_size, 2, num_blocks, layout.scale_segment_bytes]
         scales = torch.zeros(shape, dtype=torch.uint8, device=device)
-    return BlockPools(layout, data, t, framework, block_major=host, scales=scales)
+    return BlockPools(layout, data, framework, block_major=host, scales=scales)
+
+
+def _pool_device(device: Any, framework: Framework) -> Any:
+    return resolve_paddle_device(device) if framework is Framework.PADDLE else resolve_device(device)
 
 
 def allocate_pools(
     layout: Layout,
-    device: str | torch.device = "cuda",
+    device: str | Any = "cuda",
     framework: Framework | str = "torch",
     fill: int | float | str | None = None,
     num_blocks: int | None = None,
@@ -113,7 +160,8 @@ def allocate_pools(
     n = layout.num_blocks if num_blocks is None else num_blocks
     if n < 2:
         raise ValueError(f"a pool needs the null block and one more, got num_blocks={n}")
-    return _new_pools(layout, n, resolve_device(device), Framework(framework), fill, pin=False, host=False)
+    fw = Framework(framework)
+    return _new_pools(layout, n, _pool_device(device, fw), fw, fill, pin=False, host=False)
 
 
 def allocate_host_pools(
@@ -128,12 +176,23 @@ def allocate_host_pools(
 
     ``HybridBlockManager(num_host_blocks=N)`` hands out host ids 0..N-1: allocate ``N`` here. Pinned
     (page-locked) by default when CUDA is available, so swaps can run asynchronously; the memory is
-    allocated by torch and, for ``framework="paddle"``, exposed to paddle through DLPack.
+    allocated by the framework named (Paddle: ``pin_memory()``, no torch).
     """
     if num_host_blocks < 1:
         raise ValueError(f"num_host_blocks must be positive, got {num_host_blocks}")
-    pin = torch.cuda.is_available() if pin_memory is None else pin_memory
-    return _new_pools(layout, num_host_blocks, torch.device("cpu"), Framework(framework), fill, pin=pin, host=True)
+    fw = Framework(framework)
+    pin = _cuda_available(fw) if pin_memory is None else pin_memory
+    return _new_pools(layout, num_host_blocks, _pool_device("cpu", fw), fw, fill, pin=pin, host=True)
+
+
+def _cuda_available(framework: Framework) -> bool:
+    if framework is Framework.PADDLE:
+        import paddle
+
+        return bool(paddle.device.is_compiled_with_cuda() and paddle.device.cuda.device_count() > 0)
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def kv_view_shape(layout: Layout, spec: AttentionLayerSpec, value: bool) -> tuple[int, ...]:
@@ -169,7 +228,7 @@ def segment_kv_view(segments: Any, spec: AttentionLayerSpec, block_size: int) ->
 def kv_cache_views(pools: BlockPools) -> list[Any]:
     """``[k0, v0, k1, v1, ...]`` for the attention layers in slot order: views of the one backing
     allocation, so not FastDeploy's ``caches`` (those are built by
-    ``hybridkv.scheduler_adapter.fastdeploy_worker.kv_cache_list``, one allocation per tensor).
+    ``hybridkv.integrations.fastdeploy.worker.kv_cache_list``, one allocation per tensor).
     Quantized (1-byte) KV is seen as uint8, as FastDeploy stores it.
 
     K takes the slot's segments ``[0, layout.key_segments)``, V the next ``layout.value_segments``.
@@ -184,19 +243,31 @@ def kv_cache_views(pools: BlockPools) -> list[Any]:
         return []
     views = []
     ks, vs = layout.key_segments, layout.value_segments
+    paddle_pool = pools.framework is Framework.PADDLE
     for slot, layer_id in enumerate(kv.layer_ids):
         if layer_id is None:
             continue
         spec = layout.model.layers[layer_id]
         assert isinstance(spec, AttentionLayerSpec)
         for cut in (slice(0, ks), slice(ks, ks + vs)):
+            if paddle_pool and cut.stop - cut.start == 1:  # Paddle's own view, no torch
+                views.append(_paddle_kv_view(pools.data[slot, cut.start], spec, layout.block_size))
+                continue
             t = segment_kv_view(pools.torch_data[slot, cut], spec, layout.block_size)
             views.append(from_torch(t, pools.framework))
     return views
 
 
-def read_state(pools: BlockPools, group: int, slot: int, blocks: Any) -> dict[str, torch.Tensor]:
-    """Reference read of one state (not a view): component name -> new torch tensor of its shape.
+def _paddle_kv_view(segment: Any, spec: AttentionLayerSpec, block_size: int) -> Any:
+    """Paddle uint8 ``[num_blocks, segment_bytes]`` seen as ``[num_blocks, kv_heads, block_size,
+    head_dim]`` of the attention dtype (uint8 for 1-byte KV). Same memory."""
+    t = segment if spec.dtype.itemsize == 1 else segment.view(paddle_dtype(spec.dtype))
+    return t.reshape([int(segment.shape[0]), spec.num_kv_heads, block_size, -1])
+
+
+def read_state(pools: BlockPools, group: int, slot: int, blocks: Any) -> dict[str, Any]:
+    """Reference read of one state (not a view): component name -> new tensor of its shape, in the
+    pools' framework (torch, or Paddle computed through Paddle alone).
 
     ``blocks``: the state set's ``blocks_per_state`` block ids in table order; null blocks read zeros.
     """
@@ -205,6 +276,11 @@ def read_state(pools: BlockPools, group: int, slot: int, blocks: Any) -> dict[st
     if entry is None:
         raise ValueError(f"state group {group} has no layer in slot {slot}")
     spec = entry[1]
+    if pools.framework is Framework.PADDLE:
+        from hybridkv.ops import _paddle
+
+        return _paddle.read_state(pools, group, slot, spec, blocks)
+    import torch
     row = to_torch(blocks).to(pools.device, torch.int64).reshape(1, -1)
     if row.shape[1] < pools.layout.blocks_per_state[group]:
         raise ValueError(
@@ -232,10 +308,14 @@ class StateBuffers:
     groups: tuple[int, ...]
     regions: tuple[BufferRegion, ...]
     data: Any
-    torch_data: torch.Tensor
     framework: Framework
     tensors: dict[tuple[int, int], dict[str, Any]]
     cache: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def torch_data(self) -> torch.Tensor:
+        """``data`` in torch (a DLPack view made on first use for Paddle buffers: imports torch)."""
+        return _torch_alias(self.data, self.framework, self.cache)
 
     def layer(self, group: int, slot: int) -> dict[str, Any]:
         """Component name -> ``[batch_size, *shape]`` tensor of state group ``group``'s layer in ``slot``."""
@@ -246,20 +326,23 @@ class StateBuffers:
         return {r.layer_id: self.tensors[(r.group, r.slot)] for r in self.regions}
 
     @property
-    def device(self) -> torch.device:
-        return self.torch_data.device
+    def device(self) -> torch.device | DeviceId:
+        return paddle_device(self.data) if self.framework is Framework.PADDLE else self.data.device
 
-    def region_bytes(self, region: BufferRegion) -> torch.Tensor:
-        """``[batch_size, nbytes]`` uint8 torch view of one region."""
+    def region_bytes(self, region: BufferRegion) -> Any:
+        """``[batch_size, nbytes]`` uint8 view of one region, in the buffers' framework."""
         size = self.batch_size * region.nbytes
-        return self.torch_data[region.buffer_offset : region.buffer_offset + size].view(self.batch_size, -1)
+        raw = self.data[region.buffer_offset : region.buffer_offset + size]
+        if self.framework is Framework.PADDLE:
+            return raw.reshape([self.batch_size, -1])
+        return raw.view(self.batch_size, -1)
 
 
 def allocate_state_buffers(
     layout: Layout,
     batch_size: int,
     group: int | None = None,
-    device: str | torch.device = "cuda",
+    device: str | Any = "cuda",
     framework: Framework | str = "torch",
     fill: int | float | str | None = None,
 ) -> StateBuffers:
@@ -282,20 +365,24 @@ def allocate_state_buffers(
             for c, off in zip(spec.components, spec.component_offsets().values(), strict=True):
                 regions.append(BufferRegion(g, slot, layer_id, c.name, off, c.nbytes, pos))
                 pos += -(-batch_size * c.nbytes // BUFFER_ALIGN_BYTES) * BUFFER_ALIGN_BYTES
-    size, dev = max(pos, BUFFER_ALIGN_BYTES), resolve_device(device)
+    size, dev = max(pos, BUFFER_ALIGN_BYTES), _pool_device(device, fw)
     if fw is Framework.PADDLE:
         data = paddle_zeros([size], dev)
-        data_t = to_torch(data)
     else:
-        data = data_t = torch.zeros(size, dtype=torch.uint8, device=dev)
+        import torch
+
+        data = torch.zeros(size, dtype=torch.uint8, device=dev)
     byte = _fill_byte(fill)
     if byte is not None:
-        data_t.fill_(byte)
+        data.fill_(byte)
     tensors: dict[tuple[int, int], dict[str, Any]] = {}
     for r in regions:
         spec = layout.model.layers[r.layer_id]
         c = spec.component(r.name)
-        raw = data_t[r.buffer_offset : r.buffer_offset + batch_size * r.nbytes]
-        view = raw.view(torch_dtype(c.dtype)).view(batch_size, *c.shape)
-        tensors.setdefault((r.group, r.slot), {})[r.name] = from_torch(view, fw)
-    return StateBuffers(layout, batch_size, groups, tuple(regions), data, data_t, fw, tensors)
+        raw = data[r.buffer_offset : r.buffer_offset + batch_size * r.nbytes]
+        if fw is Framework.PADDLE:
+            view = raw.view(paddle_dtype(c.dtype)).reshape([batch_size, *c.shape])
+        else:
+            view = raw.view(torch_dtype(c.dtype)).view(batch_size, *c.shape)
+        tensors.setdefault((r.group, r.slot), {})[r.name] = view
+    return StateBuffers(layout, batch_size, groups, tuple(regions), data, fw, tensors)

@@ -8,19 +8,31 @@ vectorised address arithmetic the reference ops use.
 
 from __future__ import annotations
 
+import importlib.util
 import os
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from hybridkv.models.spec import AttentionLayerSpec, ModelSpec, NoCacheLayerSpec, RecurrentLayerSpec, StateComponent
 from hybridkv.ops.pools import BlockPools
 from hybridkv.planner.layout import NULL_BLOCK, Layout, plan
 
+if TYPE_CHECKING:
+    import torch
+
+INTERPRETER_SKIP = (
+    "Triton kernels run on CPU only in Triton's interpreter, which takes torch tensors: set TRITON_INTERPRET=1 "
+    "with torch installed (the twin of this test runs in the torch lane)"
+)
+
 
 def interpreter_enabled() -> bool:
-    """True when Triton kernels can run on CPU here (``TRITON_INTERPRET=1`` and triton importable)."""
+    """True when Triton kernels can run on CPU here: ``TRITON_INTERPRET=1``, triton importable, and
+    torch importable (the interpreter is built on torch tensors; see :data:`INTERPRETER_SKIP`)."""
     if os.environ.get("TRITON_INTERPRET") != "1":
+        return False
+    if importlib.util.find_spec("torch") is None:
         return False
     try:
         import triton  # noqa: F401
@@ -58,8 +70,16 @@ def small_layout(
 def fill_random_(pools: BlockPools, seed: int) -> BlockPools:
     """Random bytes in every block but the null block (which stays zero)."""
     rng = np.random.default_rng(seed)
-    body = pools.torch_data[:, :, 1:]
-    body.copy_(torch.from_numpy(rng.integers(0, 256, size=tuple(body.shape), dtype=np.uint8)))
+    shape = tuple(int(n) for n in pools.data.shape)
+    noise = rng.integers(0, 256, size=(shape[0], shape[1], shape[2] - 1, shape[3]), dtype=np.uint8)
+    if pools.framework.value == "paddle":  # Paddle alone
+        import paddle
+
+        pools.data[:, :, 1:] = paddle.to_tensor(noise, place=pools.data.place)
+        return pools
+    import torch
+
+    pools.torch_data[:, :, 1:].copy_(torch.from_numpy(noise))
     return pools
 
 
@@ -84,6 +104,8 @@ def random_state_table(
 
 def expected_state_bytes(pools: BlockPools, group: int, slot: int, blocks: list[int]) -> torch.Tensor:
     """One state's flat bytes read block by block (null blocks as zeros): uint8 ``[state_bytes]``."""
+    import torch
+
     layout = pools.layout
     spec = layout.state_layer(group, slot)[1]
     pieces = []

@@ -1,7 +1,11 @@
-"""Continuous-batching scheduler over the hybrid block manager, step metadata, engine facades.
+"""Continuous-batching scheduler over the hybrid block manager, step metadata, disaggregation roles.
 
-Imports numpy only; torch / paddle are imported lazily by :mod:`.fastdeploy` when it meets tensors.
+Imports numpy only. The FastDeploy pieces live in :mod:`hybridkv.integrations.fastdeploy`; the names
+this package used to export for them (``FastDeployBlockManager``, ``StateLayerSlot``, ``attach``,
+``kv_cache_list``) still resolve here, on first use, for code written against the old path.
 """
+
+from typing import Any
 
 from hybridkv.scheduler_adapter.cost import (
     A100,
@@ -14,7 +18,6 @@ from hybridkv.scheduler_adapter.cost import (
     preemption_cost,
     recompute_flops,
 )
-from hybridkv.scheduler_adapter.fastdeploy import FastDeployBlockManager, StateLayerSlot, attach, kv_cache_list
 from hybridkv.scheduler_adapter.metadata import StepMetadata, build_step_metadata
 from hybridkv.scheduler_adapter.preemption import Preemptor, SwapExecutor
 from hybridkv.scheduler_adapter.requests import (
@@ -35,7 +38,6 @@ __all__ = [
     "AdmissionPolicy",
     "H100",
     "H200",
-    "FastDeployBlockManager",
     "GpuSpec",
     "Preemption",
     "PreemptionCost",
@@ -47,16 +49,24 @@ __all__ = [
     "StateExport",
     "Scheduler",
     "SchedulerConfig",
-    "StateLayerSlot",
     "StepMetadata",
     "StepOutputs",
     "StepPlan",
     "StepResult",
     "SwapExecutor",
-    "attach",
     "build_step_metadata",
     "gpu_preset",
-    "kv_cache_list",
     "preemption_cost",
     "recompute_flops",
 ]
+
+
+_MOVED = {"FastDeployBlockManager", "StateLayerSlot", "attach", "kv_cache_list"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _MOVED:  # moved to hybridkv.integrations.fastdeploy (issue 42); resolved lazily, no upward import
+        import hybridkv.integrations.fastdeploy as fastdeploy
+
+        return getattr(fastdeploy, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -5,13 +5,17 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-import torch
 
 from hybridkv.ops import _ids
 from hybridkv.ops._framework import (
     Backend,
+    Framework,
     as_words,
     device_guard,
+    interpreter_on,
+    is_paddle_tensor,
+    paddle_compat,
+    paddle_device,
     require_device,
     resolve_backend,
     tile_words,
@@ -27,6 +31,8 @@ def block_ids(ids: Any, what: str) -> np.ndarray:
     """Block ids (list, numpy, torch or paddle) as a 1-D int64 numpy array on the host."""
     if isinstance(ids, list | tuple | range | np.ndarray | int | np.integer):
         arr = np.asarray(ids, dtype=np.int64)
+    elif is_paddle_tensor(ids):
+        arr = np.asarray(ids.numpy(), dtype=np.int64)
     else:
         arr = to_torch(ids).detach().cpu().numpy().astype(np.int64)
     if arr.ndim != 1:
@@ -63,7 +69,8 @@ def copy_blocks(
     both a source and a destination (the copies would race). Host ids are checked before they move and
     then reach the device in one copy; ids passed as tensors on the pools' device are trusted unless
     ``validate=True`` (which synchronises). Raises :class:`~hybridkv.ops._framework.DeviceMismatchError`
-    for id tensors on another device.
+    for id tensors on another device. Paddle pools run with Paddle alone (``hybridkv.ops._paddle``),
+    except a Triton call under the CPU interpreter, which goes through a torch view.
     """
     pools.require_slot_major("copy_blocks")
     if dst_blocks is None and hasattr(src_blocks, "src") and hasattr(src_blocks, "dst"):
@@ -81,35 +88,65 @@ def copy_blocks(
     device = pools.device
     for ids, what in ((src, "src_blocks"), (dst, "dst_blocks")):
         if not _ids.from_host(ids):
-            require_device(device, ids.device, f"copy_blocks {what}")
+            require_device(device, paddle_device(ids) if is_paddle_tensor(ids) else ids.device, f"copy_blocks {what}")
     if validate or (validate is None and _ids.from_host(src) and _ids.from_host(dst)):
         _check_copy(_ids.host_copy(src), _ids.host_copy(dst), pools.num_blocks)
     if src.shape[0] == 0:
         return
+    choice = resolve_backend(backend, device)
+    if pools.framework is Framework.PADDLE and not (choice is Backend.TRITON and interpreter_on()):
+        _copy_blocks_paddle(pools, src, dst, choice)
+        return
+    import torch
+
     host = [ids for ids in (src, dst) if _ids.from_host(ids)]
     moved = iter(_ids.to_device(host, device, torch.int64) if host else ())  # one staging copy for both
     src_t, dst_t = (
         next(moved) if _ids.from_host(ids) else _ids.on_device(ids, device, torch.int64, f"copy_blocks {what}")
         for ids, what in ((src, "src_blocks"), (dst, "dst_blocks"))
     )
-    if resolve_backend(backend, device) is Backend.NAIVE:
+    if choice is Backend.NAIVE:
         copy_blocks_naive(pools, src_t, dst_t)
         return
+    _launch(pools, pools.torch_data.view(-1), src_t, dst_t, device)
+
+
+def _launch(pools: BlockPools, flat_bytes: Any, src: Any, dst: Any, device: Any) -> None:
+    """The Triton kernel over ``flat_bytes`` (the pool, 1-D uint8, torch or Paddle)."""
     from hybridkv.ops.blocks import kernel
 
     layout = pools.layout
-    word, align = word_and_align(pools.torch_data.data_ptr(), layout.segment_bytes)
+    word, align = word_and_align(flat_bytes.data_ptr(), layout.segment_bytes)
     with device_guard(device):
         kernel.launch(
-            as_words(pools.torch_data.view(-1), word),
-            src_t,
-            dst_t,
+            as_words(flat_bytes, word),
+            src,
+            dst,
             layout.group_size * layout.num_segments,
             pools.num_blocks,
             layout.segment_bytes // word,
             tile_words(word, align),
             align,
         )
+
+
+def _copy_blocks_paddle(pools: BlockPools, src: Any, dst: Any, choice: Backend) -> None:
+    """Paddle pools, no torch: ids to the pool's place (host ids in one copy), then the Paddle
+    reference or the kernel under Paddle's compat guard (CUDA)."""
+    from hybridkv.ops import _paddle
+
+    device = pools.device
+    host = [ids for ids in (src, dst) if _ids.from_host(ids)]
+    moved = iter(_paddle.to_place(host, device) if host else ())
+    src_p, dst_p = (
+        next(moved) if _ids.from_host(ids) else _paddle.on_place(ids, device, "int64", f"copy_blocks {what}")
+        for ids, what in ((src, "src_blocks"), (dst, "dst_blocks"))
+    )
+    if choice is Backend.NAIVE:
+        _paddle.copy_blocks(pools, src_p, dst_p)
+        return
+    with paddle_compat():
+        _launch(pools, pools.data.reshape([-1]), src_p, dst_p, device)
 
 
 def _check_copy(src: np.ndarray, dst: np.ndarray, num_blocks: int) -> None:

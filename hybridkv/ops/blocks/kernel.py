@@ -9,11 +9,15 @@ whatever ``segment_words % 16`` is. Grid axes 1 and 2 are chunked to CUDA's 65,5
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
+
 import triton
 import triton.language as tl
 
 from hybridkv.ops import _framework
+
+if TYPE_CHECKING:
+    import torch
 
 
 @triton.jit

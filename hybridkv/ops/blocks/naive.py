@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
 from hybridkv.ops.pools import BlockPools
+
+if TYPE_CHECKING:
+    import torch
 
 
 def copy_blocks_naive(pools: BlockPools, src: torch.Tensor, dst: torch.Tensor) -> None:

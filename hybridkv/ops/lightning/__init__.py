@@ -126,14 +126,14 @@ def _layer_addresses(pools: BlockPools, layer: LightningLayer, rows: torch.Tenso
 def read_layer_states(pools: BlockPools, layer: LightningLayer, rows: torch.Tensor) -> torch.Tensor:
     """States ``[B, H, d_k, d_v]`` (new tensor) of the sets in ``rows`` (int ``[B, >= blocks_per_state]``);
     null-block bytes read as zeros."""
-    address, null = _layer_addresses(pools, layer, rows.to(pools.device, torch.int64))
+    address, null = _layer_addresses(pools, layer, rows.to(pools.torch_data.device, torch.int64))
     flat = pools.torch_data[layer.slot].reshape(-1)[address].masked_fill(null, 0)
     return flat.contiguous().view(layer.dtype).view(rows.shape[0], layer.num_heads, layer.dk, layer.dv)
 
 
 def write_layer_states(pools: BlockPools, layer: LightningLayer, rows: torch.Tensor, states: torch.Tensor) -> None:
     """Write ``states`` ``[B, H, d_k, d_v]`` into the sets in ``rows``; null-block bytes are skipped."""
-    address, null = _layer_addresses(pools, layer, rows.to(pools.device, torch.int64))
+    address, null = _layer_addresses(pools, layer, rows.to(pools.torch_data.device, torch.int64))
     data = states.to(layer.dtype).contiguous().view(rows.shape[0], -1).view(torch.uint8)
     keep = ~null
     pools.torch_data[layer.slot].view(-1)[address[keep]] = data[keep]
@@ -207,22 +207,23 @@ def lightning_decode(
                 )
         _check_distinct_outputs(t_out, bps)
     init = (
-        torch.ones(b, dtype=torch.bool, device=pools.device)
+        torch.ones(b, dtype=torch.bool, device=pools.torch_data.device)
         if has_initial_state is None
-        else to_torch(has_initial_state).to(pools.device, torch.bool)
+        else to_torch(has_initial_state).to(pools.torch_data.device, torch.bool)
     )
     slopes_t = to_torch(slopes)
-    if resolve_backend(backend, pools.device) is Backend.NAIVE:
-        live = _live_rows(t_out).to(pools.device)
+    if resolve_backend(backend, pools.torch_data.device) is Backend.NAIVE:
+        live = _live_rows(t_out).to(pools.torch_data.device)
         states = read_layer_states(pools, layer, t_in)
         states[~(init & live)] = 0
         o = lightning_decode_naive(qt, kt, vt, states, slopes_t)
         o[~live] = 0
-        write_layer_states(pools, layer, torch.where(live[:, None], t_out.to(pools.device), NULL_BLOCK), states)
+        rows = torch.where(live[:, None], t_out.to(pools.torch_data.device), NULL_BLOCK)
+        write_layer_states(pools, layer, rows, states)
         return from_torch(o, fw)
     from hybridkv.ops.lightning import kernel
 
-    dev = pools.device
+    dev = pools.torch_data.device
     itemsize = torch.empty(0, dtype=layer.dtype).element_size()
     lay = pools.layout
     pool = pools.torch_data.view(-1).view(layer.dtype)
@@ -282,7 +283,7 @@ def lightning_prefill(
     fw = _framework_of(v)
     qt, kt, vt = to_torch(q), to_torch(k), to_torch(v)
     cu = to_torch(cu_seqlens).to(torch.int64).cpu()
-    table = _table(state_table, group).to(pools.device, torch.int64)
+    table = _table(state_table, group).to(pools.torch_data.device, torch.int64)
     b = cu.numel() - 1
     if table.shape[0] != b:
         raise ValueError(f"state table has {table.shape[0]} rows, cu_seqlens {b}")
@@ -294,10 +295,10 @@ def lightning_prefill(
         or vt.shape[1:] != (layer.num_heads, layer.dv)
     ):
         raise ValueError(f"q, k, v {tuple(qt.shape)}, {tuple(kt.shape)}, {tuple(vt.shape)} do not match the state")
-    lengths = (cu[1:] - cu[:-1]).to(pools.device)
+    lengths = (cu[1:] - cu[:-1]).to(pools.torch_data.device)
     live = _live_rows(table) & (lengths > 0)
-    init = to_torch(has_initial_state).to(pools.device, torch.bool) & live
-    if resolve_backend(backend, pools.device) is Backend.NAIVE:
+    init = to_torch(has_initial_state).to(pools.torch_data.device, torch.bool) & live
+    if resolve_backend(backend, pools.torch_data.device) is Backend.NAIVE:
         states = read_layer_states(pools, layer, table)
         o = lightning_prefill_varlen_naive(qt, kt, vt, cu, states, init.cpu(), to_torch(slopes), block_size)
         o[torch.repeat_interleave(~live.cpu(), cu[1:] - cu[:-1])] = 0
@@ -305,7 +306,7 @@ def lightning_prefill(
         return from_torch(o, fw)
     from hybridkv.ops.lightning import kernel
 
-    dev, lay = pools.device, pools.layout
+    dev, lay = pools.torch_data.device, pools.layout
     itemsize = torch.empty(0, dtype=layer.dtype).element_size()
     o = torch.empty_like(vt, device=dev)
     cdt = torch.float64 if layer.dtype == torch.float64 else torch.float32

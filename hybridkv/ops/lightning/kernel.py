@@ -20,9 +20,13 @@ block with its own ``b``), and writes the state back in place: no gather, no sca
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING, Any
+
 import triton
 import triton.language as tl
+
+if TYPE_CHECKING:
+    import torch
 
 
 @triton.jit
@@ -146,7 +150,7 @@ def launch_decode(
         pool, in_table, out_table, has_initial_state, q, k, v, o, decay,
         in_table.stride(0), out_table.stride(0), q.stride(0), q.stride(1), v.stride(0), v.stride(1),
         o.stride(0), o.stride(1), slot_base, component_base, block_elems, segment_elems, num_blocks * segment_elems,
-        DK=dk, DV=dv, BK=bk, BV=bv, F64=pool.dtype == torch.float64, num_warps=NUM_WARPS,
+        DK=dk, DV=dv, BK=bk, BV=bv, F64=_is_f64(pool), num_warps=NUM_WARPS,
     )  # fmt: skip
 
 
@@ -282,6 +286,11 @@ def launch_prefill(
         pool, table, has_initial_state, cu_seqlens, q, k, v, o, log_decay,
         table.stride(0), q.stride(0), q.stride(1), v.stride(0), v.stride(1), o.stride(0), o.stride(1),
         slot_base, component_base, block_elems, segment_elems, num_blocks * segment_elems,
-        DK=dk, DV=dv, BK=bk, BV=bv, BT=bt, F64=pool.dtype == torch.float64,
-        PRECISION="ieee" if pool.dtype == torch.float64 else FP32_DOT, num_warps=PREFILL_WARPS,
+        DK=dk, DV=dv, BK=bk, BV=bv, BT=bt, F64=_is_f64(pool),
+        PRECISION="ieee" if _is_f64(pool) else FP32_DOT, num_warps=PREFILL_WARPS,
     )  # fmt: skip
+
+
+def _is_f64(t: Any) -> bool:
+    """``t`` holds float64 (torch or Paddle dtype)."""
+    return str(t.dtype).rpartition(".")[2] == "float64"

@@ -6,13 +6,17 @@ from collections import OrderedDict
 from typing import Any, NamedTuple
 
 import numpy as np
-import torch
 
 from hybridkv.ops import _ids
 from hybridkv.ops._framework import (
     Backend,
+    Framework,
     as_words,
     device_guard,
+    interpreter_on,
+    is_paddle_tensor,
+    paddle_compat,
+    paddle_device,
     require_device,
     resolve_backend,
     tile_words,
@@ -46,7 +50,8 @@ def gather_states(
     ``group`` (from :func:`~hybridkv.ops.pools.allocate_state_buffers`); rows ``0..B-1`` of each
     component tensor ``[batch_size, *shape]`` are overwritten, later rows stay as they were (so one
     set of buffers serves every step of an engine). Null-block entries read as zeros. One Triton launch on CUDA (or with
-    ``backend="triton"``), the torch reference otherwise. ``validate`` (default: when the table is on
+    ``backend="triton"``), the reference otherwise (torch for torch pools, Paddle for Paddle pools:
+    no torch on that path). ``validate`` (default: when the table is on
     the host: numpy, lists or CPU tensors) checks block ids before they move; a table that is already a
     tensor on the pools' device is trusted unless ``validate=True`` (which synchronises). Raises
     ``ValueError`` on shapes or ids that do not fit, :class:`~hybridkv.ops._framework.DeviceMismatchError`
@@ -141,27 +146,59 @@ def _run(
         )
     host = _ids.from_host(table)
     if not host:
-        require_device(device, table.device, "state table")
+        require_device(device, paddle_device(table) if is_paddle_tensor(table) else table.device, "state table")
     if validate or (validate is None and host):
         _validate_ids(_ids.host_copy(table), sel.table_group, sel.widths, pools.num_blocks, scatter)
+    choice = resolve_backend(backend, device)
+    if pools.framework is Framework.PADDLE and not (choice is Backend.TRITON and interpreter_on()):
+        _run_paddle(scatter, pools, table, sel, buffers, choice)
+        return
+    import torch
+
     if host:
         table_t = _ids.to_device([table], device, torch.int32)[0]
     else:
         table_t = _ids.on_device(table, device, torch.int32, "state table")
-    if resolve_backend(backend, device) is Backend.NAIVE:
+    if choice is Backend.NAIVE:
         run = scatter_states_naive if scatter else gather_states_naive
         run(pools, table_t.to(torch.int64), sel.table_group, buffers, list(sel.regions))
         return
+    _launch(scatter, pools, pools.torch_data.view(-1), buffers.torch_data, table_t, sel, device)
+
+
+def _launch(
+    scatter: bool, pools: BlockPools, pool_bytes: Any, buf_bytes: Any, table: Any, sel: _Selection, device: Any
+) -> None:
+    """The Triton kernel over 1-D uint8 ``pool_bytes`` / ``buf_bytes`` (torch, or Paddle inside the
+    compat guard) and the int32 device ``table``."""
     from hybridkv.ops.states import kernel
 
-    pool_ptr, buf_ptr = pools.torch_data.data_ptr(), buffers.torch_data.data_ptr()
-    word, align = word_and_align(pool_ptr, buf_ptr, pools.layout.segment_bytes, *sel.offsets)
+    word, align = word_and_align(pool_bytes.data_ptr(), buf_bytes.data_ptr(), pools.layout.segment_bytes, *sel.offsets)
     block = tile_words(word, align)
-    runs = run_table(pools, sel.regions, sel.table_group, word, align, block)
-    pool_words = as_words(pools.torch_data.view(-1), word)
-    buf_words = as_words(buffers.torch_data, word)
+    runs = run_table(pools, sel.regions, sel.table_group, word, align, block, paddle=is_paddle_tensor(pool_bytes))
     with device_guard(device):
-        kernel.launch(scatter, pool_words, buf_words, table_t, runs, pools.layout.segment_bytes // word, block, align)
+        kernel.launch(
+            scatter, as_words(pool_bytes, word), as_words(buf_bytes, word), table, runs,
+            pools.layout.segment_bytes // word, block, align,
+        )  # fmt: skip
+
+
+def _run_paddle(scatter: bool, pools: BlockPools, table: Any, sel: _Selection, buffers: StateBuffers, choice: Backend):
+    """Paddle pools, no torch: the Paddle reference (addresses from the host table), or the kernel
+    under Paddle's compat guard on CUDA."""
+    from hybridkv.ops import _paddle
+
+    if choice is Backend.NAIVE:
+        run = _paddle.scatter_states if scatter else _paddle.gather_states
+        run(pools, _paddle.host_ids(table), sel.table_group, buffers, list(sel.regions))
+        return
+    device = pools.device
+    if _ids.from_host(table):
+        (table_p,) = _paddle.to_place([np.ascontiguousarray(table)], device, "int32")
+    else:
+        table_p = _paddle.on_place(table, device, "int32", "state table").contiguous()
+    with paddle_compat():
+        _launch(scatter, pools, pools.data.reshape([-1]), buffers.data, table_p, sel, device)
 
 
 def _validate_ids(
@@ -183,7 +220,7 @@ def _validate_ids(
 
 
 RUN_TABLE_CACHE_SIZE = 64
-_RUN_TABLES: OrderedDict[tuple, tuple[Layout, torch.Tensor]] = OrderedDict()
+_RUN_TABLES: OrderedDict[tuple, tuple[Layout, Any]] = OrderedDict()
 
 
 def run_table(
@@ -193,15 +230,17 @@ def run_table(
     word: int,
     align: int,
     block: int,
-) -> torch.Tensor:
-    """The run table (int64 ``[num_runs, NUM_RUN_FIELDS]`` on the pools' device) for these regions.
+    paddle: bool = False,
+) -> Any:
+    """The run table (int64 ``[num_runs, NUM_RUN_FIELDS]`` on the pools' device, in the pools'
+    framework: a Paddle tensor with ``paddle``, else torch) for these regions.
 
     Cached per layout, pool size, regions (the buffers' shape: batch size and groups), word, tile and
     device, not per buffers object: new buffers of the same shape reuse it, and so does every step of
     an engine. At most ``RUN_TABLE_CACHE_SIZE`` tables are kept (least recently used goes first).
     """
     layout = pools.layout
-    key = (id(layout), pools.num_blocks, regions, tuple(table_group.items()), word, block, pools.device)
+    key = (id(layout), pools.num_blocks, regions, tuple(table_group.items()), word, block, paddle, pools.device)
     hit = _RUN_TABLES.get(key)
     if hit is not None and hit[0] is layout:  # the entry holds the layout, so its id cannot be reused
         _RUN_TABLES.move_to_end(key)
@@ -209,7 +248,14 @@ def run_table(
     host = state_runs(layout, pools.num_blocks, list(regions), table_group, word, block * word)
     if (host[:, [RUN_SRC_BASE, RUN_LENGTH, RUN_DST_BASE, RUN_DST_ROW_STRIDE]] % align).any():
         raise AssertionError(f"runs are not aligned to {align} words of {word} bytes")
-    runs = _ids.to_device([host], pools.device, torch.int64)[0]
+    if paddle:
+        from hybridkv.ops import _paddle
+
+        runs = _paddle.to_place([host], pools.device)[0]
+    else:
+        import torch
+
+        runs = _ids.to_device([host], pools.device, torch.int64)[0]
     _RUN_TABLES[key] = (layout, runs)
     while len(_RUN_TABLES) > RUN_TABLE_CACHE_SIZE:
         _RUN_TABLES.popitem(last=False)

@@ -10,11 +10,15 @@ launched in chunks of at most 65,535 rows, CUDA's limit on that axis.
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
+
 import triton
 import triton.language as tl
 
 from hybridkv.ops import _framework
+
+if TYPE_CHECKING:
+    import torch
 from hybridkv.ops.addressing import (
     NUM_RUN_FIELDS,
     RUN_COLUMN,
@@ -110,18 +114,20 @@ def launch(
     """One launch over ``runs`` (int64 ``[num_runs, NUM_RUN_FIELDS]``) x batch rows of ``table``.
 
     ``pool_words``/``buf_words``: 1-D word views of the pool and the state buffers; ``table``: int32
-    ``[num_table_groups, B, W]`` contiguous on the pool's device (the current device). ``align``: a
+    ``[num_table_groups, B, W]`` contiguous (torch or Paddle) on the pool's device (the current
+    device). ``align``: a
     power of two (words) dividing every run offset, length and row stride, ``segment_words`` and both
     base addresses. ``block``: the tile the runs were cut to (:func:`~hybridkv.ops._framework.tile_words`).
     """
     num_rows = table.shape[1]
     if runs.shape[0] == 0 or num_rows == 0:
         return
+    table_stride0, table_stride1 = int(table.shape[1]) * int(table.shape[2]), int(table.shape[2])  # contiguous
     limit = _framework.MAX_GRID_YZ
     for row_start in range(0, num_rows, limit):
         grid = (runs.shape[0], min(limit, num_rows - row_start))
         _states_kernel[grid](
-            pool_words, buf_words, table, runs, table.stride(0), table.stride(1), segment_words, row_start,
+            pool_words, buf_words, table, runs, table_stride0, table_stride1, segment_words, row_start,
             NUM_FIELDS=NUM_RUN_FIELDS, F_SRC=RUN_SRC_BASE, F_GROUP=RUN_TABLE_GROUP, F_COLUMN=RUN_COLUMN,
             F_LENGTH=RUN_LENGTH, F_DST=RUN_DST_BASE, F_ROW=RUN_DST_ROW_STRIDE, BLOCK=block,
             ALIGN=align, SCATTER=scatter, num_warps=_framework.NUM_WARPS,

@@ -10,12 +10,15 @@ null blocks as zeros, and cut to ``state_bytes``. Components sit back to back in
 from __future__ import annotations
 
 from collections import defaultdict
+from typing import TYPE_CHECKING
 
-import torch
-
+from hybridkv.ops._framework import WORD_NAMES
 from hybridkv.ops.addressing import BufferRegion
 from hybridkv.ops.pools import BlockPools, StateBuffers
 from hybridkv.planner.layout import NULL_BLOCK
+
+if TYPE_CHECKING:
+    import torch
 
 
 def _layers(regions: list[BufferRegion]) -> dict[tuple[int, int], list[BufferRegion]]:
@@ -31,12 +34,11 @@ def _layer(pools: BlockPools, table: torch.Tensor, table_group: dict[int, int], 
     layout = pools.layout
     spec = layout.state_layer(g, slot)[1]
     bps = layout.state_groups[g].blocks_per_state
+    import torch
+
     ids = table[table_group[g], :, :bps].to(torch.int64)
-    word = next(w for w, dt in _WORDS if layout.segment_bytes % w == 0)
-    return pools.torch_data[slot].view(dict(_WORDS)[word]), ids, spec.state_bytes
-
-
-_WORDS = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
+    word = next(w for w in (8, 4, 2, 1) if layout.segment_bytes % w == 0)
+    return pools.torch_data[slot].view(getattr(torch, WORD_NAMES[word])), ids, spec.state_bytes
 
 
 def gather_states_naive(
@@ -48,6 +50,8 @@ def gather_states_naive(
 ) -> None:
     """``buffers[region][b] = state bytes of table row b`` for every region and table row (rows of the
     buffers beyond the table's stay as they were); null blocks read zeros."""
+    import torch
+
     for (g, slot), components in _layers(regions).items():
         data, ids, state_bytes = _layer(pools, table, table_group, g, slot)
         blocks = data[:, ids]  # [S, B, bps, seg words]
@@ -68,6 +72,8 @@ def scatter_states_naive(
 ) -> None:
     """The inverse of :func:`gather_states_naive`: only the state's bytes are written (not the unused
     tail of its last block), and nothing lands in the null block."""
+    import torch
+
     seg = pools.layout.segment_bytes
     for (g, slot), components in _layers(regions).items():
         words, ids, state_bytes = _layer(pools, table, table_group, g, slot)

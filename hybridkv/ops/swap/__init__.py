@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 import enum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from hybridkv.ops._framework import Backend
+from hybridkv.ops._framework import Backend, Framework
 from hybridkv.ops.blocks import block_ids, check_pairs
 from hybridkv.ops.pools import BlockPools
-from hybridkv.ops.swap.naive import swap_blocks_naive
-from hybridkv.ops.swap.runs import MAX_STAGING_BYTES, side_stream, swap_runs
+from hybridkv.ops.swap.runs import MAX_STAGING_BYTES
 from hybridkv.planner.layout import NULL_BLOCK
+
+if TYPE_CHECKING:
+    import torch
 
 
 class SwapDirection(enum.Enum):
@@ -54,6 +54,10 @@ def swap_blocks(
     stream, ``event.synchronize()`` the host) before touching the blocks. Elsewhere the copy is
     synchronous and a :class:`CompletedSwap` is returned. Raises ``ValueError`` on ids out of range,
     repeated destinations, the null block as a device destination, or a bad direction.
+
+    Paddle pools (device and host both Paddle) move with Paddle alone: one gather or index put of the
+    device rows and one copy per run of consecutive host ids, synchronous on every device for now
+    (a :class:`CompletedSwap` is returned), no torch.
     """
     if hasattr(device_blocks, "device_blocks") and hasattr(device_blocks, "host_blocks"):
         plan = device_blocks
@@ -69,7 +73,7 @@ def swap_blocks(
     device_pools.require_slot_major("swap_blocks (device side)")
     if not host_pools.block_major:
         raise ValueError("swap_blocks: host_pools must come from allocate_host_pools (block-major)")
-    if device_pools.torch_data.shape[:2] != host_pools.torch_data.shape[1:3] or (
+    if tuple(device_pools.data.shape[:2]) != tuple(host_pools.data.shape[1:3]) or (
         device_pools.layout.block_bytes != host_pools.layout.block_bytes
     ):
         raise ValueError("device and host pools differ in block bytes or layer slots: plan them from one layout")
@@ -79,10 +83,20 @@ def swap_blocks(
         check_pairs(host, dev, host_pools.num_blocks, device_pools.num_blocks, "swap_blocks in")
         if (dev == NULL_BLOCK).any():
             raise ValueError("swap_blocks in: the null block (0) cannot be a destination; it stays zero-filled")
-    if Backend(backend) is Backend.NAIVE:
-        swap_blocks_naive(device_pools, host_pools, dev, host, way is SwapDirection.OUT)
-        return CompletedSwap()
     out = way is SwapDirection.OUT
+    if device_pools.framework is Framework.PADDLE and host_pools.framework is Framework.PADDLE:
+        from hybridkv.ops import _paddle
+
+        _paddle.swap_blocks(device_pools, host_pools, dev, host, out)
+        return CompletedSwap()
+    import torch
+
+    from hybridkv.ops.swap.naive import swap_blocks_naive
+    from hybridkv.ops.swap.runs import side_stream, swap_runs
+
+    if Backend(backend) is Backend.NAIVE:
+        swap_blocks_naive(device_pools, host_pools, dev, host, out)
+        return CompletedSwap()
     if device_pools.device.type != "cuda":
         swap_runs(device_pools, host_pools, dev, host, out, False, max_staging_bytes)
         return CompletedSwap()

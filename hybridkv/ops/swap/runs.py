@@ -10,12 +10,16 @@ consecutive host blocks moves in one copy. Staging is bounded by ``max_staging_b
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
-import torch
 
 from hybridkv.ops import _ids
-from hybridkv.ops._framework import WORD_DTYPES, widest_word
+from hybridkv.ops._framework import WORD_NAMES, widest_word
 from hybridkv.ops.pools import BlockPools
+
+if TYPE_CHECKING:
+    import torch
 
 MAX_STAGING_BYTES = 256 * 1024**2
 _SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
@@ -32,6 +36,8 @@ def host_runs(host_ids: np.ndarray) -> list[tuple[int, int]]:
 
 
 def side_stream(device: torch.device) -> torch.cuda.Stream:
+    import torch
+
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _SIDE_STREAMS:
         _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
@@ -40,9 +46,11 @@ def side_stream(device: torch.device) -> torch.cuda.Stream:
 
 def _block_major_words(pools: BlockPools) -> torch.Tensor:
     """Device pool as ``[num_blocks, group_size, num_segments, segment_words]`` (a permuted view)."""
+    import torch
+
     data = pools.torch_data
     word = widest_word(data.data_ptr(), data.shape[-1])
-    return data.view(WORD_DTYPES[word]).permute(2, 0, 1, 3)
+    return data.view(getattr(torch, WORD_NAMES[word])).permute(2, 0, 1, 3)
 
 
 def swap_runs(
@@ -55,6 +63,8 @@ def swap_runs(
     max_staging_bytes: int = MAX_STAGING_BYTES,
 ) -> int:
     """Move every pair ``device_ids[i] <-> host_ids[i]``; returns the number of host copies issued."""
+    import torch
+
     order = np.argsort(host_ids, kind="stable")
     dev_sorted, host_sorted = device_ids[order], host_ids[order]
     device = device_pools.device

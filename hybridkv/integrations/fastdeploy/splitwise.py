@@ -35,7 +35,7 @@ from hybridkv.transfer.handoff import finish_import, offer_message, push_request
 
 
 class SplitwiseMixin:
-    """The transfer steps of :class:`~hybridkv.scheduler_adapter.fastdeploy.FastDeployBlockManager`.
+    """The transfer steps of :class:`~hybridkv.integrations.fastdeploy.facade.FastDeployBlockManager`.
 
     Ownership: ``_transfers`` holds the pending import plan of each decode-role request between its
     preallocation and :meth:`transfer_received`; the manager holds the blocks."""

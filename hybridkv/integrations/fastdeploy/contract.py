@@ -10,12 +10,12 @@ from typing import Any
 from hybridkv.blockmgr.manager import HybridBlockManager
 from hybridkv.blockmgr.records import RequestId
 from hybridkv.errors import RequestStateError
-from hybridkv.scheduler_adapter.fastdeploy_types import ALLOCATE_FORMS, PATCH_SERIES, SPLITWISE_ROLES, EnginePatchError
-from hybridkv.units import as_count, is_integer
+from hybridkv.integrations.fastdeploy.types import ALLOCATE_FORMS, PATCH_SERIES, SPLITWISE_ROLES, EnginePatchError
+from hybridkv.units import is_integer
 
 
 class EngineContractMixin:
-    """Part of :class:`~hybridkv.scheduler_adapter.fastdeploy.FastDeployBlockManager`: the binding and
+    """Part of :class:`~hybridkv.integrations.fastdeploy.facade.FastDeployBlockManager`: the binding and
     the tickets. Ownership: ``_binding`` is set once; ``_tickets`` holds ids of requests the engine
     has not allocated yet and whose next first allocation includes their state sets; ``_admitted``
     (the facade's) the host hits admitted at their match, waiting for that first allocation."""
@@ -30,14 +30,17 @@ class EngineContractMixin:
         """Patch E0 (end of ``ResourceManagerV1.__init__``): the engine says it runs :data:`PATCH_SERIES`,
         in which cache-manager mode (``enable_cache_manager_v1``) and splitwise role. Raises
         :class:`EnginePatchError` for another series, ``ValueError`` / ``TypeError`` for a bad mode
-        or role, ``RequestStateError`` once bound (nothing changes then)."""
+        (a bool, or the int 0 / 1 that develop's ``enable_cache_manager_v1`` holds) or role,
+        ``RequestStateError`` once bound (nothing changes then)."""
         if patch_series != PATCH_SERIES:
             raise EnginePatchError(
                 f"bind_engine: the engine runs patch series {patch_series!r}, this facade answers {PATCH_SERIES!r} "
                 "(docs/fastdeploy.md): apply that series to FastDeploy"
             )
-        if not isinstance(cache_manager_v1, bool):
-            raise TypeError(f"bind_engine: cache_manager_v1 must be a bool, got {cache_manager_v1!r}")
+        # develop c1b7c083 sets enable_cache_manager_v1 from the env value ENABLE_V1_KVCACHE_MANAGER (0 or 1)
+        if not (isinstance(cache_manager_v1, bool) or is_integer(cache_manager_v1) and cache_manager_v1 in (0, 1)):
+            raise TypeError(f"bind_engine: cache_manager_v1 must be a bool or 0 / 1, got {cache_manager_v1!r}")
+        cache_manager_v1 = bool(cache_manager_v1)
         if splitwise_role not in SPLITWISE_ROLES:
             raise ValueError(f"bind_engine: splitwise_role must be one of {SPLITWISE_ROLES}, got {splitwise_role!r}")
         if self._binding is not None:
@@ -108,7 +111,9 @@ def allocation_args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[bool
             f"allocate_gpu_blocks: num_blocks must be an integer, got {num_blocks!r} "
             f"({type(num_blocks).__name__}); use {ALLOCATE_FORMS}"
         )
-    count = as_count(num_blocks, "allocate_gpu_blocks num_blocks")
+    # a negative count is 0, as FastDeploy's managers take it (range(n) is empty): develop c1b7c083's
+    # get_new_block_nums can return one for a request holding more blocks than its tokens need
+    count = max(int(num_blocks), 0)
     rid = bound["request"].request_id if v1 else bound.get("req_id")
     if rid is None:
         raise RequestStateError(

@@ -1,4 +1,4 @@
-"""The FastDeploy-shaped values the facade (:mod:`hybridkv.scheduler_adapter.fastdeploy`) hands out
+"""The FastDeploy-shaped values the facade (:mod:`hybridkv.integrations.fastdeploy.facade`) hands out
 and keeps: ``MatchResult`` (v1 cache manager), the stand-in for ``gpu_free_block_list``, a pending
 prefix match, and the names of the fields and call forms it documents."""
 

@@ -1,0 +1,137 @@
+"""The GDN model-layer API: ``gdn_conv`` and ``gated_delta_rule`` over FastDeploy's flat batch.
+
+Three requests across three steps (fresh prompts, a chunk continuing from its stored conv window and
+state, decode tokens, a request joining later, an empty slot) must equal each request computed alone
+(float64, no paging). The pool starts full of random bytes, so a fresh prompt that read stored state
+fails. Broken variants: a stale conv window (the window restarted while the state continues), a row
+reading another row's state set, a continuing row restarted. Runs on Paddle in the no-torch lane and
+on torch in the torch lane.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from hybridkv.blockmgr.manager import HybridBlockManager
+from hybridkv.integrations.fastdeploy import tensors as tensors_
+from hybridkv.integrations.fastdeploy.layers import gated_delta_rule, gdn_conv
+from hybridkv.integrations.fastdeploy.worker import StateTables, allocate_caches, attach_worker
+from hybridkv.models.presets import gdn_layer, layers_from_pattern
+from hybridkv.models.spec import AttentionLayerSpec, ModelSpec
+from hybridkv.planner.layout import plan
+
+FW = "torch" if importlib.util.find_spec("torch") is not None else "paddle"
+HK, HV, DK, DV, KERNEL = 1, 2, 4, 4, 4
+DIM = 2 * HK * DK + HV * DV
+TOLERANCE = 1e-5  # float32 states between steps against float64 alone: measured 3e-8
+STEPS = [{0: 5, 1: 3}, {0: 1, 1: 4, 3: 2}, {0: 1, 1: 1, 3: 1}]
+OWNERS = {0: "a", 1: "b", 3: "c"}
+
+
+def _layout():
+    rec = gdn_layer(HK, HV, DK, DV, KERNEL, "float32", "float32")
+    spec = ModelSpec("mini-qwen3-next", layers_from_pattern("RA", AttentionLayerSpec(1, 8, "bfloat16"), rec))
+    probe = plan(spec, 1 << 20, block_size=4)
+    return plan(spec, 40 * probe.bytes_per_block, block_size=4)
+
+
+def _silu(x):
+    return x / (1 + np.exp(-x))
+
+
+def _split(x):
+    q = x[:, : HK * DK].reshape(-1, HK, DK)
+    k = x[:, HK * DK : 2 * HK * DK].reshape(-1, HK, DK)
+    return q, k, x[:, 2 * HK * DK :].reshape(-1, HV, DV)
+
+
+def _alone(x, weight, g, beta):
+    """One request's GDN mixer output, alone, from zero: conv (zero padded), SiLU, the delta rule."""
+    seq = np.concatenate([np.zeros((KERNEL - 1, DIM)), x])
+    conv = np.stack([(seq[t : t + KERNEL] * weight.T).sum(0) for t in range(len(x))])
+    q, k, v = _split(_silu(conv))
+    q, k = (np.repeat(a / np.linalg.norm(a, axis=-1, keepdims=True), HV // HK, axis=1) for a in (q, k))
+    s, out = np.zeros((HV, DK, DV)), np.zeros(v.shape)
+    for t in range(len(x)):
+        s = s * np.exp(g[t])[:, None, None]
+        delta = (v[t] - np.einsum("hk,hkv->hv", k[t], s)) * beta[t][:, None]
+        s = s + k[t][:, :, None] * delta[:, None, :]
+        out[t] = np.einsum("hk,hkv->hv", q[t] * DK**-0.5, s)
+    return out
+
+
+def run(variant: str = "") -> float:
+    layout = _layout()
+    manager, caches = HybridBlockManager(layout), allocate_caches(layout, framework=FW)
+    rng = np.random.default_rng(0)
+    for segs in caches.segments:
+        for t in segs:
+            noise = rng.integers(0, 256, tuple(int(d) for d in t.shape), dtype=np.uint8)
+            noise[0] = 0
+            t[:] = tensors_.to_like(noise, t)
+    tables = StateTables(layout, 4, framework=FW)
+    total = {r: sum(step.get(s, 0) for step in STEPS) for s, r in OWNERS.items()}
+    data = {r: (rng.standard_normal((total[r], DIM)), -np.log1p(np.exp(rng.standard_normal((total[r], HV)))),
+                1 / (1 + np.exp(-rng.standard_normal((total[r], HV))))) for r in total}  # fmt: skip
+    weight = rng.standard_normal((DIM, KERNEL)) * 0.5
+    like = caches.segments[0][0]
+    done, worst = dict.fromkeys(total, 0), 0.0
+    for n, step in enumerate(STEPS):
+        for slot in step:
+            rid = OWNERS[slot]
+            if rid not in manager.requests:
+                manager.allocate(rid, total[rid])
+                tables.set_row(slot, [row.tolist() for row in manager.state_table([rid])[:, 0]], rid)
+        fm = attach_worker(SimpleNamespace(), caches, tables)
+        fm.cu_seqlens_q = np.concatenate([[0], np.cumsum([step.get(s, 0) for s in range(4)])])
+        fm.seq_lens_decoder = np.array([done[OWNERS[s]] if s in OWNERS else 0 for s in range(4)])
+        conv_fm = SimpleNamespace(**vars(fm))
+        if n == 1 and variant in ("stale-conv", "restart"):
+            conv_fm.seq_lens_decoder = np.array(fm.seq_lens_decoder)
+            conv_fm.seq_lens_decoder[1] = 0  # row 1's window starts again
+            if variant == "restart":
+                fm.seq_lens_decoder = conv_fm.seq_lens_decoder
+        if n == 1 and variant == "swap":
+            t = tables.numpy()
+            t[:, [0, 1]] = t[:, [1, 0]]
+            fm.state_block_tables = conv_fm.state_block_tables = t
+        cut = {s: slice(done[OWNERS[s]], done[OWNERS[s]] + c) for s, c in step.items()}
+        x, g, beta = (np.concatenate([data[OWNERS[s]][i][cut[s]] for s in sorted(step)]) for i in range(3))
+        conv = gdn_conv(tensors_.to_like(x.astype(np.float32), like), tensors_.to_like(weight.astype(np.float32), like),
+                        conv_fm, 0)  # fmt: skip
+        q, k, v = (tensors_.to_like(a.astype(np.float32), like) for a in _split(_silu(tensors_.to_numpy(conv))))
+        o = tensors_.to_numpy(gated_delta_rule(q, k, v, tensors_.to_like(g.astype(np.float32), like),
+                                               tensors_.to_like(beta.astype(np.float32), like), fm, 0))  # fmt: skip
+        at = 0
+        for s in sorted(step):
+            r, c = OWNERS[s], step[s]
+            x_r, g_r, b_r = (a.astype(np.float32).astype(np.float64) for a in data[r])
+            want = _alone(x_r, weight.astype(np.float32).astype(np.float64), g_r, b_r)[cut[s]]
+            worst = max(worst, float(np.abs(o[at : at + c] - want).max()))
+            at += c
+        for s, c in step.items():
+            done[OWNERS[s]] += c
+    return worst
+
+
+def test_every_row_equals_its_request_alone():
+    assert run() < TOLERANCE
+
+
+@pytest.mark.parametrize("variant", ["stale-conv", "swap", "restart"])
+def test_broken_variants_fail_by_a_wide_margin(variant):
+    assert run(variant) > 1e3 * TOLERANCE
+
+
+def test_a_layer_without_gdn_states_is_refused():
+    layout = _layout()
+    caches = allocate_caches(layout, framework=FW)
+    fm = attach_worker(SimpleNamespace(), caches, StateTables(layout, 2, framework=FW))
+    fm.cu_seqlens_q, fm.seq_lens_decoder = np.array([0, 0, 0]), np.array([0, 0])
+    x = tensors_.to_like(np.zeros((0, DIM), dtype=np.float32), caches.segments[0][0])
+    with pytest.raises(ValueError, match="no state slot"):
+        gdn_conv(x, x, fm, 1)
