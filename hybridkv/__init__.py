@@ -25,7 +25,7 @@ Names (imported on first use, so ``import hybridkv`` needs numpy only):
   :class:`EvictionPolicy`
 - scheduler: :class:`Scheduler`, :class:`SchedulerConfig`, :class:`StepOutputs`, :class:`StepPlan`,
   :class:`PreemptionMode`, :class:`AdmissionPolicy`, :func:`build_step_metadata`
-- ops (need torch): :func:`allocate_pools`, :func:`gather_states`, :func:`scatter_states`,
+- ops (need torch or paddle): :func:`allocate_pools`, :func:`gather_states`, :func:`scatter_states`,
   :func:`copy_blocks`, :func:`swap_blocks`
 - errors: :class:`HybridKVError` (every error raised on purpose), :class:`SpecError`,
   :class:`LayoutError`, :class:`AllocationError`, :class:`NoFreeBlocksError`
@@ -80,19 +80,20 @@ _LAZY: dict[str, str] = {
 }
 _OPS = ("allocate_pools", "gather_states", "scatter_states", "copy_blocks", "swap_blocks")
 
-# the ops names are listed only where torch is installed, so `from hybridkv import *` and help(hybridkv)
-# work on a numpy-only install; hybridkv.gather_states there raises an ImportError that says what to install
+# the ops names are listed only where torch or paddle is installed, so `from hybridkv import *` and
+# help(hybridkv) work on a numpy-only install; hybridkv.gather_states there raises an ImportError that
+# says what to install
 
 
-def _has_torch() -> bool:
+def _has(module: str) -> bool:
     try:
-        return importlib.util.find_spec("torch") is not None
+        return importlib.util.find_spec(module) is not None
     except (ImportError, ValueError):
         return False
 
 
-_HAS_TORCH = _has_torch()
-__all__ = ["__version__", *_LAZY, *(_OPS if _HAS_TORCH else ())]
+_HAS_FRAMEWORK = _has("torch") or _has("paddle")  # the ops run on torch or Paddle tensors
+__all__ = ["__version__", *_LAZY, *(_OPS if _HAS_FRAMEWORK else ())]
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from hybridkv.blockmgr.manager import HybridBlockManager  # noqa: F401
@@ -119,13 +120,12 @@ def __getattr__(name: str) -> Any:
     if name in _LAZY:
         value = getattr(importlib.import_module(_LAZY[name]), name)
     elif name in _OPS:
-        try:
-            ops = importlib.import_module("hybridkv.ops")
-        except ImportError as e:
+        if not _HAS_FRAMEWORK:
             raise ImportError(
-                f"hybridkv.{name} needs torch ({e}): pip install torch (see the README for the CPU wheel)"
-            ) from None
-        value = getattr(ops, name)
+                f"hybridkv.{name} needs a tensor framework: pip install torch (see the README for the CPU wheel) "
+                "or paddlepaddle"
+            )
+        value = getattr(importlib.import_module("hybridkv.ops"), name)
     else:
         raise AttributeError(f"module 'hybridkv' has no attribute {name!r}")
     globals()[name] = value  # later lookups skip __getattr__
