@@ -339,6 +339,10 @@ class ManagerMachine(RuleBasedStateMachine):
             n = max((m.num_available_blocks - m.watermark_blocks - m.num_state_blocks) * m.block_size - n % 3, 1)
         if not m.can_allocate(n):
             return
+        # a pull comes between steps: the copies handed out so far ran (the last plan's stage 0 and
+        # forward); what the import's own evictions queue in the tier runs only in the next plan
+        self.ledger.run_all("executor, before a pull")
+        self._release()
         r = self.next_id = self.next_id + 1
         try:
             plan = m.import_request(r, n)

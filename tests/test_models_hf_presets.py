@@ -179,10 +179,10 @@ def test_published_configs_as_transformers_writes_them_give_hf_bytes(name, tmp_p
     spec = load_spec(path)
     assert with_conv_columns(spec, "kernel").state_bytes == HF_STATE_BYTES[name]  # transformers' bytes, exactly
     assert spec.layers == preset(name).layers  # the preset is the published config, through the same reader
-    assert main(["plan", "--model", str(path), "--conv-columns", "kernel", "--json"]) == 0
+    assert main(["plan", "--model", str(path), "--conv-columns", "kernel", "--context", "2048", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["state_bytes_per_request"] == HF_STATE_BYTES[name]
-    assert main(["plan", "--model", str(path), "--json"]) == 0
+    assert main(["plan", "--model", str(path), "--context", "2048", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["state_bytes_per_request"] == spec.state_bytes
     has_conv = any(c.name == "conv" for _, r in spec.recurrent_layers() for c in r.components)
