@@ -97,6 +97,22 @@ def test_simulate_refuses_a_cache_budget_the_gpu_cannot_hold(capsys, no_simulati
     assert "--compare gpu-memory=40GiB: one H200 has" in err
 
 
+def test_plan_says_when_a_cache_budget_is_more_than_any_gpu_holds_beside_the_weights(capsys):
+    # simulate refuses this budget (above); plan answers the question asked but says so in one line
+    assert main(["plan", "--gpu-memory", "400GiB", "--json"]) == 0
+    explain = json.loads(capsys.readouterr().out)["explain"]
+    said = [line for line in explain if line.startswith("--gpu-memory 400.0 GiB is more cache than any GPU")]
+    assert len(said) == 1 and "one H200, has 140.4 GiB less 106.2 GiB of minimax-m1 TP8 weights" in said[0]
+    assert "so at most 34.2 GiB" in said[0]
+    assert main(["plan", "--gpu-memory", "30GiB", "--json"]) == 0
+    assert not any("more cache" in line for line in json.loads(capsys.readouterr().out)["explain"])
+
+
+def test_a_preset_context_beyond_its_config_maximum_is_refused(capsys):
+    err = _err(capsys, "plan", "--model", "qwen3-next-80b-a3b", "--context", "1M")
+    assert "beyond qwen3-next-80b-a3b's maximum of 262,144 tokens" in err
+
+
 # ---- one capacity rule -------------------------------------------------------------------------------
 def _sim_args(*argv: str) -> argparse.Namespace:
     p = argparse.ArgumentParser()

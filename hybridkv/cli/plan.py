@@ -92,8 +92,9 @@ def model_max_positions(model_path: str | None, preset_name: str | None) -> tupl
     return None
 
 
-# max_position_embeddings of the preset's config.json (MiniMaxAI/MiniMax-M1-80k); presets not listed: unknown
-PRESET_MAX_POSITIONS = {"minimax-m1": 10_240_000}
+# max_position_embeddings of the preset's config.json (MiniMaxAI/MiniMax-M1-80k,
+# Qwen/Qwen3-Next-80B-A3B-Instruct); presets not listed: unknown
+PRESET_MAX_POSITIONS = {"minimax-m1": 10_240_000, "qwen3-next-80b-a3b": 262_144}
 
 
 def check_answerable(
@@ -143,7 +144,8 @@ def _budget(args: argparse.Namespace, model: ModelSpec, preset_name: str | None)
         for flag in ("gpu_memory_utilization", "weights", "reserve"):
             if getattr(args, flag) is not None:
                 raise UserError(f"--{flag.replace('_', '-')} needs --gpu NAME (--gpu-memory SIZE is the cache itself)")
-        return size_arg(args.gpu_memory, "--gpu-memory"), None, []
+        asked = size_arg(args.gpu_memory, "--gpu-memory")
+        return asked, None, _beyond_gpus(asked, model, preset_name)
     assumed = args.gpu is None
     gpu_name = DEFAULT_GPU if assumed else args.gpu
     util = DEFAULT_UTILIZATION if args.gpu_memory_utilization is None else args.gpu_memory_utilization
@@ -180,6 +182,23 @@ def _budget(args: argparse.Namespace, model: ModelSpec, preset_name: str | None)
     }
     lines = [line + " (the rule hybridkv simulate uses too; --reserve SIZE to change the reserve)"]
     return budget, gpu, lines
+
+
+def _beyond_gpus(asked: int, model: ModelSpec, preset_name: str | None) -> list[str]:
+    """A line where a ``--gpu-memory`` cache is more than every GPU hybridkv knows can hold next to the
+    model's weights per GPU (unknown weights: the GPU's whole memory), the check ``hybridkv simulate``
+    refuses the same budget with; none otherwise."""
+    weights = P.weight_bytes_per_gpu(preset_name, model.tp_size) if preset_name is not None else 0
+    room = {gpu: P.gpu_memory_bytes(gpu) - weights for gpu in P.GPU_MEMORY_BYTES}
+    largest = max(room, key=room.__getitem__)
+    if asked <= room[largest]:
+        return []
+    of = f" less {format_bytes(weights)} of {preset_name} TP{model.tp_size} weights" if weights else ""
+    return [
+        f"--gpu-memory {format_bytes(asked)} is more cache than any GPU hybridkv knows holds: the largest, "
+        f"one {largest.upper()}, has {format_bytes(P.gpu_memory_bytes(largest))}{of}, so at most "
+        f"{format_bytes(room[largest])} (hybridkv simulate refuses this budget; the figures below assume it)"
+    ]
 
 
 def _size(text: str, flag: str, allow_zero: bool = False) -> int:
