@@ -158,3 +158,43 @@ def test_rounding_seeds_depend_on_request_and_position():
     s = quant.rounding_seeds([1, 1, 2], [10, 11, 10])
     assert len(set(s.tolist())) == 3 and (s >= 0).all() and (s < 2**32).all()
     assert np.array_equal(s, quant.rounding_seeds([1, 1, 2], [10, 11, 10]))
+
+
+@pytest.mark.parametrize("case", ["int8_row", "fp8_head"])
+def test_values_and_scales_survive_a_checkpoint_copy_and_a_swap_out_and_in(case):
+    """A quantized state set is plain blocks: copy_blocks (a checkpoint) and swap_blocks (the host
+    tier) move its values and scales unchanged, so the state gathered from the copy equals the original."""
+    from hybridkv.ops import allocate_host_pools, copy_blocks, swap_blocks
+
+    layout, pools, _ = _setup(case)
+    rng = np.random.default_rng(3)
+    bps = layout.blocks_per_state
+    ids = rng.permutation(np.arange(1, layout.num_blocks))[: 3 * sum(bps)].reshape(3, -1)  # live, copy, swapped-in
+    tables = []
+    for part in ids:
+        t = np.zeros((len(bps), 1, max(bps)), dtype=np.int32)
+        pos = 0
+        for g, n in enumerate(bps):
+            t[g, 0, :n] = part[pos : pos + n]
+            pos += n
+        tables.append(t)
+    src = allocate_state_buffers(layout, 1, device="cpu", compute_dtype="float32")
+    _fill(src)
+    scatter_states(pools, tables[0], None, src, backend="naive", seeds=quant.rounding_seeds([9], [32]))
+
+    def gathered(table):
+        out = allocate_state_buffers(layout, 1, device="cpu", compute_dtype="float32", fill="nan")
+        gather_states(pools, table, None, out, backend="naive")
+        raw = allocate_state_buffers(layout, 1, device="cpu")
+        gather_states(pools, table, None, raw, backend="naive")
+        return out.torch_data.clone(), raw.torch_data.clone()
+
+    want, want_raw = gathered(tables[0])
+    copy_blocks(pools, ids[0], ids[1], backend="naive")  # a checkpoint of the live set
+    assert all(torch.equal(a, b) for a, b in zip(gathered(tables[1]), (want, want_raw), strict=True))
+    host = allocate_host_pools(layout, len(ids[0]) + 1)
+    swap_blocks(pools, host, ids[1], np.arange(1, len(ids[0]) + 1), "out", backend="naive")
+    pools.torch_data[:, :, torch.from_numpy(ids[1].astype(np.int64))] = 0  # the device blocks are reused
+    swap_blocks(pools, host, ids[2], np.arange(1, len(ids[0]) + 1), "in", backend="naive")
+    got, got_raw = gathered(tables[2])
+    assert torch.equal(got, want) and torch.equal(got_raw, want_raw)
