@@ -499,3 +499,29 @@ def with_state_scales(model: ModelSpec, scales: str) -> ModelSpec:
 def state_scale_bytes(model: ModelSpec) -> int:
     """Bytes of one request's state that are quantization scales (0 without a quantized state)."""
     return sum(c.scale_bytes for _, r in model.recurrent_layers() for c in r.components)
+
+
+def with_state_dtype(model: ModelSpec, dtype: DType | str, scales: str | None = None) -> ModelSpec:
+    """``model`` with every recurrent state component that is not a conv window or a token shift
+    (names ``conv*`` / ``shift*``) stored in ``dtype``: float32, bfloat16, float16, or int8 / fp8 with
+    float32 scales at ``scales`` (default ``row``). What an engine computes with is its own affair: only
+    what the pool keeps changes. Components of integer dtypes (cached ids) are left as they are."""
+    target = DType.parse(dtype, quantized=True)
+
+    def stored(r: RecurrentLayerSpec) -> RecurrentLayerSpec:
+        comps = tuple(
+            c
+            if c.name.startswith(("conv", "shift")) or c.dtype is DType.INT64
+            else replace(c, dtype=target, scales=scales if target.quantized else None)
+            for c in r.components
+        )
+        return replace(r, components=comps)
+
+    def convert(l: LayerSpec) -> LayerSpec:
+        if isinstance(l, RecurrentLayerSpec):
+            return stored(l)
+        if isinstance(l, HybridLayerSpec):
+            return HybridLayerSpec(l.attention, stored(l.recurrent))
+        return l
+
+    return replace(model, layers=tuple(map(convert, model.layers)))
