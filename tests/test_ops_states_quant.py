@@ -198,3 +198,24 @@ def test_values_and_scales_survive_a_checkpoint_copy_and_a_swap_out_and_in(case)
     swap_blocks(pools, host, ids[2], np.arange(1, len(ids[0]) + 1), "in", backend="naive")
     got, got_raw = gathered(tables[2])
     assert torch.equal(got, want) and torch.equal(got_raw, want_raw)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_paddle_pools_store_the_same_bytes_as_torch_pools(backend):
+    """Paddle pools: the computed components go through the same reference / kernel (on DLPack views),
+    the byte components through the Paddle path; the pool bytes equal the torch pools'."""
+    paddle = pytest.importorskip("paddle")
+    seeds = quant.rounding_seeds([1, 2, 3], [7, 7, 7])
+    ref, table, src = _pool_after_scatter("int8_row", "naive", seeds)
+    layout = ref.layout
+    pools = allocate_pools(layout, "cpu", framework="paddle")
+    pools.data[:] = paddle.to_tensor(fill_random_(allocate_pools(layout, "cpu"), 0).torch_data.numpy())
+    bufs = allocate_state_buffers(layout, 3, device="cpu", framework="paddle", compute_dtype="float32")
+    bufs.data[:] = paddle.to_tensor(src.torch_data.numpy())  # the same regions: the same values
+    scatter_states(pools, table, None, bufs, backend=backend, seeds=seeds)
+    assert np.array_equal(pools.data.numpy(), ref.torch_data.numpy())
+    out = allocate_state_buffers(layout, 3, device="cpu", framework="paddle", compute_dtype="float32", fill="nan")
+    gather_states(pools, table, None, out, backend=backend)
+    want = allocate_state_buffers(layout, 3, device="cpu", compute_dtype="float32", fill="nan")
+    gather_states(ref, table, None, want, backend="naive")
+    assert np.array_equal(out.data.numpy(), want.torch_data.numpy())

@@ -31,7 +31,12 @@ from hybridkv.ops.addressing import (
     state_runs,
 )
 from hybridkv.ops.pools import BlockPools, StateBuffers
-from hybridkv.ops.states.naive import computed_states_naive, gather_states_naive, scatter_states_naive
+from hybridkv.ops.states.naive import (
+    computed_states_naive,
+    computed_view,
+    gather_states_naive,
+    scatter_states_naive,
+)
 from hybridkv.planner.layout import NULL_BLOCK, Layout
 
 
@@ -163,13 +168,10 @@ def _run(
         _validate_ids(_ids.host_copy(table), sel.table_group, sel.widths, pools.num_blocks, scatter)
     choice = resolve_backend(backend, device)
     if pools.framework is Framework.PADDLE and not (choice is Backend.TRITON and interpreter_on()):
-        if sel.computed:
-            raise NotImplementedError(
-                "quantized / float16 components held in a compute dtype: torch pools only (Paddle pools move "
-                "them as stored bytes: allocate the buffers without compute_dtype)"
-            )
         _run_paddle(scatter, pools, table, sel, buffers, choice)
-        return
+        if not sel.computed:
+            return
+        # computed components of Paddle pools: the torch reference / kernel on DLPack views (needs torch)
     import torch
 
     if host:
@@ -179,15 +181,18 @@ def _run(
     seeds_t = None if seeds is None else _ids.to_device([np.asarray(seeds, dtype=np.int64)], device, torch.int64)[0]
     if seeds_t is not None and seeds_t.shape[0] < table.shape[1]:
         raise ValueError(f"seeds has {seeds_t.shape[0]} entries, the state table {table.shape[1]} rows")
+    paddle_done = pools.framework is Framework.PADDLE and not (choice is Backend.TRITON and interpreter_on())
     if choice is Backend.NAIVE:
         run = scatter_states_naive if scatter else gather_states_naive
-        run(pools, table_t.to(torch.int64), sel.table_group, buffers, list(sel.regions))
+        if not paddle_done:
+            run(pools, table_t.to(torch.int64), sel.table_group, buffers, list(sel.regions))
         if sel.computed:
             computed_states_naive(
                 scatter, pools, table_t.to(torch.int64), sel.table_group, buffers, list(sel.computed), seeds_t
             )
         return
-    _launch(scatter, pools, pools.torch_data.view(-1), buffers.torch_data, table_t, sel, device)
+    if not paddle_done:
+        _launch(scatter, pools, pools.torch_data.view(-1), buffers.torch_data, table_t, sel, device)
     if sel.computed:
         _launch_computed(scatter, pools, table_t.contiguous(), sel, buffers, seeds_t, device)
 
@@ -208,7 +213,7 @@ def _launch_computed(
             raise ValueError(f"component {r.name!r}: quantized values and scales need 4-byte aligned offsets")
         with device_guard(device):
             kernel_quant.launch(
-                scatter, pools.torch_data.view(-1), buffers.layer(r.group, r.slot)[r.name], table, seeds,
+                scatter, pools.torch_data.view(-1), computed_view(buffers, r, c.shape), table, seeds,
                 kind=kinds.get(c.dtype, kernel_quant.KIND_F16), qmax=c.dtype.quant_max if c.dtype.quantized else 1.0,
                 table_group=sel.table_group[r.group], block_bytes=layout.block_bytes, segment_bytes=seg,
                 segment_stride=stride, slot_base=r.slot * layout.num_segments * stride, state_offset=r.state_offset,

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import TYPE_CHECKING
 
-from hybridkv.ops._framework import WORD_NAMES
+from hybridkv.ops._framework import WORD_NAMES, torch_dtype
 from hybridkv.ops.addressing import BufferRegion
 from hybridkv.ops.pools import BlockPools, StateBuffers
 from hybridkv.planner.layout import NULL_BLOCK
@@ -98,6 +98,15 @@ def scatter_states_naive(
                     data[k, ids[rows, full], :n] = blocks[rows, full, k, :n]
 
 
+def computed_view(buffers: StateBuffers, region: BufferRegion, shape: tuple[int, ...]) -> torch.Tensor:
+    """A computed region's ``[batch_size, *shape]`` tensor in torch, cut from the backing buffer's torch
+    view (for Paddle buffers a DLPack view of the whole buffer: a view of a Paddle slice may lose its offset)."""
+    if buffers.framework.value == "torch":
+        return buffers.layer(region.group, region.slot)[region.name]
+    raw = buffers.torch_data[region.buffer_offset : region.buffer_offset + buffers.batch_size * region.row_stride]
+    return raw.view(torch_dtype(region.compute)).view(buffers.batch_size, *shape)
+
+
 def computed_states_naive(
     scatter: bool,
     pools: BlockPools,
@@ -125,7 +134,7 @@ def computed_states_naive(
         for r in components:
             c = spec.component(r.name)
             cut = slice(r.state_offset, r.state_offset + r.nbytes)
-            out = buffers.layer(g, slot)[r.name][:rows]
+            out = computed_view(buffers, r, c.shape)[:rows]
             group = c.scale_group or c.shape[-1]
             if not scatter:
                 raw = flat[address[:, cut]].masked_fill(null[:, cut], 0)
