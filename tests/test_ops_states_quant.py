@@ -219,3 +219,16 @@ def test_paddle_pools_store_the_same_bytes_as_torch_pools(backend):
     want = allocate_state_buffers(layout, 3, device="cpu", compute_dtype="float32", fill="nan")
     gather_states(ref, table, None, want, backend="naive")
     assert np.array_equal(out.data.numpy(), want.torch_data.numpy())
+
+
+def test_paddle_state_buffer_views_read_their_own_region():
+    """Each component tensor of Paddle buffers is a view of its region of the backing buffer (Paddle's
+    view(dtype) of a slice at a byte offset reads elsewhere; the pools view the whole buffer instead)."""
+    paddle = pytest.importorskip("paddle")
+    layout = small_layout()
+    bufs = allocate_state_buffers(layout, 2, device="cpu", framework="paddle")
+    want = (np.arange(bufs.data.shape[0]) % 251).astype(np.uint8)
+    bufs.data[:] = paddle.to_tensor(want)
+    for r in bufs.regions:
+        got = bufs.layer(r.group, r.slot)[r.name].numpy().view(np.uint8).ravel()
+        assert np.array_equal(got, want[r.buffer_offset : r.buffer_offset + 2 * r.nbytes]), r

@@ -281,6 +281,7 @@ def read_state(pools: BlockPools, group: int, slot: int, blocks: Any) -> dict[st
 
         return _paddle.read_state(pools, group, slot, spec, blocks)
     import torch
+
     row = to_torch(blocks).to(pools.device, torch.int64).reshape(1, -1)
     if row.shape[1] < pools.layout.blocks_per_state[group]:
         raise ValueError(
@@ -396,7 +397,11 @@ def allocate_state_buffers(
         if dtype.quantized:  # stored bytes: values, then float32 scales
             view = raw.reshape([batch_size, c.nbytes]) if fw is Framework.PADDLE else raw.view(batch_size, c.nbytes)
         elif fw is Framework.PADDLE:
-            view = raw.view(paddle_dtype(dtype)).reshape([batch_size, *c.shape])
+            # Paddle 3.3's view(dtype) of a slice that starts at a byte offset reads from offset / itemsize:
+            # view the whole buffer (256-byte aligned regions), then slice in elements
+            n, first = dtype.itemsize, r.buffer_offset // dtype.itemsize
+            whole = data.view(paddle_dtype(dtype))
+            view = whole[first : first + batch_size * r.row_stride // n].reshape([batch_size, *c.shape])
         else:
             view = raw.view(torch_dtype(dtype)).view(batch_size, *c.shape)
         tensors.setdefault((r.group, r.slot), {})[r.name] = view
