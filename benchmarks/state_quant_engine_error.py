@@ -70,8 +70,9 @@ def compare(ref, got, prompt_len):
         first = next((j for j, (a, b) in enumerate(zip(new_r, new_g, strict=True)) if a != b), len(new_r))
         rows.append(
             {
-                "prefill_diff": diff[:prompt_len].tolist(),
-                "decode_diff": diff[prompt_len - 1 : prompt_len + first].tolist(),  # logits that chose tokens
+                "prefill_diff": [float(f"{v:.3g}") for v in diff[:prompt_len].tolist()],
+                # the logits that chose the decoded tokens, up to the first divergence (3 significant digits)
+                "decode_diff": [float(f"{v:.3g}") for v in diff[prompt_len - 1 : prompt_len + first].tolist()],
                 "agreement": sum(a == b for a, b in zip(new_r, new_g, strict=True)) / len(new_r),
                 "first_divergence": first,
                 "logit_scale": float(lr.abs().amax()),
