@@ -42,3 +42,23 @@ def test_quantized_state_serves_near_the_float32_state(model_type):
         errors[dtype] = float((got - ref).abs().max() / scale)
         assert 0 < errors[dtype] < 0.2, (dtype, errors[dtype])
     assert errors["float16"] < errors["int8"]
+
+
+def test_the_next_forward_reads_the_stored_state_not_the_buffers():
+    """Consecutive forwards of one batch read the state as the pool stores it (quantized), not the
+    float32 values the model left in the buffers: a prompt prefilled in chunks of 4 sees int8 error
+    from its second chunk on, none in its first."""
+    torch.set_num_threads(1)
+    model = tiny_model("mamba2")
+    logits = []
+    for dtype in (None, "int8"):
+        config = EngineConfig(
+            num_blocks=256, block_size=4, max_num_seqs=1, max_num_batched_tokens=4, record_logits=True,
+            prefix_cache=None, state_dtype=dtype,
+        )  # fmt: skip
+        engine = HFEngine(model, config)
+        engine.add_request(0, list(range(3, 15)), 2, SamplingParams(temperature=0.0))
+        engine.run()
+        logits.append(torch.stack([lg for _, lg in sorted(engine.logits[0], key=lambda e: e[0])]))
+    diff = (logits[1] - logits[0]).abs().amax(dim=1)
+    assert (diff[:4] == 0).all() and (diff[4:12] > 0).all()

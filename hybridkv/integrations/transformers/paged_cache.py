@@ -246,7 +246,9 @@ class PagedCache:
         self._resident = None
         scatter_states(self.pools, out_tables, None, bufs, backend=self.backend)
         ids = out_tables[out_tables != 0]
-        if np.unique(ids).size == ids.size:  # (a set written by two rows is in the pool once)
+        # (a set written by two rows is in the pool once; a narrow stored state differs from the buffers,
+        # which keep what the model computed: the next forward reads the pool's)
+        if self.compute is None and np.unique(ids).size == ids.size:
             self._resident = out_tables.copy()
 
     def invalidate(self) -> None:
