@@ -44,6 +44,7 @@ COMPARE_VALUES = {
     "watermark": "0.01,0.05",
     "admission": "reserved,full_prompt",
     "engine": "hybridkv,vllm",
+    "state-dtype": "float32,int8",
 }
 
 

@@ -54,8 +54,9 @@ from hybridkv.models.spec import SideTensor
 from tests.shadow import Ledger, prefix_hashes
 
 
-def _recurrent(elems: int) -> RecurrentLayerSpec:
-    return RecurrentLayerSpec("gla", (StateComponent("kv", (elems,), DType.FLOAT32),))
+def _recurrent(elems: int, dtype: DType = DType.FLOAT32) -> RecurrentLayerSpec:
+    """int8 / fp8: ``elems`` values then one float32 scale, all in the state set."""
+    return RecurrentLayerSpec("gla", (StateComponent("kv", (elems,), dtype),))
 
 
 prefix_on = st.builds(
@@ -84,6 +85,7 @@ class ManagerMachine(RuleBasedStateMachine):
         seed=st.integers(0, 2**16),
         host_tier=st.booleans(),
         side=st.booleans(),
+        state_dtype=st.sampled_from([DType.FLOAT32, DType.FLOAT32, DType.INT8, DType.FLOAT8_E4M3]),
     )
     def setup(
         self,
@@ -100,13 +102,14 @@ class ManagerMachine(RuleBasedStateMachine):
         seed,
         host_tier,
         side=False,
+        state_dtype=DType.FLOAT32,
     ):
         attn = AttentionLayerSpec(1, 4, DType.FLOAT16)
         if side:  # MLA-shaped (K only) with per-token side tensors after it in the slot
             attn = AttentionLayerSpec(1, 4, DType.FLOAT16, v_head_dim=0, side=(SideTensor("idx", 4, DType.FLOAT16),))
         layers = (attn,) * num_attention
         for elems in state_sizes:  # several sizes: state groups with different blocks_per_state
-            layers += (_recurrent(elems),) * layers_per_size
+            layers += (_recurrent(elems, state_dtype),) * layers_per_size
         model = ModelSpec("random", layers)
         probe = plan(model, 1 << 30, block_size=block_size)
         try:

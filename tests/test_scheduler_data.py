@@ -66,6 +66,8 @@ def _model(kind: str) -> ModelSpec:
     attn = AttentionLayerSpec(1, 8, DType.BFLOAT16)
     small = RecurrentLayerSpec("gla", (StateComponent("kv", (2, 8, 4), DType.FLOAT32),))  # 256 B
     big = RecurrentLayerSpec("gla", (StateComponent("kv", (5, 8, 4), DType.FLOAT32),))  # 640 B
+    small_q = RecurrentLayerSpec("gla", (StateComponent("kv", (2, 8, 4), DType.INT8),))
+    big_q = RecurrentLayerSpec("gla", (StateComponent("kv", (5, 8, 4), DType.FLOAT8_E4M3),))
     layers = {
         "uniform": (attn, small, small),
         "mixed": (attn, small, big),  # state groups of 2 and 5 blocks
@@ -73,6 +75,8 @@ def _model(kind: str) -> ModelSpec:
         # MLA-shaped attention (K only) with per-token side tensors in the slot after it
         "side": (AttentionLayerSpec(1, 8, DType.BFLOAT16, v_head_dim=0, side=(
             SideTensor("index_k", 8, DType.BFLOAT16), SideTensor("pos", 3, DType.INT64))), small, big),
+        # quantized states: int8 / fp8 values then float32 row scales in the set (128 B and 320 B)
+        "quantized": (attn, small_q, big_q),
     }[kind]
     return ModelSpec(kind, layers, params_active=1e6)
 
@@ -245,7 +249,7 @@ second = st.lists(st.tuples(st.integers(0, 1000), st.integers(1, 64), st.integer
 
 
 WORKLOAD = dict(
-    kind=st.sampled_from(["uniform", "uniform", "mixed", "state_only", "side"]),
+    kind=st.sampled_from(["uniform", "uniform", "mixed", "state_only", "side", "quantized"]),
     actions=st.tuples(burst, actions).map(lambda t: t[0] + t[1]),
     mode=st.sampled_from(list(PreemptionMode)),
     k=st.one_of(st.integers(0, 2), st.integers(0, 5)),  # (block size 4: k >= 4 drafts fill a block)

@@ -244,8 +244,8 @@ def test_sharding_twice_is_refused():
 def test_unknown_preset_and_dtype_name_the_choices():
     with pytest.raises(SpecError, match="use one of minimax-m1"):
         preset("llama-3")
-    with pytest.raises(SpecError, match="float32, bfloat16 or float16"):
-        preset("minimax-m1", "int8")
+    with pytest.raises(SpecError, match="float32, bfloat16, float16, int8 or fp8"):
+        preset("minimax-m1", "int4")  # int8 / fp8 states are allowed (quantized, with scales)
 
 
 def test_bad_component_shapes_are_rejected():

@@ -26,7 +26,16 @@ from hybridkv.cli.plan_output import (
 )
 from hybridkv.errors import HybridKVError
 from hybridkv.models import presets as P
-from hybridkv.models.spec import CONV_COLUMNS, KV_CACHE_DTYPES, ModelSpec, with_conv_columns, with_kv_dtype
+from hybridkv.models.spec import (
+    CONV_COLUMNS,
+    KV_CACHE_DTYPES,
+    STATE_SCALES,
+    ModelSpec,
+    state_scale_bytes,
+    with_conv_columns,
+    with_kv_dtype,
+    with_state_scales,
+)
 from hybridkv.models.spec_file import is_spec_path, resolve_model
 from hybridkv.planner.budget import DEFAULT_RESERVE_BYTES, cache_budget
 from hybridkv.planner.layout import Layout, LayoutKind, plan
@@ -245,11 +254,7 @@ def build_plan(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Layo
             )
     state_dtype = None if args.state_dtype in (None, "auto") else args.state_dtype
     conv_dtype = None if args.conv_dtype in (None, "auto") else args.conv_dtype
-    model = resolve_model(args.model, state_dtype, tp, conv_dtype)
-    if args.kv_dtype not in (None, "auto"):
-        model = with_kv_dtype(model, args.kv_dtype)  # attention only; states keep their dtype
-    if args.conv_columns:
-        model = with_conv_columns(model, args.conv_columns)
+    model = _convert(resolve_model(args.model, state_dtype, tp, conv_dtype), args)
     budget, gpu, lines = _budget(args, model, preset_name)
     explain += lines
     num_requests = args.max_requests
@@ -267,6 +272,10 @@ def build_plan(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Layo
     layouts = [plan(model, budget, args.block_size, k, state_block_bytes=state_block) for k in kinds]
 
     check_answerable(model, layouts, context, num_requests, args.model if from_file else None)
+    scales = state_scale_bytes(model)
+    if scales:  # a quantized state: its scale bytes, and the capacity beside a float32 state
+        base = _convert(resolve_model(args.model, "float32", tp, conv_dtype), args)
+        explain.append(_quantized_state_line(model, base, scales, budget, args, kinds, context or 1))
     summaries = []
     longest: dict[str, int | None] = {}
     for layout in layouts:
@@ -328,12 +337,42 @@ def build_plan(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Layo
         "state_tail_fraction": {s["layout"]: by_kind[s["layout"]].state_tail_fraction for s in summaries},
         "kv_bytes_per_token": model.kv_bytes_per_token,
         "state_bytes_per_request": model.state_bytes,
+        "state_scale_bytes_per_request": scales,
         **{k: first[k] for k in ("layout", "block_size", "blocks_per_state", "max_requests")},
         "layouts": {s["layout"]: s for s in summaries},
         "explain": explain,
         "notes": notes,
     }
     return out, {s["layout"]: by_kind[s["layout"]] for s in summaries}
+
+
+def _convert(model: ModelSpec, args: argparse.Namespace) -> ModelSpec:
+    """``model`` with the --kv-dtype, --state-scales and --conv-columns choices applied."""
+    if args.kv_dtype not in (None, "auto"):
+        model = with_kv_dtype(model, args.kv_dtype)  # attention only; states keep their dtype
+    if getattr(args, "state_scales", None):
+        model = with_state_scales(model, args.state_scales)
+    if args.conv_columns:
+        model = with_conv_columns(model, args.conv_columns)
+    return model
+
+
+def _quantized_state_line(
+    model: ModelSpec, base: ModelSpec, scales: int, budget: int, args: argparse.Namespace, kinds: list, context: int
+) -> str:
+    """One line: the quantized state's bytes and scale bytes per request, and the requests that fit
+    against the same model with a float32 state (same budget, block size and layouts)."""
+    state_block = _size(args.state_block_bytes, "--state-block-bytes") if args.state_block_bytes else None
+    fits = []
+    for k in kinds:
+        n = plan(model, budget, args.block_size, k, state_block_bytes=state_block).capacity(context).max_requests
+        b = plan(base, budget, args.block_size, k, state_block_bytes=state_block).capacity(context).max_requests
+        fits.append(f"{k.value} {n:,} vs {b:,} ({n / b:.2f}x)" if b else f"{k.value} {n:,} vs 0")
+    return (
+        f"quantized state: {format_bytes(model.state_bytes)} per request, of which {format_bytes(scales)} "
+        f"float32 scales ({scales / model.state_bytes:.1%}); float32 state {format_bytes(base.state_bytes)}. "
+        f"Requests of {context:,} tokens that fit, against a float32 state: " + ", ".join(fits)
+    )
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -382,10 +421,17 @@ def add_plan_parser(sub: Any) -> argparse.ArgumentParser:
         "--state-dtype",
         "--mamba-ssm-cache-dtype",
         dest="state_dtype",
-        choices=["auto", "float32", "bfloat16", "float16"],
+        choices=["auto", "float32", "bfloat16", "float16", "int8", "fp8", "float8_e4m3"],
         default=None,
         help="dtype of the main recurrent state (ssm / kv / wkv; default/auto: what the model's config or "
-        "code keeps, shown with its source in the output)",
+        "code keeps, shown with its source in the output); int8 / fp8: quantized, with float32 scales "
+        "stored in the state set (--state-scales)",
+    )
+    m.add_argument(
+        "--state-scales",
+        choices=list(STATE_SCALES),
+        default=None,
+        help="scale granularity of an int8 / fp8 state: row (default: one per head and row), head or tensor",
     )
     m.add_argument(
         "--conv-dtype",

@@ -50,9 +50,10 @@ def engine_dtype_note(model: ModelSpec) -> str | None:
             fd.append(f"{key} {_FASTDEPLOY[key].value}")
     parts = []
     if vllm:
+        f32 = any(v == DType.FLOAT32.value for v in model_dtypes(model)["state"].values())
         parts.append(
             f"vLLM keeps {', '.join(vllm)} (the model dtype; --mamba-ssm-cache-dtype float32 keeps the SSM state "
-            "float32 as here)"
+            "float32" + (" as here)" if f32 else "; it has no int8 / fp8 state)")
         )
     if fd:
         parts.append(f"FastDeploy keeps {', '.join(fd)}")

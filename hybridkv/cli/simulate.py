@@ -101,7 +101,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     m.add_argument(
         "--tp", type=positive_int, default=None, help="tensor-parallel size (default: the preset's, as hybridkv plan)"
     )
-    m.add_argument("--state-dtype", choices=["float32", "bfloat16", "float16"], default=None)
+    m.add_argument("--state-dtype", choices=["float32", "bfloat16", "float16", "int8", "fp8"], default=None)
     m.add_argument("--gpu", default="h200", help="h200, h100, a100 or a GPU JSON file (default h200)")
     m.add_argument("--calibration", default=None, help="measured JSON replacing roofline figures (ops benchmark)")
     m.add_argument(
@@ -196,7 +196,8 @@ _COMPARE_FLAG = {"layout": "layout", "preemption": "preemption", "prefix": "pref
                  "host-cache": "host_cache",
                  "block-size": "block_size", "speculative": "speculative", "max-num-seqs": "max_num_seqs",
                  "max-batched-tokens": "max_batched_tokens", "model": "model", "tp": "tp", "gpu": "gpu",
-                 "watermark": "watermark", "admission": "admission", "engine": "engine"}
+                 "watermark": "watermark", "admission": "admission", "engine": "engine",
+                 "state-dtype": "state_dtype"}
 # what --engine vllm fixes (hybridkv.sim.engines.VLLM_POLICIES and its block size / checkpoints): flag dests
 _VLLM_FIXES = ("layout", "admission", "preemption", "host_memory", "host_cache", "watermark", "speculative",
                "accept_rate", "block_size", "checkpoint")

@@ -441,7 +441,7 @@ def preset(
     """
     key = _canonical(name)
     builder, default, why = _PRESETS[key]
-    dtype = default if state_dtype is None else DType.parse(state_dtype)
+    dtype = default if state_dtype is None else DType.parse(state_dtype, quantized=True)
     conv = None if conv_dtype is None else DType.parse(conv_dtype)
     spec = builder(dtype, conv)
     sources: dict[str, str] = {}

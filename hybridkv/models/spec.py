@@ -25,193 +25,17 @@ keeps, so that transfers to and from such an engine can be described byte for by
 
 from __future__ import annotations
 
-import enum
-import math
-from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
 from hybridkv.errors import SpecError, TensorParallelError
-
-
-class DType(enum.Enum):
-    """Element types a cache can hold; the value is the canonical name."""
-
-    FLOAT32 = "float32"
-    BFLOAT16 = "bfloat16"
-    FLOAT16 = "float16"
-    INT8 = "int8"  # quantized KV (FastDeploy cache_int8; stored as uint8)
-    FLOAT8_E4M3 = "float8_e4m3fn"  # quantized KV (cache_fp8, block_wise_fp8; stored as uint8)
-    INT64 = "int64"  # token ids and positions some models cache (Qwen4-exp); never a KV or state override
-
-    @property
-    def itemsize(self) -> int:
-        return {DType.FLOAT32: 4, DType.INT8: 1, DType.FLOAT8_E4M3: 1, DType.INT64: 8}.get(self, 2)
-
-    @classmethod
-    def parse(cls, value: DType | str, quantized: bool = False, integer: bool = False) -> DType:
-        """Accept a :class:`DType` or a name (``float32``/``fp32``, ``bfloat16``/``bf16``, ``float16``/``fp16``;
-        with ``quantized``, the KV cache names ``int8`` and ``fp8``/``float8_e4m3fn`` too; with
-        ``integer``, ``int64`` (cached token ids / positions, never a KV or state dtype choice))."""
-        if isinstance(value, DType):
-            return value
-        key = str(value).strip().lower().removeprefix("torch.").removeprefix("paddle.")
-        aliases = {
-            "float32": cls.FLOAT32,
-            "fp32": cls.FLOAT32,
-            "float": cls.FLOAT32,
-            "bfloat16": cls.BFLOAT16,
-            "bf16": cls.BFLOAT16,
-            "float16": cls.FLOAT16,
-            "fp16": cls.FLOAT16,
-            "half": cls.FLOAT16,
-        }
-        if quantized:
-            aliases |= {"int8": cls.INT8, "float8_e4m3fn": cls.FLOAT8_E4M3, "fp8": cls.FLOAT8_E4M3}
-        if integer:
-            aliases |= {"int64": cls.INT64}
-        if key not in aliases:
-            more = ", int8 or fp8" if quantized else " or float16 (int8 / fp8: KV caches only, see --kv-dtype)"
-            raise SpecError(f"unknown dtype {value!r}: use float32, bfloat16{', float16' if quantized else ''}{more}")
-        return aliases[key]
-
-
-def _check_positive(name: str, values: Iterable[int]) -> None:
-    for v in values:
-        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-            raise SpecError(f"{name} must be positive integers, got {v!r}")
-
-
-def _divide(what: str, value: int, tp_size: int) -> int:
-    if value % tp_size:
-        raise TensorParallelError(
-            f"tp_size={tp_size} does not divide {what}={value}: "
-            f"use a tp_size that divides {value} (e.g. {_divisors_hint(value)})"
-        )
-    return value // tp_size
-
-
-def _divisors_hint(value: int) -> str:
-    divisors = [d for d in (1, 2, 4, 8, 16, 32, 64) if value % d == 0]
-    return ", ".join(str(d) for d in divisors)
-
-
-@dataclass(frozen=True, slots=True)
-class StateComponent:
-    """One named tensor of a recurrent layer's per-request state.
-
-    ``shape`` is per request at TP 1; ``tp_axis`` is the axis tensor parallelism divides
-    (heads or channels), ``None`` for a tensor every rank holds whole.
-
-    ``tp_groups = (num_heads, n_groups, group_channels)``: the last ``n_groups * group_channels``
-    entries of ``tp_axis`` belong to head groups (Mamba2's B and C: ``2 * d_state`` channels per
-    group) that a rank needs whole for every head it holds. A rank keeps ``axis - n_groups *
-    group_channels`` channels divided by ``tp_size``, plus ``group_channels`` for each group its heads
-    use: with ``n_groups % tp_size != 0`` the groups are replicated (vLLM's
-    ``extra_groups_for_head_shards``), so Mamba2-2.7B (1 group) at TP2 keeps 2,560 + 2 x 128 = 2,816
-    conv channels per rank, not 5,376 / 2. ``tp_heads``: head counts tensor parallelism must divide
-    for this tensor to split (GDN's conv spans key and value heads). ``tp_replicate``: ``tp_axis``
-    counts KV heads, split when there are at least ``tp_size`` of them, else one replicated head per
-    rank (as attention KV: a sliding-window layer's K/V window).
-    """
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: DType
-    tp_axis: int | None = 0
-    tp_groups: tuple[int, int, int] | None = None
-    tp_heads: tuple[int, ...] = ()
-    tp_replicate: bool = False
-
-    def __post_init__(self) -> None:
-        if not self.name:
-            raise SpecError("a state component needs a name")
-        object.__setattr__(self, "shape", tuple(self.shape))
-        object.__setattr__(self, "dtype", DType.parse(self.dtype))
-        if not self.shape:
-            raise SpecError(f"state component {self.name!r} needs a non-empty shape")
-        _check_positive(f"shape of state component {self.name!r}", self.shape)
-        if self.tp_axis is not None and not 0 <= self.tp_axis < len(self.shape):
-            raise SpecError(f"state component {self.name!r}: tp_axis={self.tp_axis} is outside shape {self.shape}")
-        if self.tp_groups is not None:
-            object.__setattr__(self, "tp_groups", tuple(self.tp_groups))
-            _check_positive(f"tp_groups of state component {self.name!r}", self.tp_groups)
-            heads, groups, width = self.tp_groups
-            if self.tp_axis is None or heads % groups or groups * width > self.shape[self.tp_axis]:
-                raise SpecError(
-                    f"state component {self.name!r}: tp_groups {self.tp_groups} need a tp_axis holding "
-                    f"n_groups x group_channels channels and heads divisible by groups"
-                )
-        object.__setattr__(self, "tp_heads", tuple(self.tp_heads))
-        _check_positive(f"tp_heads of state component {self.name!r}", self.tp_heads)
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * self.dtype.itemsize
-
-    def shard(self, tp_size: int, layer: str) -> StateComponent:
-        if tp_size == 1 or self.tp_axis is None:
-            return self
-        what = f"{layer} state '{self.name}'"
-        for heads in self.tp_heads:
-            _divide(f"{what} heads", heads, tp_size)
-        shape = list(self.shape)
-        axis = shape[self.tp_axis]
-        if self.tp_replicate and axis < tp_size:
-            if tp_size % axis:
-                raise TensorParallelError(
-                    f"tp_size={tp_size} and {what} kv heads={axis}: one must divide the other "
-                    "(KV heads are split or replicated across ranks)"
-                )
-            shape[self.tp_axis] = 1  # fewer KV heads than ranks: each rank keeps one replicated head
-        elif self.tp_groups is None:
-            shape[self.tp_axis] = _divide(f"{what} axis {self.tp_axis}", axis, tp_size)
-        else:
-            heads, groups, width = self.tp_groups
-            split = _divide(f"{what} axis {self.tp_axis} (without its groups)", axis - groups * width, tp_size)
-            shape[self.tp_axis] = split + width * groups_per_rank(heads, groups, tp_size, what)
-        return replace(self, shape=tuple(shape), tp_groups=None, tp_heads=())
-
-
-def groups_per_rank(num_heads: int, n_groups: int, tp_size: int, what: str = "layer") -> int:
-    """Head groups one rank of ``tp_size`` needs whole when ``num_heads`` heads in ``n_groups`` groups
-    are split by heads: ``n_groups / tp_size`` when that divides, else every group any of the rank's
-    heads belongs to (the most over ranks; 1 when ``n_groups`` = 1: the group is replicated)."""
-    per_rank = _divide(f"{what} heads", num_heads, tp_size)
-    if n_groups % tp_size == 0:
-        return n_groups // tp_size
-    per_group = num_heads // n_groups
-    return max(len({h // per_group for h in range(r * per_rank, (r + 1) * per_rank)}) for r in range(tp_size))
-
-
-@dataclass(frozen=True, slots=True)
-class SideTensor:
-    """A per-token tensor an attention layer keeps beside K and V: ``width`` values of ``dtype`` per
-    token, one head, replicated on every tensor-parallel rank (DeepSeek-sparse attention's indexer
-    keys: vLLM keeps its DSA indexer cache whole on every rank). Paged with the layer's K/V: the
-    planner gives it segments of the layer slot after V (``Layout.side_segments``).
-
-    Examples: GLM-5 Next's packed indexer state ``[2 * index_head_dim + 1]`` (indexer key, pool gate
-    scores, a valid flag) in the activation dtype; Qwen4-exp's indexer keys ``[indexer_head_dim]``
-    and, on its first indexed layer, the 3-D rotary positions ``[3]`` int64.
-    """
-
-    name: str
-    width: int
-    dtype: DType
-
-    def __post_init__(self) -> None:
-        if not self.name:
-            raise SpecError("a side tensor needs a name")
-        _check_positive(f"width of side tensor {self.name!r}", (self.width,))
-        object.__setattr__(self, "dtype", DType.parse(self.dtype, integer=True))
-
-    @property
-    def bytes_per_token(self) -> int:
-        return self.width * self.dtype.itemsize
+from hybridkv.models.components import (  # noqa: F401  (re-exported: their import path stays hybridkv.models.spec)
+    SideTensor,
+    StateComponent,
+    _check_positive,
+    _divide,
+    groups_per_rank,
+)
+from hybridkv.models.dtypes import STATE_SCALES, DType  # noqa: F401  (re-exported)
 
 
 @dataclass(frozen=True, slots=True)
@@ -652,3 +476,52 @@ def with_conv_columns(model: ModelSpec, columns: str) -> ModelSpec:
         return l
 
     return replace(model, layers=tuple(map(convert, model.layers)), conv_columns=columns)
+
+
+def with_state_scales(model: ModelSpec, scales: str) -> ModelSpec:
+    """``model`` with every quantized state component's scales at granularity ``scales`` (one of
+    :data:`STATE_SCALES`); unquantized components are unchanged."""
+
+    def scaled(r: RecurrentLayerSpec) -> RecurrentLayerSpec:
+        comps = tuple(replace(c, scales=scales) if c.dtype.quantized else c for c in r.components)
+        return replace(r, components=comps)
+
+    def convert(l: LayerSpec) -> LayerSpec:
+        if isinstance(l, RecurrentLayerSpec):
+            return scaled(l)
+        if isinstance(l, HybridLayerSpec):
+            return HybridLayerSpec(l.attention, scaled(l.recurrent))
+        return l
+
+    return replace(model, layers=tuple(map(convert, model.layers)))
+
+
+def state_scale_bytes(model: ModelSpec) -> int:
+    """Bytes of one request's state that are quantization scales (0 without a quantized state)."""
+    return sum(c.scale_bytes for _, r in model.recurrent_layers() for c in r.components)
+
+
+def with_state_dtype(model: ModelSpec, dtype: DType | str, scales: str | None = None) -> ModelSpec:
+    """``model`` with every recurrent state component that is not a conv window or a token shift
+    (names ``conv*`` / ``shift*``) stored in ``dtype``: float32, bfloat16, float16, or int8 / fp8 with
+    float32 scales at ``scales`` (default ``row``). What an engine computes with is its own affair: only
+    what the pool keeps changes. Components of integer dtypes (cached ids) are left as they are."""
+    target = DType.parse(dtype, quantized=True)
+
+    def stored(r: RecurrentLayerSpec) -> RecurrentLayerSpec:
+        comps = tuple(
+            c
+            if c.name.startswith(("conv", "shift")) or c.dtype is DType.INT64
+            else replace(c, dtype=target, scales=scales if target.quantized else None)
+            for c in r.components
+        )
+        return replace(r, components=comps)
+
+    def convert(l: LayerSpec) -> LayerSpec:
+        if isinstance(l, RecurrentLayerSpec):
+            return stored(l)
+        if isinstance(l, HybridLayerSpec):
+            return HybridLayerSpec(l.attention, stored(l.recurrent))
+        return l
+
+    return replace(model, layers=tuple(map(convert, model.layers)))

@@ -58,7 +58,16 @@ class BufferRegion(NamedTuple):
     name: str  # component name
     state_offset: int  # byte offset of the component inside the layer's flat state
     nbytes: int  # bytes of one request's component
-    buffer_offset: int  # byte offset of row 0 in the backing buffer; row b at + b * nbytes
+    buffer_offset: int  # byte offset of row 0 in the backing buffer; row b at + b * row_stride
+    # buffers allocated with a compute dtype: the dtype name this region holds dequantized values in
+    # (an int8 / fp8 / float16 component), and its bytes per row; None / 0: the stored bytes as they are
+    compute: str | None = None
+    row_bytes: int = 0
+
+    @property
+    def row_stride(self) -> int:
+        """Bytes between rows in the backing buffer (``nbytes`` unless the region holds computed values)."""
+        return self.row_bytes or self.nbytes
 
 
 # Columns of a run table (int64, in words): one contiguous piece of pool memory <-> one buffer piece.

@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from hybridkv.models.spec import AttentionLayerSpec
+from hybridkv.models.spec import AttentionLayerSpec, DType
 from hybridkv.ops._framework import (
     DeviceId,
     Framework,
@@ -281,6 +281,7 @@ def read_state(pools: BlockPools, group: int, slot: int, blocks: Any) -> dict[st
 
         return _paddle.read_state(pools, group, slot, spec, blocks)
     import torch
+
     row = to_torch(blocks).to(pools.device, torch.int64).reshape(1, -1)
     if row.shape[1] < pools.layout.blocks_per_state[group]:
         raise ValueError(
@@ -289,8 +290,10 @@ def read_state(pools: BlockPools, group: int, slot: int, blocks: Any) -> dict[st
     address, null = state_byte_addresses(pools.layout, pools.num_blocks, row, spec.state_bytes)
     flat = pools.torch_data[slot].reshape(-1)[address[0]].masked_fill(null[0], 0)
     offsets = spec.component_offsets()
-    return {
-        c.name: flat[offsets[c.name] : offsets[c.name] + c.nbytes].view(torch_dtype(c.dtype)).view(c.shape)
+    return {  # a quantized component: its stored bytes (values, then float32 scales)
+        c.name: flat[offsets[c.name] : offsets[c.name] + c.nbytes]
+        if c.dtype.quantized
+        else flat[offsets[c.name] : offsets[c.name] + c.nbytes].view(torch_dtype(c.dtype)).view(c.shape)
         for c in spec.components
     }
 
@@ -331,7 +334,7 @@ class StateBuffers:
 
     def region_bytes(self, region: BufferRegion) -> Any:
         """``[batch_size, nbytes]`` uint8 view of one region, in the buffers' framework."""
-        size = self.batch_size * region.nbytes
+        size = self.batch_size * region.row_stride
         raw = self.data[region.buffer_offset : region.buffer_offset + size]
         if self.framework is Framework.PADDLE:
             return raw.reshape([self.batch_size, -1])
@@ -345,9 +348,15 @@ def allocate_state_buffers(
     device: str | Any = "cuda",
     framework: Framework | str = "torch",
     fill: int | float | str | None = None,
+    compute_dtype: DType | str | None = None,
 ) -> StateBuffers:
     """One backing buffer with a ``[batch_size, *component.shape]`` view per state layer and component,
-    for state group ``group`` or (None) every state group. Owned by the caller."""
+    for state group ``group`` or (None) every state group. Owned by the caller.
+
+    A quantized component (int8 / fp8 values and their scales) is seen as its stored bytes, uint8
+    ``[batch_size, nbytes]``, unless ``compute_dtype`` is given: then it, and every float16
+    component, is ``[batch_size, *shape]`` of ``compute_dtype``, which gather_states fills
+    dequantized and scatter_states quantizes (:mod:`hybridkv.ops.states.quant`)."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be positive, got {batch_size}")
     fw = Framework(framework)
@@ -356,6 +365,7 @@ def allocate_state_buffers(
         if not 0 <= g < layout.num_state_groups:
             raise ValueError(f"state group {g} does not exist: the layout has {layout.num_state_groups}")
     regions, pos = [], 0
+    compute = None if compute_dtype is None else DType.parse(str(compute_dtype).removeprefix("torch."))
     for g in groups:
         for slot in range(layout.group_size):
             entry = layout.state_layer(g, slot)
@@ -363,8 +373,11 @@ def allocate_state_buffers(
                 continue
             layer_id, spec = entry
             for c, off in zip(spec.components, spec.component_offsets().values(), strict=True):
-                regions.append(BufferRegion(g, slot, layer_id, c.name, off, c.nbytes, pos))
-                pos += -(-batch_size * c.nbytes // BUFFER_ALIGN_BYTES) * BUFFER_ALIGN_BYTES
+                computed = compute is not None and (c.dtype.quantized or c.dtype is DType.FLOAT16)
+                row = c.numel * compute.itemsize if computed else 0  # type: ignore[union-attr]
+                name = compute.value if computed else None  # type: ignore[union-attr]
+                regions.append(BufferRegion(g, slot, layer_id, c.name, off, c.nbytes, pos, name, row))
+                pos += -(-batch_size * (row or c.nbytes) // BUFFER_ALIGN_BYTES) * BUFFER_ALIGN_BYTES
     size, dev = max(pos, BUFFER_ALIGN_BYTES), _pool_device(device, fw)
     if fw is Framework.PADDLE:
         data = paddle_zeros([size], dev)
@@ -379,10 +392,17 @@ def allocate_state_buffers(
     for r in regions:
         spec = layout.model.layers[r.layer_id]
         c = spec.component(r.name)
-        raw = data[r.buffer_offset : r.buffer_offset + batch_size * r.nbytes]
-        if fw is Framework.PADDLE:
-            view = raw.view(paddle_dtype(c.dtype)).reshape([batch_size, *c.shape])
+        raw = data[r.buffer_offset : r.buffer_offset + batch_size * r.row_stride]
+        dtype = DType(r.compute) if r.compute else c.dtype
+        if dtype.quantized:  # stored bytes: values, then float32 scales
+            view = raw.reshape([batch_size, c.nbytes]) if fw is Framework.PADDLE else raw.view(batch_size, c.nbytes)
+        elif fw is Framework.PADDLE:
+            # Paddle 3.3's view(dtype) of a slice that starts at a byte offset reads from offset / itemsize:
+            # view the whole buffer (256-byte aligned regions), then slice in elements
+            n, first = dtype.itemsize, r.buffer_offset // dtype.itemsize
+            whole = data.view(paddle_dtype(dtype))
+            view = whole[first : first + batch_size * r.row_stride // n].reshape([batch_size, *c.shape])
         else:
-            view = raw.view(torch_dtype(c.dtype)).view(batch_size, *c.shape)
+            view = raw.view(torch_dtype(dtype)).view(batch_size, *c.shape)
         tensors.setdefault((r.group, r.slot), {})[r.name] = view
     return StateBuffers(layout, batch_size, groups, tuple(regions), data, fw, tensors)

@@ -50,6 +50,7 @@ _KEYS: dict[str, tuple[str, type]] = {
     "watermark": ("watermark", float),
     "admission": ("admission", str),
     "engine": ("engine", str),
+    "state-dtype": ("state_dtype", str),
 }
 # the values a key's field takes where they are a fixed set (checked with the key named, before any run)
 _CHOICES: dict[str, tuple[str, ...]] = {
@@ -59,6 +60,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "checkpoint": tuple(c.value for c in CheckpointPolicy),
     "admission": tuple(a.value for a in AdmissionPolicy),
     "engine": ENGINES,
+    "state-dtype": ("float32", "bfloat16", "float16", "int8", "fp8"),  # int8 / fp8: row scales in the set
 }
 _MINIMUM = {"block_size": 1, "speculative": 0, "max_num_seqs": 1, "max_num_batched_tokens": 1, "tp": 1}
 

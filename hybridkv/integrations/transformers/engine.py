@@ -42,7 +42,7 @@ from hybridkv.integrations.transformers.forward import Forwards
 from hybridkv.integrations.transformers.paged_cache import PagedCache
 from hybridkv.integrations.transformers.sampling import Drafter, SamplingParams, sample
 from hybridkv.models.hf import spec_from_hf_config
-from hybridkv.models.spec import ModelSpec
+from hybridkv.models.spec import ModelSpec, with_state_dtype
 from hybridkv.ops import allocate_host_pools, allocate_pools, copy_blocks, swap_blocks
 from hybridkv.ops._framework import torch_dtype
 from hybridkv.planner.layout import Layout, plan
@@ -92,6 +92,9 @@ class EngineConfig:
     record_logits: bool = False
     scheduler_options: dict = field(default_factory=dict)  # more SchedulerConfig fields (e.g. admission)
     pool_fill: str | None = "nan"  # unwritten pool bytes read as NaN, so a stray read shows in the logits
+    # how hybridkv stores the recurrent states (int8 / fp8 with row scales, float16, ...; None: as the model
+    # keeps them); the model computes in its own dtype, the states are quantized / dequantized at the pool
+    state_dtype: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "preemption_mode", PreemptionMode(self.preemption_mode))
@@ -172,6 +175,8 @@ class HFEngine(Forwards):
             )
         self.model = model.eval()
         self.spec = model_spec(model)
+        if config.state_dtype is not None:
+            self.spec = with_state_dtype(self.spec, config.state_dtype)
         self._check_dtypes()
         probe = plan(self.spec, 1 << 40, block_size=config.block_size)
         self.layout: Layout = plan(self.spec, probe.bytes_per_block * config.num_blocks, block_size=config.block_size)

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from hybridkv.integrations.transformers.families import Family, UnsupportedModelError
-from hybridkv.models.spec import RecurrentLayerSpec
+from hybridkv.models.spec import DType, RecurrentLayerSpec
 from hybridkv.ops import BlockPools, StateBuffers, allocate_state_buffers, gather_states, kv_cache_views, scatter_states
 from hybridkv.ops._framework import resolve_backend, torch_dtype
 from hybridkv.planner.layout import Layout
@@ -57,6 +57,12 @@ def _state_layers(layout: Layout) -> dict[int, StateLayer]:
                 g, s, conv[0].name if conv else None, conv[0].shape[-1] if conv else 0, rec[0].name if rec else None
             )
     return out
+
+
+def _stored_narrow(layout: Layout) -> bool:
+    """Whether a state component is kept int8 / fp8 (with scales) or float16 in the pool."""
+    comps = (c for _, r in layout.model.recurrent_layers() for c in r.components)
+    return any(c.dtype.quantized or c.dtype is DType.FLOAT16 for c in comps)
 
 
 def attention_mask(
@@ -125,8 +131,13 @@ class PagedCache:
         # store's, until anything else writes the pool: invalidate()), so the next forward that
         # reads exactly those sets (consecutive decodes of one batch) gathers nothing
         self._resident: np.ndarray | None = None
+        # int8 / fp8 / float16 states (EngineConfig.state_dtype): the buffers hold them in float32, as
+        # transformers computes recurrent states; gather dequantizes, scatter quantizes (nearest)
+        self.compute = torch.float32 if _stored_narrow(layout) else None
         self.buffers: StateBuffers | None = (
-            allocate_state_buffers(layout, max_rows, device=pools.device) if self.states else None
+            allocate_state_buffers(layout, max_rows, device=pools.device, compute_dtype=self.compute)
+            if self.states
+            else None
         )
 
     # ---- before the forward ---------------------------------------------------------------------
@@ -235,7 +246,9 @@ class PagedCache:
         self._resident = None
         scatter_states(self.pools, out_tables, None, bufs, backend=self.backend)
         ids = out_tables[out_tables != 0]
-        if np.unique(ids).size == ids.size:  # (a set written by two rows is in the pool once)
+        # (a set written by two rows is in the pool once; a narrow stored state differs from the buffers,
+        # which keep what the model computed: the next forward reads the pool's)
+        if self.compute is None and np.unique(ids).size == ids.size:
             self._resident = out_tables.copy()
 
     def invalidate(self) -> None:
@@ -248,5 +261,11 @@ class PagedCache:
         out = {}
         for lid, sl in self.states.items():
             spec = self.layout.state_layer(sl.group, sl.slot)[1]
-            out[lid] = {c.name: torch_dtype(c.dtype) for c in spec.components}
+            narrow = self.compute is not None
+            out[lid] = {
+                c.name: self.compute
+                if narrow and (c.dtype.quantized or c.dtype is DType.FLOAT16)
+                else torch_dtype(c.dtype)
+                for c in spec.components
+            }
         return out

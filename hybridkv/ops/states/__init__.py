@@ -31,7 +31,12 @@ from hybridkv.ops.addressing import (
     state_runs,
 )
 from hybridkv.ops.pools import BlockPools, StateBuffers
-from hybridkv.ops.states.naive import gather_states_naive, scatter_states_naive
+from hybridkv.ops.states.naive import (
+    computed_states_naive,
+    computed_view,
+    gather_states_naive,
+    scatter_states_naive,
+)
 from hybridkv.planner.layout import NULL_BLOCK, Layout
 
 
@@ -49,7 +54,9 @@ def gather_states(
     for one ``group``), numpy, torch or paddle. ``out``: :class:`StateBuffers` of batch ``>= B`` holding
     ``group`` (from :func:`~hybridkv.ops.pools.allocate_state_buffers`); rows ``0..B-1`` of each
     component tensor ``[batch_size, *shape]`` are overwritten, later rows stay as they were (so one
-    set of buffers serves every step of an engine). Null-block entries read as zeros. One Triton launch on CUDA (or with
+    set of buffers serves every step of an engine). Null-block entries read as zeros. Buffers
+    allocated with a ``compute_dtype`` receive int8 / fp8 / float16 components dequantized into it.
+    One Triton launch on CUDA (or with
     ``backend="triton"``), the reference otherwise (torch for torch pools, Paddle for Paddle pools:
     no torch on that path). ``validate`` (default: when the table is on
     the host: numpy, lists or CPU tensors) checks block ids before they move; a table that is already a
@@ -68,14 +75,21 @@ def scatter_states(
     src: StateBuffers,
     backend: Backend | str = "auto",
     validate: bool | None = None,
+    seeds: Any = None,
 ) -> None:
     """Write ``src``'s states into the state sets of ``state_table`` (the inverse of :func:`gather_states`).
 
     Only the bytes of each state are written (the unused tail of a last block and all other blocks
     stay as they were); null-block entries are skipped, so padding rows write nothing. A block id may
     appear only once among the written state sets (checked when ``validate``). Raises ``ValueError``.
+
+    Buffers allocated with a ``compute_dtype`` hold int8 / fp8 / float16 components as values: they
+    are quantized here (per scale group, scales written beside the values), rounded to nearest, or
+    stochastically with ``seeds`` (int64 ``[>= B]``, one per table row, e.g. from
+    :func:`~hybridkv.ops.states.quant.rounding_seeds` of (request, position)): the same seeds write
+    the same bytes.
     """
-    _run(True, pools, state_table, group, src, backend, validate)
+    _run(True, pools, state_table, group, src, backend, validate, seeds)
 
 
 class _Selection(NamedTuple):
@@ -84,8 +98,9 @@ class _Selection(NamedTuple):
     groups: tuple[int, ...]
     table_group: dict[int, int]  # state group -> its row in the (3-D) state table
     widths: list[int]  # blocks_per_state of each selected group
-    regions: tuple[BufferRegion, ...]
+    regions: tuple[BufferRegion, ...]  # moved as bytes
     offsets: tuple[int, ...]  # every region's state offset, size and buffer offset (for the alignment)
+    computed: tuple[BufferRegion, ...] = ()  # quantized or float16 components held in a compute dtype
 
 
 def _select(pools: BlockPools, buffers: StateBuffers, group: int | None, table_dim: int) -> _Selection:
@@ -112,9 +127,10 @@ def _select(pools: BlockPools, buffers: StateBuffers, group: int | None, table_d
             "blocks_per_state], or [B, blocks_per_state] with an int group"
         )
     widths = [layout.blocks_per_state[g] for g in groups]
-    regions = tuple(r for r in buffers.regions if r.group in groups)
+    regions = tuple(r for r in buffers.regions if r.group in groups and r.compute is None)
+    computed = tuple(r for r in buffers.regions if r.group in groups and r.compute is not None)
     offsets = tuple(v for r in regions for v in (r.state_offset, r.nbytes, r.buffer_offset))
-    selection = _Selection(groups, table_group, widths, regions, offsets)
+    selection = _Selection(groups, table_group, widths, regions, offsets, computed)
     buffers.cache[key] = selection
     return selection
 
@@ -127,6 +143,7 @@ def _run(
     buffers: StateBuffers,
     backend: Backend | str,
     validate: bool | None,
+    seeds: Any = None,
 ) -> None:
     pools.require_slot_major("gather_states/scatter_states")
     device = pools.device
@@ -152,18 +169,57 @@ def _run(
     choice = resolve_backend(backend, device)
     if pools.framework is Framework.PADDLE and not (choice is Backend.TRITON and interpreter_on()):
         _run_paddle(scatter, pools, table, sel, buffers, choice)
-        return
+        if not sel.computed:
+            return
+        # computed components of Paddle pools: the torch reference / kernel on DLPack views (needs torch)
     import torch
 
     if host:
         table_t = _ids.to_device([table], device, torch.int32)[0]
     else:
         table_t = _ids.on_device(table, device, torch.int32, "state table")
+    seeds_t = None if seeds is None else _ids.to_device([np.asarray(seeds, dtype=np.int64)], device, torch.int64)[0]
+    if seeds_t is not None and seeds_t.shape[0] < table.shape[1]:
+        raise ValueError(f"seeds has {seeds_t.shape[0]} entries, the state table {table.shape[1]} rows")
+    paddle_done = pools.framework is Framework.PADDLE and not (choice is Backend.TRITON and interpreter_on())
     if choice is Backend.NAIVE:
         run = scatter_states_naive if scatter else gather_states_naive
-        run(pools, table_t.to(torch.int64), sel.table_group, buffers, list(sel.regions))
+        if not paddle_done:
+            run(pools, table_t.to(torch.int64), sel.table_group, buffers, list(sel.regions))
+        if sel.computed:
+            computed_states_naive(
+                scatter, pools, table_t.to(torch.int64), sel.table_group, buffers, list(sel.computed), seeds_t
+            )
         return
-    _launch(scatter, pools, pools.torch_data.view(-1), buffers.torch_data, table_t, sel, device)
+    if not paddle_done:
+        _launch(scatter, pools, pools.torch_data.view(-1), buffers.torch_data, table_t, sel, device)
+    if sel.computed:
+        _launch_computed(scatter, pools, table_t.contiguous(), sel, buffers, seeds_t, device)
+
+
+def _launch_computed(
+    scatter: bool, pools: BlockPools, table: Any, sel: _Selection, buffers: StateBuffers, seeds: Any, device: Any
+) -> None:
+    """The Triton kernel of :mod:`.kernel_quant`, one launch per computed region."""
+    from hybridkv.models.dtypes import DType
+    from hybridkv.ops.states import kernel_quant, quant
+
+    layout = pools.layout
+    seg, stride = layout.segment_bytes, pools.num_blocks * layout.segment_bytes
+    kinds = {DType.INT8: kernel_quant.KIND_INT8, DType.FLOAT8_E4M3: kernel_quant.KIND_E4M3}
+    for r in sel.computed:
+        c = layout.model.layers[r.layer_id].component(r.name)  # type: ignore[union-attr]
+        if (seg | r.state_offset | c.value_bytes) % 4:
+            raise ValueError(f"component {r.name!r}: quantized values and scales need 4-byte aligned offsets")
+        with device_guard(device):
+            kernel_quant.launch(
+                scatter, pools.torch_data.view(-1), computed_view(buffers, r, c.shape), table, seeds,
+                kind=kinds.get(c.dtype, kernel_quant.KIND_F16), qmax=c.dtype.quant_max if c.dtype.quantized else 1.0,
+                table_group=sel.table_group[r.group], block_bytes=layout.block_bytes, segment_bytes=seg,
+                segment_stride=stride, slot_base=r.slot * layout.num_segments * stride, state_offset=r.state_offset,
+                value_bytes=c.value_bytes, numel=c.numel, group=c.scale_group or c.shape[-1],
+                salt=quant.region_salt(r.layer_id, r.state_offset),
+            )  # fmt: skip
 
 
 def _launch(

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import TYPE_CHECKING
 
-from hybridkv.ops._framework import WORD_NAMES
+from hybridkv.ops._framework import WORD_NAMES, torch_dtype
 from hybridkv.ops.addressing import BufferRegion
 from hybridkv.ops.pools import BlockPools, StateBuffers
 from hybridkv.planner.layout import NULL_BLOCK
@@ -96,3 +96,55 @@ def scatter_states_naive(
                 n = min(seg, max(0, tail - k * seg))
                 if n:
                     data[k, ids[rows, full], :n] = blocks[rows, full, k, :n]
+
+
+def computed_view(buffers: StateBuffers, region: BufferRegion, shape: tuple[int, ...]) -> torch.Tensor:
+    """A computed region's ``[batch_size, *shape]`` tensor in torch, cut from the backing buffer's torch
+    view (for Paddle buffers a DLPack view of the whole buffer: a view of a Paddle slice may lose its offset)."""
+    if buffers.framework.value == "torch":
+        return buffers.layer(region.group, region.slot)[region.name]
+    raw = buffers.torch_data[region.buffer_offset : region.buffer_offset + buffers.batch_size * region.row_stride]
+    return raw.view(torch_dtype(region.compute)).view(buffers.batch_size, *shape)
+
+
+def computed_states_naive(
+    scatter: bool,
+    pools: BlockPools,
+    table: torch.Tensor,
+    table_group: dict[int, int],
+    buffers: StateBuffers,
+    regions: list[BufferRegion],
+    seeds: torch.Tensor | None,
+) -> None:
+    """Gather (dequantize) or scatter (quantize; ``seeds`` int64 ``[>= B]``: stochastic rounding,
+    None: nearest) the computed regions (int8 / fp8 / float16 components held in a compute dtype):
+    the stored bytes move by the layout's byte addresses, and :mod:`.quant` turns them into values."""
+    import torch
+
+    from hybridkv.ops.addressing import state_byte_addresses
+    from hybridkv.ops.states import quant
+
+    layout = pools.layout
+    for (g, slot), components in _layers(regions).items():
+        layer_id, spec = layout.state_layer(g, slot)
+        ids = table[table_group[g], :, : layout.state_groups[g].blocks_per_state].to(torch.int64)
+        rows = ids.shape[0]
+        address, null = state_byte_addresses(layout, pools.num_blocks, ids, spec.state_bytes)
+        flat = pools.torch_data[slot].reshape(-1)
+        for r in components:
+            c = spec.component(r.name)
+            cut = slice(r.state_offset, r.state_offset + r.nbytes)
+            out = computed_view(buffers, r, c.shape)[:rows]
+            group = c.scale_group or c.shape[-1]
+            if not scatter:
+                raw = flat[address[:, cut]].masked_fill(null[:, cut], 0)
+                out.copy_(quant.decode(raw, c.dtype, c.numel, group).view(out.shape))
+                continue
+            u = (
+                0.5
+                if seeds is None
+                else quant.uniforms(seeds[:rows], quant.region_salt(layer_id, r.state_offset), c.numel)
+            )
+            raw = quant.encode(out.reshape(rows, -1), c.dtype, group, u)
+            keep = ~null[:, cut]
+            flat[address[:, cut][keep]] = raw[keep]
