@@ -43,7 +43,7 @@ from hybridkv.errors import (
 )
 from hybridkv.planner.layout import Layout
 from hybridkv.scheduler_adapter.align import export_position
-from hybridkv.scheduler_adapter.cost import PreemptionMode
+from hybridkv.scheduler_adapter.gpu import PreemptionMode
 from hybridkv.scheduler_adapter.preemption import Preemptor
 from hybridkv.scheduler_adapter.requests import (
     RequestState,

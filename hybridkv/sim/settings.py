@@ -9,7 +9,7 @@ from typing import Any
 
 from hybridkv.blockmgr.prefix import CheckpointPolicy
 from hybridkv.planner.layout import LayoutKind
-from hybridkv.scheduler_adapter.cost import PreemptionMode
+from hybridkv.scheduler_adapter.gpu import PreemptionMode
 from hybridkv.scheduler_adapter.requests import AdmissionPolicy
 
 ENGINES = ("hybridkv", "vllm")

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from hybridkv.errors import HybridKVError
-from hybridkv.scheduler_adapter.cost import PreemptionMode
+from hybridkv.scheduler_adapter.gpu import PreemptionMode
 from hybridkv.scheduler_adapter.synthetic import SyntheticEngine
 from hybridkv.sim.config import SimConfig, build
 from hybridkv.sim.engines import engine_config
