@@ -112,7 +112,7 @@ class ManagerCore(PoolBooks):
         # at a position inside the request's chunk into, reserved with the chunk (position, sets
         # [G, bps]) until the update after its forward; with in_place_state, the checkpoints so made
         # (node keys), held until the request's next append, when vLLM frees the export's block
-        self._exports: dict[RequestId, tuple[int, np.ndarray]] = {}
+        self._exports: dict[RequestId, list[tuple[int, np.ndarray]]] = {}
         self._export_held: dict[RequestId, int] = {}
         if self.prefix_cache is not None and self.prefix_cache.config.in_place_state and self.host_pool is not None:
             raise ValueError("PrefixCacheConfig(in_place_state=True) does not combine with a host pool")
@@ -302,7 +302,7 @@ class ManagerCore(PoolBooks):
         0), ``onload`` after the plan's swaps (stage 3b), both before the forward (docs/contract.md).
         Empty without a host tier. Callers without pin epochs run them right after the call that
         made them (``allocate``, ``append``, ``fork``, ``checkpoint``, ``swap_in``,
-        ``begin_speculation``: every call that may evict), before that call's own copies."""
+        ``begin_speculation``, ``reserve_export``: every call that may evict), before that call's own copies."""
         tier = self.prefix_cache.tier if self.prefix_cache is not None else None
         if tier is None:
             return _NO_TIER
@@ -433,7 +433,7 @@ class ManagerCore(PoolBooks):
             lent = self._lent.pop(request_id, None) if self._lent else None
             self._release_all(rec, keep_state=lent is not None and lent[1] is not None)
             if self._exports and request_id in self._exports:
-                self._drop_export(request_id)
+                self._drop_exports(request_id)
             # then its lent and held checkpoints: vLLM frees a request's KV blocks before its state
             # blocks, so the states are queued after them (evicted later)
             self._release_held(request_id)
@@ -479,23 +479,24 @@ class ManagerCore(PoolBooks):
 
     def reserve_export(self, request_id: RequestId, position: int) -> np.ndarray | None:
         """State sets ``[G, bps]`` (the shape of :meth:`state_table`'s rows) for the prefill kernel to
-        write the request's state at ``position`` into, inside the chunk just appended (``vllm_align``
-        with ``export_alignment``: :meth:`exported_checkpoint_position`); vLLM allocates that block
-        with the chunk. The executor's forward writes them; :meth:`checkpoint` with
-        ``exported=position`` after it makes them the checkpoint there, or gives them back. None when
-        no blocks are available (exports are best effort; nothing changes then).
+        write the request's state at ``position`` into, inside the chunk just appended
+        (:meth:`export_positions`, ascending; ``vllm_align``: vLLM allocates that block with the
+        chunk). The executor's forward writes them; :meth:`checkpoint` with ``exported`` holding
+        ``position`` after it makes them the checkpoint there, or gives them back. None when no
+        blocks are available (exports are best effort; nothing changes then).
 
         Raises ``ValueError`` for a position that is not a block boundary inside the request's
-        tokens, :class:`RequestStateError` when one is reserved already (one per update)."""
+        tokens, :class:`RequestStateError` when one is reserved at or past it in this update."""
         rec = self._running(request_id)
         position = as_count(position, "position")
         if not 0 < position < rec.num_tokens or position % self.block_size:
             raise ValueError(
                 f"request {request_id!r}: an export at {position} is not a block boundary inside its "
                 f"{rec.num_tokens} tokens")
-        if request_id in self._exports:
-            at = self._exports[request_id][0]
-            raise RequestStateError(f"request {request_id!r} has an export reserved already (at {at})")
+        last = self._exports[request_id][-1][0] if request_id in self._exports else 0
+        if position <= last:
+            raise RequestStateError(
+                f"request {request_id!r} has an export reserved at {last} already: reserve ascending positions")
         n = self.num_state_blocks
         if self.prefix_cache is None or rec.token_ids is None or not n or n > self.num_available_blocks:
             return None
@@ -503,13 +504,13 @@ class ManagerCore(PoolBooks):
         self._mark(ids, BlockUse.STATE)
         sets = np.zeros_like(rec.state)
         sets[self._state_mask] = ids
-        self._exports[request_id] = (position, sets)
+        self._exports.setdefault(request_id, []).append((position, sets))
         return sets.copy()
 
-    def _drop_export(self, request_id: RequestId) -> None:
-        """Give back a reserved export the request did not turn into a checkpoint."""
-        _, sets = self._exports.pop(request_id)
-        self._drop_state(sets)
+    def _drop_exports(self, request_id: RequestId) -> None:
+        """Give back the reserved exports the request did not turn into checkpoints."""
+        for _, sets in self._exports.pop(request_id):
+            self._drop_state(sets)
 
     def fork(self, parent_id: RequestId, child_id: RequestId) -> BlockCopies:
         """A child sharing the parent's KV (reference counts) with a private copy of its state.

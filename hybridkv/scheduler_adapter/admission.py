@@ -11,7 +11,7 @@ import bisect
 from dataclasses import dataclass, field
 
 from hybridkv.blockmgr.records import BlockCopies, RequestId, SwapPlan
-from hybridkv.scheduler_adapter.align import aligned_chunk, export_position, same_step_branch, state_cached_this_step
+from hybridkv.scheduler_adapter.align import aligned_chunk, same_step_branch, state_cached_this_step
 from hybridkv.scheduler_adapter.requests import (
     AdmissionPolicy,
     Preemption,
@@ -82,8 +82,16 @@ class AdmissionMixin:
             if self._in_place:
                 same_step_branch(self.manager, self.requests, req, ids, s.scheduled)
             n, drafts = self._demand(req, s.budget)
-            self._run(req, n, drafts, s, export_position(self.manager, self._exports, req, n))
+            self._run(req, n, drafts, s, self._export_positions(req, n))
             self._promise(req, s)
+
+    def _export_positions(self, req: SchedRequest, n: int) -> tuple[int, ...]:
+        """The positions whose states the prefill kernel exports from inside ``req``'s next ``n``
+        tokens (their sets are reserved with the chunk), or none (``_exports``: the kernel can)."""
+        if not self._exports or n < 2 or not req.token_ids_given:
+            return ()
+        start = req.num_computed_tokens
+        return self.manager.export_positions(req.request_id, start, start + n)
 
     def _whole_fits(self, req: SchedRequest, ids: list[int] | None, k: int, s: _StepBuilder) -> bool:
         """The admission policy's test beyond the first chunk (see :class:`AdmissionPolicy`): the

@@ -32,7 +32,6 @@ from hybridkv.scheduler_adapter.admission import AdmissionMixin, _StepBuilder
 from hybridkv.scheduler_adapter.align import (
     aligned_chunk,
     branch_stop,
-    export_position,
 )
 from hybridkv.scheduler_adapter.gpu import PreemptionCost, PreemptionMode
 from hybridkv.scheduler_adapter.interface import ManagerInterface
@@ -96,7 +95,10 @@ class Scheduler(AdmissionMixin):
         # caches prefixes, else a miss); with a prefix cache, checkpoints are taken after forwards
         # and chunks end where the policy wants one (ManagerInterface: no feature probing)
         self._checkpoints = manager.prefix_cache is not None
-        cache = manager.prefix_cache  # (_exports: vllm_align, a kernel exporting inside the last chunk)
+        # _exports: the recurrent prefill kernel writes states inside a chunk (export_alignment), so
+        # chunks run through checkpoint positions on its grid and the forward writes them into sets
+        # reserved with the chunk (StepPlan.exports)
+        cache = manager.prefix_cache
         self._exports = cache is not None and cache.config.export_alignment is not None
         # vllm_align: vLLM writes the state of a chunk's end into a block it allocated for it, so
         # a checkpoint is a must (made room for by preempting, never dropped), and the last
@@ -278,6 +280,9 @@ class Scheduler(AdmissionMixin):
         if self._in_place:  # the plan's copies ran with its forward (the last update's checkpoints: below)
             self.manager.release_pins(before=self._update_epoch, checkpoints_from=last_update + 1)
         done: list[RequestId] = []
+        exported: dict[RequestId, list[int]] = {}  # what the forward wrote into reserved sets
+        for e in plan.exports:
+            exported.setdefault(e.request_id, []).append(e.position)
         for row, req, tokens, accepted in rows:
             rid = row.request_id
             if row.num_drafts:
@@ -292,11 +297,7 @@ class Scheduler(AdmissionMixin):
             if self._checkpoints and req.token_ids_given:
                 # KV and live sets now hold num_computed_tokens: their full blocks enter the cache
                 # (mark_computed) and the policy may keep the state (pinned until the copy ran)
-                exported = None
-                if self._exports and row.num_scheduled_tokens > 1:
-                    start, end = row.num_computed_tokens, row.num_computed_tokens + row.num_scheduled_tokens
-                    exported = self.manager.exported_checkpoint_position(rid, start, end)
-                copies = self.manager.checkpoint(rid, exported=exported)
+                copies = self.manager.checkpoint(rid, exported=exported.get(rid))
                 if len(copies):
                     self._carried_copies = self._carried_copies.concat(copies)
                 elif self._in_place and self.manager.checkpoint_blocks_due(rid):
@@ -363,8 +364,8 @@ class Scheduler(AdmissionMixin):
             if not n:
                 continue  # vllm_align: the budget holds no block-aligned chunk (vLLM skips it too)
             owed = self.manager.checkpoint_blocks_due(req.request_id) if req.request_id in self._owed else 0
-            export_at = export_position(self.manager, self._exports, req, n)
-            export = self.manager.num_state_blocks if export_at is not None else 0
+            export_at = self._export_positions(req, n)
+            export = self.manager.num_state_blocks * len(export_at)
             if exact or owed or export:
                 while not self._can_grow(req, n + drafts, drafts, owed + export):
                     if not self._in_place and len(s.checkpoints) and self._cancel_checkpoints(s):
@@ -442,7 +443,7 @@ class Scheduler(AdmissionMixin):
             req.state = RequestState.RUNNING
             bisect.insort(self.running, req, key=request_key)
             n, drafts = self._demand(req, s.budget)
-            self._run(req, n, drafts, s, export_position(self.manager, self._exports, req, n))
+            self._run(req, n, drafts, s, self._export_positions(req, n))
 
     # ---- helpers ---------------------------------------------------------------------------------
     def _demand(self, req: SchedRequest, budget: int, cut: bool = True) -> tuple[int, int]:
@@ -458,11 +459,12 @@ class Scheduler(AdmissionMixin):
             start = req.num_computed_tokens
             pos = self.manager.next_checkpoint_position(req.request_id)
             if pos is not None and start < pos < start + n:
-                exported = self._exports and self.manager.exported_checkpoint_position(req.request_id, start, start + n)
-                # (a position the kernel exports from inside the chunk: no cut, unless it is also
-                # the branch point, where vLLM stops whatever the kernel exports)
-                if exported != pos or pos == branch_stop(self.manager, req.request_id, start):
-                    n = pos - start
+                # positions the kernel exports from inside the chunk: no cut (vllm_align: unless it
+                # is the branch point, where vLLM stops whatever the kernel exports)
+                stop = self.manager.prefill_stop(req.request_id, start, start + n) if self._exports else pos
+                if self._in_place and pos == branch_stop(self.manager, req.request_id, start):
+                    stop = pos
+                n = stop - start
         return n, 0
 
     def _drafts(self, req: SchedRequest, budget: int) -> int:
@@ -479,10 +481,10 @@ class Scheduler(AdmissionMixin):
         need += max(0, drafts - req.num_spec_sets) * self.manager.num_state_blocks
         return need <= self.manager.num_available_blocks
 
-    def _run(self, req: SchedRequest, n: int, drafts: int, s: _StepBuilder, export_at: int | None) -> None:
+    def _run(self, req: SchedRequest, n: int, drafts: int, s: _StepBuilder, export_at: tuple[int, ...]) -> None:
         """Grow the request by ``n + drafts`` token slots (and speculative sets) and add its row;
-        ``export_at``: the position the prefill kernel exports from inside the chunk (its sets
-        reserved now, best effort), or None."""
+        ``export_at``: the positions the prefill kernel exports from inside the chunk (their sets
+        reserved now, best effort)."""
         rid = req.request_id
         if drafts > req.num_spec_sets:  # commit_speculation gets num_drafted, so no call otherwise
             self.manager.begin_speculation(rid, drafts)
@@ -497,10 +499,11 @@ class Scheduler(AdmissionMixin):
         if copies.src.size:
             s.copies = s.copies.concat(copies)
         req.num_allocated_tokens += n + drafts
-        if export_at is not None:  # the kernel writes the state there in the forward
-            sets = self.manager.reserve_export(rid, export_at)
-            if sets is not None:
-                s.exports.append(StateExport(rid, export_at, sets))
+        for at in export_at:  # the kernel writes the state there in the forward
+            sets = self.manager.reserve_export(rid, at)
+            if sets is None:
+                break  # (no blocks: the rest are not exported either)
+            s.exports.append(StateExport(rid, at, sets))
         self._row(req, n, drafts, s)
 
     @staticmethod
