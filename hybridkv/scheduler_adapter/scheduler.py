@@ -88,6 +88,9 @@ class Scheduler(AdmissionMixin):
         self.running: list[SchedRequest] = []
         self.swapped: list[SchedRequest] = []
         self.num_steps = 0
+        # prefill chunks cut short at a checkpoint position (the kernel exports none there), and
+        # states exported from inside chunks (StepPlan.exports)
+        self.num_checkpoint_stops = self.num_exports = 0
         self._arrivals = 0
         self._pending: StepPlan | None = None
         self._has_kv = manager.layout.kv_group is not None
@@ -464,6 +467,7 @@ class Scheduler(AdmissionMixin):
                 stop = self.manager.prefill_stop(req.request_id, start, start + n) if self._exports else pos
                 if self._in_place and pos == branch_stop(self.manager, req.request_id, start):
                     stop = pos
+                self.num_checkpoint_stops += stop < start + n
                 n = stop - start
         return n, 0
 
@@ -504,6 +508,7 @@ class Scheduler(AdmissionMixin):
             if sets is None:
                 break  # (no blocks: the rest are not exported either)
             s.exports.append(StateExport(rid, at, sets))
+            self.num_exports += 1
         self._row(req, n, drafts, s)
 
     @staticmethod

@@ -290,6 +290,8 @@ def simulate(cfg: SimConfig, workload: Workload, progress: bool = False, positio
         "layout": _layout_dict(built.layout),
         "workload": workload.summary(),
         "num_steps": sched.num_steps,
+        "checkpoint_stops": sched.num_checkpoint_stops,  # prefill chunks cut short for a checkpoint
+        "exports": sched.num_exports,  # states a prefill kernel exported from inside a chunk
         "sim_time_s": clock,
         "integrity_checks": integrity_checks,
         "stalled": stalled,
