@@ -172,9 +172,12 @@ class _Op:
 
 
 _COPIERS = ("allocate", "append", "fork", "checkpoint")  # manager calls that hand out copies
-_CONTEXT = ("free", "begin_speculation", "commit_speculation", "end_speculation", "mark_computed", "import_request")
+_CONTEXT = (
+    "free", "begin_speculation", "commit_speculation", "end_speculation", "mark_computed", "import_request",
+    "reserve_export",
+)
 # calls after which the host tier's copies (offloads of evicted cached blocks, host hits) are taken
-_TIER = (*_COPIERS, "swap_in", "swap_out", "begin_speculation", "import_request")
+_TIER = (*_COPIERS, "swap_in", "swap_out", "begin_speculation", "import_request", "reserve_export")
 
 
 class Ledger:

@@ -39,7 +39,7 @@ import random
 import sys
 
 import numpy as np
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
@@ -59,6 +59,11 @@ def _recurrent(elems: int, dtype: DType = DType.FLOAT32) -> RecurrentLayerSpec:
     return RecurrentLayerSpec("gla", (StateComponent("kv", (elems,), dtype),))
 
 
+def _own_exports(cfg: PrefixCacheConfig) -> PrefixCacheConfig:
+    """Exports (a prefill kernel writing states inside a chunk) under hybridkv's own policies."""
+    return dataclasses.replace(cfg, export_alignment=None) if cfg.checkpoint is CheckpointPolicy.VLLM_ALIGN else cfg
+
+
 prefix_on = st.builds(
     PrefixCacheConfig,
     st.sampled_from(CheckpointPolicy),
@@ -66,7 +71,8 @@ prefix_on = st.builds(
     st.integers(1, 3),
     evict_batch_fraction=st.sampled_from([0.01, 0.3]),
     demote_tail=st.booleans(),
-)
+    export_alignment=st.sampled_from([None, 1, 1, 4]),
+).map(_own_exports)
 
 
 class ManagerMachine(RuleBasedStateMachine):
@@ -139,6 +145,7 @@ class ManagerMachine(RuleBasedStateMachine):
         self.kv_done: dict[int, int] = {}  # KV positions written
         self.state_pos: dict[int, int] = {}  # the prefix length its live state summarises
         self.fwd: dict[int, tuple[int, int]] = {}  # forwards handed out (allocate, append) not yet run
+        self.exports: dict[int, list] = {}  # (position, sets) the forward handed out writes inside its chunk
         self.verify: dict[int, tuple[int, int]] = {}  # open verify steps: (tokens before, drafts)
         self.plans: dict[int, object] = {}  # open swap plans
         self.history: list[list[int]] = []  # token lists of requests freed after a forward
@@ -176,14 +183,19 @@ class ManagerMachine(RuleBasedStateMachine):
         writes |= set(live)
         for sets in self.m.speculative_table(r)[:spec]:
             writes |= set(sets[self.m._state_mask].tolist())
+        for _, sets in self.exports.get(r, ()):  # (an offload its reservation's eviction handed out reads them)
+            writes |= set(sets[self.m._state_mask].tolist())
         self.ledger.flush_for(reads | writes, writes, f"forward of {r}")
 
     def _register(self, r, data):
         """After a forward: the request's computed blocks enter the prefix cache, with a checkpoint
         if the policy wants one (its copy is queued) or without."""
+        exported = [pos for pos, _ in self.exports.pop(r, ())]
         if self.m.prefix_cache is None or r not in self.given:
             return
-        if self.TIER_ONLY or data.draw(st.booleans()):
+        if exported:  # they become checkpoints where the policy keeps one (else given back)
+            self.m.checkpoint(r, final=data.draw(st.booleans()), exported=exported)
+        elif self.TIER_ONLY or data.draw(st.booleans()):
             self.m.checkpoint(r, final=data.draw(st.booleans()))
         else:
             self.m.mark_computed(r, self.m.requests[r].num_tokens)
@@ -237,6 +249,7 @@ class ManagerMachine(RuleBasedStateMachine):
             self.given[r] = n
         self.kv_done[r] = self.state_pos[r] = c
         self.fwd[r] = (c, n)
+        self._reserve_exports(r, c, n)
         if data.draw(st.booleans()):
             self.forward(data, r)
         self._end_of_rule()
@@ -285,6 +298,9 @@ class ManagerMachine(RuleBasedStateMachine):
             self.shadow.check_state(f"forward of {r} reads", self._live_ids_sets(r), h[self.state_pos[r]])
         self.ledger.write_kv(self._blocks(r), h, start, end)
         self.ledger.write_state(self._live_ids_sets(r), h[end])
+        for pos, sets in self.exports.get(r, ()):  # the kernel's exports from inside the chunk
+            assert start < pos < end
+            self.ledger.write_state(sets, h[pos])
         self.kv_done[r] = self.state_pos[r] = end
         self._register(r, data)
         self._end_of_rule()
@@ -315,10 +331,22 @@ class ManagerMachine(RuleBasedStateMachine):
         assert ok and self.m.requests[r].num_tokens == before + n and len(copies) <= 1
         self.tokens[r] += extra
         self.fwd[r] = (before, before + n)
+        self._reserve_exports(r, before, before + n)
         if data.draw(st.booleans()) if run_forward is None else run_forward:
             self.forward(data, r)
         self._end_of_rule()
         return True
+
+    def _reserve_exports(self, r, start, end):
+        """Sets for the states the prefill kernel exports inside the forward ``[start, end)``."""
+        if end - start < 2 or r not in self.given:
+            return
+        for pos in self.m.export_positions(r, start, end):
+            sets = self.m.reserve_export(r, pos)
+            if sets is None:
+                break
+            self.exports.setdefault(r, []).append((pos, sets))
+            event("prefill kernel exports")
 
     def _peek_give(self, r, end, extra):
         if r not in self.given:
@@ -377,6 +405,7 @@ class ManagerMachine(RuleBasedStateMachine):
             self.m.free(r)
             self.verify.pop(r, None)
             self.fwd.pop(r, None)
+            self.exports.pop(r, None)
         self._end_of_rule()
 
     @precondition(

@@ -324,6 +324,42 @@ def test_paged_prefill_equals_the_contiguous_recurrence_and_writes_only_its_rows
     assert not (changed[s] & ~_written_mask(pools, layer, live[g])).any()
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", ["head_spans_blocks", "odd_shapes"])
+def test_prefill_exports_the_state_at_positions_inside_a_row(backend, case):
+    """``exports``: the state after a row's first ``t`` tokens lands in the export sets, equal to the
+    recurrence over those tokens; outputs and the live state are those of the prefill without exports."""
+    layout, pools, table, dtype, (h, dk, dv) = _setup(case, 6, seed=3)  # rows 3..5: the export sets
+    g, s = _layers(layout)[0]
+    live, spare = table[:, :3], table[:, 3:]
+    layer = _random_states(pools, live, g, s, dtype, seed=4)
+    before_states = read_layer_states(pools, layer, live[g]).clone()
+    lengths = [9, 3, 14]
+    cu = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]))
+    init = torch.tensor([True, False, True])
+    q, k, v = _qkv(int(cu[-1]), h, dk, dv, layer.dtype, seed=5)
+    slopes = lightning_slopes(h, 0, 3)
+    exports = [(0, 4, spare[:, 0]), (2, 11, spare[:, 2]), (2, 5, spare[:, 1])]  # (row, tokens, sets [G, bps])
+    o = lightning_prefill(pools, live, g, s, q, k, v, cu, init, slopes, block_size=4, state_dtype=dtype,
+                          backend=backend, exports=exports)
+    tol = _tol(layer.dtype)
+    after = read_layer_states(pools, layer, live[g])
+    exported = read_layer_states(pools, layer, spare[g])
+    for row, t, col in ((0, 4, 0), (2, 11, 2), (2, 5, 1)):
+        a = int(cu[row])
+        _, s_ref = lightning_recurrent_naive(q[a : a + t], k[a : a + t], v[a : a + t], slopes, before_states[row])
+        assert torch.allclose(exported[col], s_ref.to(layer.dtype), **tol), (row, t)
+    for row in range(3):
+        a, b = int(cu[row]), int(cu[row + 1])
+        o_ref, s_ref = lightning_recurrent_naive(
+            q[a:b], k[a:b], v[a:b], slopes, before_states[row] if init[row] else None
+        )
+        assert torch.allclose(o[a:b], o_ref, **tol) and torch.allclose(after[row], s_ref.to(layer.dtype), **tol)
+    with pytest.raises(ValueError, match="not inside a row"):
+        lightning_prefill(pools, live, g, s, q, k, v, cu, init, slopes, block_size=4, state_dtype=dtype,
+                          backend=backend, exports=[(1, 3, spare[:, 0])])
+
+
 # ---- paddle -------------------------------------------------------------------------------------------
 
 

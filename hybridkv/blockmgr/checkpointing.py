@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 from hybridkv.blockmgr.lifecycle import ManagerCore
@@ -40,7 +42,32 @@ class CheckpointMixin(ManagerCore):
             return None
         return cache.exported_checkpoint(start, end, len(rec.token_ids))
 
-    def checkpoint(self, request_id: RequestId, final: bool = False, exported: int | None = None) -> BlockCopies:
+    def export_positions(self, request_id: RequestId, start: int, end: int) -> tuple[int, ...]:
+        """The positions strictly inside the request's prefill chunk ``[start, end)`` whose states
+        the prefill kernel writes (``PrefixCacheConfig.export_alignment``: a kernel that can), ascending:
+        a scheduler does not end the chunk there, reserves sets for each (:meth:`reserve_export`) and
+        passes them to :meth:`checkpoint` after the forward. Empty without a prefix cache, token ids
+        or such a kernel."""
+        rec = self._running(request_id)
+        cache = self.prefix_cache
+        if cache is None or rec.token_ids is None or cache.config.export_alignment is None:
+            return ()
+        below = self._checkpoint_below(rec, start + self.block_size)
+        return cache.export_positions(start, end, len(rec.token_ids), rec.branch_tokens, below)
+
+    def prefill_stop(self, request_id: RequestId, start: int, end: int) -> int:
+        """Where the request's prefill chunk ``[start, end)`` ends for a checkpoint: the first
+        position inside it where the policy wants one and the kernel exports none, else ``end``."""
+        rec = self._running(request_id)
+        cache = self.prefix_cache
+        if cache is None or rec.token_ids is None:
+            return end
+        below = self._checkpoint_below(rec, start + self.block_size)
+        return cache.prefill_stop(start, end, len(rec.token_ids), rec.branch_tokens, below)
+
+    def checkpoint(
+        self, request_id: RequestId, final: bool = False, exported: int | Sequence[int] | None = None
+    ) -> BlockCopies:
         """Save the live state at the request's current position if the policy wants it there.
 
         Call right after the forward that brought the request to ``num_tokens`` (its live sets
@@ -50,15 +77,17 @@ class CheckpointMixin(ManagerCore):
         blocks are available (checkpoints are best effort). ``final``: the request is at the last
         block boundary of its tokens before it finishes (prompt and reply: the caller knows the
         reply's length, e.g. a replay, and calls this at that decode position): policies that keep
-        the end of finished requests for the next turn take it. ``exported``: the position inside
-        the forward's chunk whose state the prefill kernel exported into the sets that
-        :meth:`reserve_export` reserved (:meth:`exported_checkpoint_position`): they become the
-        checkpoint there (no copy) or are given back; a reservation at another position, or without
-        ``exported``, is given back.
+        the end of finished requests for the next turn take it. ``exported``: the positions (or one) inside
+        the forward's chunk whose states the prefill kernel exported into the sets that
+        :meth:`reserve_export` reserved (:meth:`export_positions`): they become the checkpoints there
+        (no copy) or are given back; a reservation at another position, or without ``exported``,
+        is given back.
         """
         rec = self._running(request_id)
-        if exported is not None:
-            exported = as_count(exported, "exported")  # (TypeError before anything changes)
+        wrote: frozenset[int] = frozenset()
+        if exported is not None:  # (TypeError before anything changes)
+            many = isinstance(exported, Sequence)
+            wrote = frozenset(as_count(p, "exported") for p in (exported if many else (exported,)))  # type: ignore[union-attr]
         cache, pos, bs = self.prefix_cache, rec.num_tokens, self.block_size
         if cache is None or rec.token_ids is None:
             return _NO_COPIES
@@ -67,11 +96,12 @@ class CheckpointMixin(ManagerCore):
             cache.register(rec.token_ids, rec.block_keys, rec.kv_blocks, pos)
             if cache.aligns_chunks:  # vllm_align: the request's own copies replace evictable twins
                 cache.adopt_copies(rec.block_keys, rec.kv_blocks, start, pos // bs)
-        reserved = self._exports.pop(request_id, None) if self._exports else None
-        if reserved is not None and reserved[0] == exported:  # the forward wrote the export into them
-            self._keep_export(rec, *reserved)
-        elif reserved is not None:
-            self._drop_state(reserved[1])
+        reserved = self._exports.pop(request_id, ()) if self._exports else ()
+        for at, sets in reserved:  # ascending: each kept export is the one below the next
+            if at in wrote:  # the forward wrote the export into them
+                self._keep_export(rec, at, sets)
+            else:
+                self._drop_state(sets)
         if pos % bs or pos // bs > len(rec.block_keys):
             return _NO_COPIES
         return self._keep_state(rec, pos, final)
@@ -183,7 +213,7 @@ class CheckpointMixin(ManagerCore):
             self._lent.pop(request_id, None)  # (a held state: the checkpoint now)
         self._release_all(rec, keep_state=True)
         if self._exports and request_id in self._exports:
-            self._drop_export(request_id)
+            self._drop_exports(request_id)
         self._release_held(request_id)  # the sets held from the boundary before, as free() does
         del self.requests[request_id]
         return True

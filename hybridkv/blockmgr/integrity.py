@@ -54,7 +54,7 @@ def check_integrity(m: ManagerCore) -> None:
     kv.extend(m._pin_held)  # references held by copies not yet run (their owners gave them back)
     kv.extend(m._export_kv)  # references held by pending prefix exports (a peer reads them)
     state.extend(ids for ids, key in m._held.values() if key is None)  # held states (in_place_state)
-    state.extend(sets[..., m._state_mask].ravel() for _, sets in m._exports.values())  # reserved exports
+    state.extend(sets[..., m._state_mask].ravel() for held in m._exports.values() for _, sets in held)  # exports
     cache = getattr(m, "prefix_cache", None)
     cached_kv = cache.cached_kv_blocks() if cache is not None else np.empty(0, np.int32)
     checkpoints = cache.checkpoint_blocks() if cache is not None else np.empty(0, np.int32)

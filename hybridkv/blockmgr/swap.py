@@ -52,7 +52,7 @@ class SwapMixin(ManagerCore):
             tier.stats.given_to_swaps += tier.make_room(device.size)
         host = self.host_pool.allocate(device.size)
         if self._exports and request_id in self._exports:  # its chunk does not run: no export
-            self._drop_export(request_id)
+            self._drop_exports(request_id)
         rec.pending = SwapPlan(request_id, SwapDirection.OUT, device, host, self._commit_out, self._abort_out)
         return rec.pending
 

@@ -7,7 +7,7 @@ this package used to export for them (``FastDeployBlockManager``, ``StateLayerSl
 
 from typing import Any
 
-from hybridkv.scheduler_adapter.cost import (
+from hybridkv.scheduler_adapter.gpu import (
     A100,
     H100,
     H200,

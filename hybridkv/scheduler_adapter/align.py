@@ -1,7 +1,7 @@
 """The scheduler's rules for the ``vllm_align`` checkpoint policy (vLLM 0.33's ``align`` prefix-caching
 mode, which ``hybridkv simulate --engine vllm`` emulates): prefill chunks that end on block
-boundaries, the branch point counting this step's rows, and the block a prefill kernel's exported
-checkpoint takes. Each rule is the identity (``n``, nothing, 0) under every other policy. Numpy free."""
+boundaries, the branch point counting this step's rows, a state cached in this step. Each rule is the
+identity (``n``, nothing, False) under every other policy. Numpy free."""
 
 from __future__ import annotations
 
@@ -99,13 +99,3 @@ def branch_stop(manager: ManagerInterface, request_id: RequestId, start: int) ->
         return 0
     bs = manager.block_size
     return start + (branch - start) // bs * bs
-
-
-def export_position(manager: ManagerInterface, exports: bool, req: SchedRequest, n: int) -> int | None:
-    """The position whose state the prefill kernel exports from inside ``req``'s next ``n`` tokens
-    (its sets are reserved with the chunk, as vLLM allocates that block), or None (``exports``: the
-    prefix cache has an ``export_alignment``)."""
-    if not exports or n < 2 or not req.token_ids_given:
-        return None
-    start = req.num_computed_tokens
-    return manager.exported_checkpoint_position(req.request_id, start, start + n)

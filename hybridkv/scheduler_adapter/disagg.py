@@ -42,8 +42,7 @@ from hybridkv.errors import (
     UnknownRequestError,
 )
 from hybridkv.planner.layout import Layout
-from hybridkv.scheduler_adapter.align import export_position
-from hybridkv.scheduler_adapter.cost import PreemptionMode
+from hybridkv.scheduler_adapter.gpu import PreemptionMode
 from hybridkv.scheduler_adapter.preemption import Preemptor
 from hybridkv.scheduler_adapter.requests import (
     RequestState,
@@ -333,7 +332,7 @@ class _DecodeScheduler(Scheduler):
             bisect.insort(self.running, req, key=lambda r: r.sort_key)
             s.admitted.append(rid)
             n, drafts = self._demand(req, s.budget)
-            self._run(req, n, drafts, s, export_position(self.manager, self._exports, req, n))
+            self._run(req, n, drafts, s, self._export_positions(req, n))
 
     def _resume_swapped(self, s: Any) -> None:
         self._admit_arrivals(s)

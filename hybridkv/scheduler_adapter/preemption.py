@@ -1,7 +1,7 @@
 """Preemption policy: which running request gives its blocks back, and how (a small strategy object).
 
 The scheduler owns the queues; :class:`Preemptor` talks to the manager: it picks the victim,
-chooses recompute or swap (``AUTO``: per victim, by :func:`~hybridkv.scheduler_adapter.cost.preemption_cost`),
+chooses recompute or swap (``AUTO``: per victim, by :func:`~hybridkv.scheduler_adapter.gpu.preemption_cost`),
 and frees or swaps the victim's blocks.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from hybridkv.blockmgr.records import SwapPlan
-from hybridkv.scheduler_adapter.cost import GpuSpec, PreemptionCost, PreemptionMode, preemption_cost
+from hybridkv.scheduler_adapter.gpu import GpuSpec, PreemptionCost, PreemptionMode, preemption_cost
 from hybridkv.scheduler_adapter.interface import ManagerInterface
 from hybridkv.scheduler_adapter.requests import SchedRequest
 

@@ -18,7 +18,7 @@ from typing import NamedTuple
 import numpy as np
 
 from hybridkv.blockmgr.records import BlockCopies, RequestId, SwapDirection, SwapPlan, TierCopies, TierPlan
-from hybridkv.scheduler_adapter.cost import PreemptionMode
+from hybridkv.scheduler_adapter.gpu import PreemptionMode
 
 _NONE = np.empty(0, dtype=np.int32)
 NO_TIER_COPIES = TierPlan(TierCopies(_NONE, _NONE, SwapDirection.OUT), TierCopies(_NONE, _NONE, SwapDirection.IN))

@@ -5,7 +5,7 @@ One step, in this order (DESIGN.md "Scheduler adapter"):
 1. running requests, by priority then arrival: each row grows the request by the tokens it runs
    (a prefill chunk, or a decode's ``1 + drafts`` plus its speculative state sets). When one cannot
    grow, the lowest-priority, newest running request not yet scheduled this step is preempted
-   (itself, when it is the last); :class:`~hybridkv.scheduler_adapter.cost.PreemptionMode` says how.
+   (itself, when it is the last); :class:`~hybridkv.scheduler_adapter.gpu.PreemptionMode` says how.
 2. swapped requests resume (swap-in) before anything new is admitted;
 3. waiting requests are admitted, FCFS within a priority, by the manager's one count
    (``can_allocate`` of the first chunk: KV + live state sets + speculative sets + watermark;
@@ -23,24 +23,21 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
 
 import numpy as np
 
-from hybridkv.blockmgr.records import BlockCopies, RequestId, SwapPlan
+from hybridkv.blockmgr.records import BlockCopies, RequestId
 from hybridkv.errors import DuplicateRequestError, RequestStateError, UnknownRequestError
+from hybridkv.scheduler_adapter.admission import AdmissionMixin, _StepBuilder
 from hybridkv.scheduler_adapter.align import (
     aligned_chunk,
     branch_stop,
-    export_position,
-    same_step_branch,
-    state_cached_this_step,
 )
-from hybridkv.scheduler_adapter.cost import PreemptionCost, PreemptionMode
+from hybridkv.scheduler_adapter.gpu import PreemptionCost, PreemptionMode
 from hybridkv.scheduler_adapter.interface import ManagerInterface
 from hybridkv.scheduler_adapter.preemption import Preemptor, SwapExecutor
 from hybridkv.scheduler_adapter.requests import (
-    AdmissionPolicy,
+    AdmissionPolicy,  # noqa: F401  (re-exported: imported from here)
     Preemption,
     RequestState,
     SchedRequest,
@@ -54,7 +51,7 @@ from hybridkv.scheduler_adapter.scheduler_config import SchedulerConfig, check_h
 from hybridkv.units import as_count, cdiv, is_integer
 
 
-class Scheduler:
+class Scheduler(AdmissionMixin):
     """Waiting / running / swapped queues over one manager. Not thread-safe.
 
     ``swap_executor``: optional; runs a swap plan's copies before the scheduler commits it (a
@@ -91,6 +88,9 @@ class Scheduler:
         self.running: list[SchedRequest] = []
         self.swapped: list[SchedRequest] = []
         self.num_steps = 0
+        # prefill chunks cut short at a checkpoint position (the kernel exports none there), and
+        # states exported from inside chunks (StepPlan.exports)
+        self.num_checkpoint_stops = self.num_exports = 0
         self._arrivals = 0
         self._pending: StepPlan | None = None
         self._has_kv = manager.layout.kv_group is not None
@@ -98,7 +98,10 @@ class Scheduler:
         # caches prefixes, else a miss); with a prefix cache, checkpoints are taken after forwards
         # and chunks end where the policy wants one (ManagerInterface: no feature probing)
         self._checkpoints = manager.prefix_cache is not None
-        cache = manager.prefix_cache  # (_exports: vllm_align, a kernel exporting inside the last chunk)
+        # _exports: the recurrent prefill kernel writes states inside a chunk (export_alignment), so
+        # chunks run through checkpoint positions on its grid and the forward writes them into sets
+        # reserved with the chunk (StepPlan.exports)
+        cache = manager.prefix_cache
         self._exports = cache is not None and cache.config.export_alignment is not None
         # vllm_align: vLLM writes the state of a chunk's end into a block it allocated for it, so
         # a checkpoint is a must (made room for by preempting, never dropped), and the last
@@ -280,6 +283,9 @@ class Scheduler:
         if self._in_place:  # the plan's copies ran with its forward (the last update's checkpoints: below)
             self.manager.release_pins(before=self._update_epoch, checkpoints_from=last_update + 1)
         done: list[RequestId] = []
+        exported: dict[RequestId, list[int]] = {}  # what the forward wrote into reserved sets
+        for e in plan.exports:
+            exported.setdefault(e.request_id, []).append(e.position)
         for row, req, tokens, accepted in rows:
             rid = row.request_id
             if row.num_drafts:
@@ -294,11 +300,7 @@ class Scheduler:
             if self._checkpoints and req.token_ids_given:
                 # KV and live sets now hold num_computed_tokens: their full blocks enter the cache
                 # (mark_computed) and the policy may keep the state (pinned until the copy ran)
-                exported = None
-                if self._exports and row.num_scheduled_tokens > 1:
-                    start, end = row.num_computed_tokens, row.num_computed_tokens + row.num_scheduled_tokens
-                    exported = self.manager.exported_checkpoint_position(rid, start, end)
-                copies = self.manager.checkpoint(rid, exported=exported)
+                copies = self.manager.checkpoint(rid, exported=exported.get(rid))
                 if len(copies):
                     self._carried_copies = self._carried_copies.concat(copies)
                 elif self._in_place and self.manager.checkpoint_blocks_due(rid):
@@ -365,8 +367,8 @@ class Scheduler:
             if not n:
                 continue  # vllm_align: the budget holds no block-aligned chunk (vLLM skips it too)
             owed = self.manager.checkpoint_blocks_due(req.request_id) if req.request_id in self._owed else 0
-            export_at = export_position(self.manager, self._exports, req, n)
-            export = self.manager.num_state_blocks if export_at is not None else 0
+            export_at = self._export_positions(req, n)
+            export = self.manager.num_state_blocks * len(export_at)
             if exact or owed or export:
                 while not self._can_grow(req, n + drafts, drafts, owed + export):
                     if not self._in_place and len(s.checkpoints) and self._cancel_checkpoints(s):
@@ -444,105 +446,7 @@ class Scheduler:
             req.state = RequestState.RUNNING
             bisect.insort(self.running, req, key=request_key)
             n, drafts = self._demand(req, s.budget)
-            self._run(req, n, drafts, s, export_position(self.manager, self._exports, req, n))
-
-    def _admit_waiting(self, s: _StepBuilder) -> None:
-        k = self.config.num_speculative_tokens
-        while self.waiting and s.budget > 0 and len(self.running) < self.config.max_num_seqs:
-            req = self.waiting[0]
-            total = req.num_tokens
-            ids = req.token_ids() if req.prompt_token_ids is not None else None
-            cached = self.manager.match_prefix(ids, total) if ids is not None else 0
-            n = min(total - cached, s.budget)
-            if ids is not None and not aligned_chunk(self.manager, self.config, req, cached, n):
-                return  # vllm_align: no block-aligned first chunk fits this step's budget
-            if self._in_place and ids is not None and state_cached_this_step(
-                self.manager, self.requests, ids, cached, s.scheduled
-            ):
-                return  # vllm_align: its hit would be a state cached in this step (vLLM waits a step)
-            if ids is not None and self.manager.plan_admission(cached + n, k, ids).num_cached_tokens != cached:
-                # the manager would admit it as a miss (the hit pins more than it saves): do so
-                # without token ids, so the first chunk is one allocation
-                ids, cached, n = None, 0, min(total, s.budget)
-            extra = {} if ids is None else {"token_ids": ids}
-            if not self.manager.can_allocate(cached + n, k, **extra):  # the one count, for this chunk
-                return
-            # a re-admitted decode (preempted by recompute after it sampled, its hit all but the last
-            # token) appends its drafts with that token: count them too
-            decode = ids is not None and total - cached == 1 and bool(req.output_token_ids)
-            drafts = self._drafts(req, s.budget) if decode else 0
-            grow = self._kv_growth(cached + n, drafts) if drafts else 0
-            if grow and (self.manager.blocks_to_admit(cached + n, k, ids) + grow + self.manager.watermark_blocks
-                         > self.manager.num_available_blocks):
-                return
-            if not self.config.chunked_prefill and n < total - cached:
-                return
-            if self.config.admission is not AdmissionPolicy.FIRST_CHUNK and not self._whole_fits(req, ids, k, s):
-                return
-            self.waiting.pop(0)
-            req.state = RequestState.RUNNING
-            req.num_spec_sets = k
-            bisect.insort(self.running, req, key=request_key)
-            s.admitted.append(req.request_id)
-            if ids is None:  # admit with the first chunk in one call
-                self.manager.allocate(req.request_id, n, k)
-                req.num_computed_tokens, req.num_allocated_tokens, req.num_cached_tokens = 0, n, 0
-                self._row(req, n, 0, s)
-                self._promise(req, s)
-                continue
-            # with token ids: take the hit, then grow chunk by chunk, ending chunks where the
-            # prefix cache wants a checkpoint
-            alloc = self.manager.allocate(req.request_id, cached, k, **extra)
-            if alloc.num_cached_tokens != cached:
-                raise AssertionError(f"prefix hit {alloc.num_cached_tokens} != match_prefix {cached}")
-            if len(alloc.copies):
-                s.copies = s.copies.concat(alloc.copies)
-            req.num_computed_tokens = req.num_allocated_tokens = req.num_cached_tokens = cached
-            req.token_ids_given = len(ids)
-            if self._in_place:
-                same_step_branch(self.manager, self.requests, req, ids, s.scheduled)
-            n, drafts = self._demand(req, s.budget)
-            self._run(req, n, drafts, s, export_position(self.manager, self._exports, req, n))
-            self._promise(req, s)
-
-    def _whole_fits(self, req: SchedRequest, ids: list[int] | None, k: int, s: _StepBuilder) -> bool:
-        """The admission policy's test beyond the first chunk (see :class:`AdmissionPolicy`): the
-        blocks of all of ``req``'s known tokens (prefix hit counted) fit in the available blocks;
-        under ``RESERVED`` with its decode reserve too, next to what the running requests were
-        promised."""
-        tokens = req.num_tokens
-        if self.config.admission is AdmissionPolicy.RESERVED:
-            tokens += self._decode_reserve(req)
-        need = self.manager.plan_admission(tokens, k, ids).num_blocks + self.manager.watermark_blocks
-        cache = self.manager.prefix_cache
-        # vLLM reserves the exported checkpoint's block; with nothing running it gives way (vLLM would
-        # wait for ever: no block is freed while nothing runs, and the export is best effort)
-        if self._exports and cache is not None and ids is not None and self.running:
-            cached = self.manager.match_prefix(ids, req.num_tokens)
-            if cache.exported_checkpoint(cached, req.num_tokens, len(ids)) is not None:
-                need += self.manager.num_state_blocks
-        if self.config.admission is AdmissionPolicy.RESERVED:
-            if s.promised < 0:
-                s.promised = sum(self._still_needs(r) for r in self.running)
-            need += s.promised
-        return need <= self.manager.num_available_blocks
-
-    def _decode_reserve(self, req: SchedRequest) -> int:
-        """Token slots of ``req``'s next ``decode_reserve_steps`` decode steps (all its remaining
-        outputs when None), at most its remaining outputs."""
-        steps = self.config.decode_reserve_steps
-        remaining = req.num_remaining_tokens
-        return remaining if steps is None else min(remaining, steps * (1 + self.config.num_speculative_tokens))
-
-    def _still_needs(self, req: SchedRequest) -> int:
-        """KV blocks a running request still takes for its known tokens and its decode reserve."""
-        rest = req.num_tokens - req.num_allocated_tokens + self._decode_reserve(req)
-        return self._kv_growth(req.num_allocated_tokens, rest)  # (a copy-on-write block is not counted)
-
-    def _promise(self, req: SchedRequest, s: _StepBuilder) -> None:
-        """An admitted request's prompt beyond its first chunk joins the promised blocks."""
-        if s.promised >= 0:
-            s.promised += self._still_needs(req)
+            self._run(req, n, drafts, s, self._export_positions(req, n))
 
     # ---- helpers ---------------------------------------------------------------------------------
     def _demand(self, req: SchedRequest, budget: int, cut: bool = True) -> tuple[int, int]:
@@ -558,11 +462,13 @@ class Scheduler:
             start = req.num_computed_tokens
             pos = self.manager.next_checkpoint_position(req.request_id)
             if pos is not None and start < pos < start + n:
-                exported = self._exports and self.manager.exported_checkpoint_position(req.request_id, start, start + n)
-                # (a position the kernel exports from inside the chunk: no cut, unless it is also
-                # the branch point, where vLLM stops whatever the kernel exports)
-                if exported != pos or pos == branch_stop(self.manager, req.request_id, start):
-                    n = pos - start
+                # positions the kernel exports from inside the chunk: no cut (vllm_align: unless it
+                # is the branch point, where vLLM stops whatever the kernel exports)
+                stop = self.manager.prefill_stop(req.request_id, start, start + n) if self._exports else pos
+                if self._in_place and pos == branch_stop(self.manager, req.request_id, start):
+                    stop = pos
+                self.num_checkpoint_stops += stop < start + n
+                n = stop - start
         return n, 0
 
     def _drafts(self, req: SchedRequest, budget: int) -> int:
@@ -579,10 +485,10 @@ class Scheduler:
         need += max(0, drafts - req.num_spec_sets) * self.manager.num_state_blocks
         return need <= self.manager.num_available_blocks
 
-    def _run(self, req: SchedRequest, n: int, drafts: int, s: _StepBuilder, export_at: int | None) -> None:
+    def _run(self, req: SchedRequest, n: int, drafts: int, s: _StepBuilder, export_at: tuple[int, ...]) -> None:
         """Grow the request by ``n + drafts`` token slots (and speculative sets) and add its row;
-        ``export_at``: the position the prefill kernel exports from inside the chunk (its sets
-        reserved now, best effort), or None."""
+        ``export_at``: the positions the prefill kernel exports from inside the chunk (their sets
+        reserved now, best effort)."""
         rid = req.request_id
         if drafts > req.num_spec_sets:  # commit_speculation gets num_drafted, so no call otherwise
             self.manager.begin_speculation(rid, drafts)
@@ -597,10 +503,12 @@ class Scheduler:
         if copies.src.size:
             s.copies = s.copies.concat(copies)
         req.num_allocated_tokens += n + drafts
-        if export_at is not None:  # the kernel writes the state there in the forward
-            sets = self.manager.reserve_export(rid, export_at)
-            if sets is not None:
-                s.exports.append(StateExport(rid, export_at, sets))
+        for at in export_at:  # the kernel writes the state there in the forward
+            sets = self.manager.reserve_export(rid, at)
+            if sets is None:
+                break  # (no blocks: the rest are not exported either)
+            s.exports.append(StateExport(rid, at, sets))
+            self.num_exports += 1
         self._row(req, n, drafts, s)
 
     @staticmethod
@@ -645,18 +553,3 @@ class Scheduler:
         req.state = state
         del self.requests[req.request_id]
         self.finished[req.request_id] = req
-
-
-@dataclass(slots=True)
-class _StepBuilder:
-    budget: int
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    preempted: list[Preemption] = field(default_factory=list)
-    resumed: list[RequestId] = field(default_factory=list)
-    admitted: list[RequestId] = field(default_factory=list)
-    swap_out: list[SwapPlan] = field(default_factory=list)
-    swap_in: list[SwapPlan] = field(default_factory=list)
-    copies: BlockCopies = field(default_factory=BlockCopies.empty)
-    checkpoints: BlockCopies = field(default_factory=BlockCopies.empty)  # carried from the last update
-    exports: list[StateExport] = field(default_factory=list)  # state sets the forward writes an export into
-    promised: int = -1  # blocks the running prefills still need (AdmissionPolicy.RESERVED; -1: not counted yet)

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from hybridkv.scheduler_adapter.cost import H200, GpuSpec, PreemptionMode
+from hybridkv.scheduler_adapter.gpu import H200, GpuSpec, PreemptionMode
 from hybridkv.scheduler_adapter.requests import AdmissionPolicy, SchedRequest
 from hybridkv.units import as_choice, as_count, as_flag, is_integer
 

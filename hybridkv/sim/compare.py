@@ -20,7 +20,7 @@ from typing import Any
 
 from hybridkv.blockmgr.prefix import CheckpointPolicy
 from hybridkv.planner.layout import LayoutKind
-from hybridkv.scheduler_adapter.cost import PreemptionMode, load_gpu
+from hybridkv.scheduler_adapter.gpu import PreemptionMode, load_gpu
 from hybridkv.scheduler_adapter.requests import AdmissionPolicy
 from hybridkv.sim.config import SimConfig
 from hybridkv.sim.engines import ENGINES, ladder

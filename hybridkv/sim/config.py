@@ -14,8 +14,9 @@ from hybridkv.blockmgr.manager import HybridBlockManager
 from hybridkv.blockmgr.prefix import CheckpointPolicy, EvictionPolicy, PrefixCacheConfig
 from hybridkv.models.spec_file import resolve_model
 from hybridkv.planner.layout import Layout, LayoutKind, plan
-from hybridkv.scheduler_adapter.cost import GpuSpec, PreemptionMode, StepCostModel, load_gpu
+from hybridkv.scheduler_adapter.gpu import GpuSpec, PreemptionMode, load_gpu
 from hybridkv.scheduler_adapter.scheduler import AdmissionPolicy, Scheduler, SchedulerConfig
+from hybridkv.sim.cost import StepCostModel
 from hybridkv.sim.engines import engine_config
 from hybridkv.sim.settings import SimConfig  # (defined there; imported from here by callers)
 from hybridkv.units import parse_bytes

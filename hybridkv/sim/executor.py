@@ -4,12 +4,12 @@ It honours the step plan contract of the scheduler (docs/scheduler.md "One step"
 swap plans arrive settled (committed), device copies name real blocks, copies run in the contract's
 order (checkpoint copies, swap-outs, swap-ins, copies), and every swapped-in request runs in the
 step that resumed it. What a real executor would move is counted in blocks and priced by the one
-cost model (:class:`~hybridkv.scheduler_adapter.cost.StepCostModel`).
+cost model (:class:`~hybridkv.sim.cost.StepCostModel`).
 
 It also prices what memory pressure costs in a step: the seconds its swaps keep the host link
 busy, and the tokens it computes a second time (a row starting below what its request had
 computed before a recompute preemption) with their FLOPs at the cost model's effective rate, the
-price ``preemption='auto'`` compares against a swap (:func:`~hybridkv.scheduler_adapter.cost.preemption_cost`).
+price ``preemption='auto'`` compares against a swap (:func:`~hybridkv.scheduler_adapter.gpu.preemption_cost`).
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from hybridkv.blockmgr.manager import HybridBlockManager
 from hybridkv.blockmgr.records import BlockCopies, RequestId, SwapDirection, SwapPlan
 from hybridkv.errors import HybridKVError
 from hybridkv.planner.layout import NULL_BLOCK
-from hybridkv.scheduler_adapter.cost import StepCostModel, StepTime, StepWork
 from hybridkv.scheduler_adapter.requests import StepPlan
+from hybridkv.sim.cost import StepCostModel, StepTime, StepWork
 
 
 class PlanContractError(HybridKVError, AssertionError):

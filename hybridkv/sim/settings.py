@@ -9,7 +9,7 @@ from typing import Any
 
 from hybridkv.blockmgr.prefix import CheckpointPolicy
 from hybridkv.planner.layout import LayoutKind
-from hybridkv.scheduler_adapter.cost import PreemptionMode
+from hybridkv.scheduler_adapter.gpu import PreemptionMode
 from hybridkv.scheduler_adapter.requests import AdmissionPolicy
 
 ENGINES = ("hybridkv", "vllm")
@@ -41,7 +41,7 @@ class SimConfig:
     preemption: str = "auto"
     prefix: str = "lru"  # none | lru | flop_aware (the library's default eviction: lru)
     checkpoint: str = "branch_spaced"  # checkpoint policy with a prefix cache (the library's default)
-    checkpoint_export: int = 0  # vllm_align: the prefill kernel's checkpoint grid in tokens (0: none)
+    checkpoint_export: int = 0  # the recurrent prefill kernel writes states inside a chunk on this grid (0: cannot)
     speculative: int = 0  # draft tokens per decode step
     accept_rate: float = 0.7
     max_num_seqs: int = 256

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from hybridkv.errors import HybridKVError
-from hybridkv.scheduler_adapter.cost import PreemptionMode
+from hybridkv.scheduler_adapter.gpu import PreemptionMode
 from hybridkv.scheduler_adapter.synthetic import SyntheticEngine
 from hybridkv.sim.config import SimConfig, build
 from hybridkv.sim.engines import engine_config
@@ -290,6 +290,8 @@ def simulate(cfg: SimConfig, workload: Workload, progress: bool = False, positio
         "layout": _layout_dict(built.layout),
         "workload": workload.summary(),
         "num_steps": sched.num_steps,
+        "checkpoint_stops": sched.num_checkpoint_stops,  # prefill chunks cut short for a checkpoint
+        "exports": sched.num_exports,  # states a prefill kernel exported from inside a chunk
         "sim_time_s": clock,
         "integrity_checks": integrity_checks,
         "stalled": stalled,

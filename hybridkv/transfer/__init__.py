@@ -1,5 +1,6 @@
 """The transfer room: a request's KV blocks and state sets between machines (issue 16, docs/transfer.md).
 
+``regions`` describes a pool's registered memory and the layout signature peers compare;
 ``descriptors`` turns a layout, the pools' base addresses and a request's block ids into paired,
 coalesced ``(region, offset, length)`` descriptors; ``loopback`` is the in-process reference copy;
 ``engine`` is the interface the NIXL (and Mooncake) adapters implement; ``handoff`` drives a

@@ -53,10 +53,11 @@ class PrefixCacheConfig:
     # hybrid models: a released request's cached KV past the deepest checkpoint on its chain can only
     # mark a branch, never serve a hit: it goes to the front of the LRU queue (evicted first)
     demote_tail: bool = True
-    # vllm_align: the recurrent layers' prefill kernel exports the state at the input's last block
-    # boundary from inside the input's last chunk, on this grid of tokens (vLLM's
-    # ``prefill_checkpoint_alignment``; FlashInfer's GDN prefill: 64), so that chunk is not split
-    # there; None: no export (the chunk stops at that boundary)
+    # a capability of the recurrent layers' prefill kernel: it writes the state at positions inside a
+    # chunk (multiples of this many tokens) into sets reserved with the chunk, so no chunk ends early
+    # for a checkpoint on that grid; None: it cannot (chunks end at every checkpoint position).
+    # vllm_align uses it only at the input's last block boundary (vLLM's
+    # ``prefill_checkpoint_alignment``; FlashInfer's GDN prefill: 64)
     export_alignment: int | None = None
     # the host tier (docs/blockmgr.md): cached KV blocks and checkpoints evicted from the device are
     # offloaded to the manager's host pool (shared with swap preemption, which wins: the tier gives

@@ -72,6 +72,39 @@ class CheckpointPlacement(ChainIndex):
             return None
         return vllm_exported_checkpoint(start, end, input_len, self.block_size, cfg.export_alignment)
 
+    def export_positions(self, start: int, end: int, input_len: int, branch: int, below: int = 0) -> tuple[int, ...]:
+        """The positions strictly inside the chunk ``[start, end)`` whose states the prefill kernel
+        writes into sets reserved with the chunk, ascending (empty when the layers' kernels export
+        nothing: ``export_alignment`` None). ``vllm_align``: the one of :meth:`exported_checkpoint`;
+        every other policy: each position it wants a checkpoint at on the kernel's grid, so a chunk
+        ends early only at a wanted position off that grid. ``below``: as for :meth:`wants_checkpoint`
+        (each position found is the one below the next)."""
+        grid = self.config.export_alignment
+        if grid is None or not self.host.num_state_groups:
+            return ()
+        if self.config.checkpoint is CheckpointPolicy.VLLM_ALIGN:
+            p = self.exported_checkpoint(start, end, input_len)
+            return () if p is None else (p,)
+        out: list[int] = []
+        pos = self.next_checkpoint(start, input_len, branch, below)
+        while pos is not None and pos < end:
+            if pos % grid:
+                break  # the chunk ends there
+            out.append(pos)
+            pos = self.next_checkpoint(pos, input_len, branch, pos)
+        return tuple(out)
+
+    def prefill_stop(self, start: int, end: int, input_len: int, branch: int, below: int = 0) -> int:
+        """Where a prefill chunk ``[start, end)`` ends for a checkpoint: the first position inside it the
+        policy wants a checkpoint at that :meth:`export_positions` does not write, else ``end``."""
+        exported = self.export_positions(start, end, input_len, branch, below)
+        pos = self.next_checkpoint(start, input_len, branch, below)
+        while pos is not None and pos < end:
+            if pos not in exported:
+                return pos
+            pos = self.next_checkpoint(pos, input_len, branch, pos)
+        return end
+
     def planned_checkpoints(self, input_len: int, branch: int, below: int) -> list[int]:
         """``branch_spaced``: the input positions it checkpoints above ``below`` (the deepest
         checkpoint on the request's chain), ascending."""

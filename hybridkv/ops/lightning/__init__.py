@@ -21,6 +21,7 @@ outputs are zero. Torch or Paddle tensors (Paddle through DLPack views, as the o
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -265,6 +266,7 @@ def lightning_prefill(
     state_dtype: torch.dtype | None = None,
     validate: bool | None = None,
     backend: Backend | str = "auto",
+    exports: Sequence[tuple[int, int, Any]] = (),
 ) -> Any:
     """Chunked prefill of ``B`` packed rows through the paged state, block-wise (Lightning Attention-2).
 
@@ -277,7 +279,17 @@ def lightning_prefill(
     power of two >= 16) and writes the state back. Reference: gather the rows' states with the
     addressing rule -> :func:`~.naive.lightning_prefill_varlen_naive` -> write back. See
     ``docs/ops.md`` for why flash-linear-attention's chunk kernel is not used.
+
+    ``exports``: ``(row, tokens, sets)`` triples: the state after the row's first ``tokens`` tokens
+    (``0 < tokens <`` the row's length) is also written into ``sets``, state sets ``[G, bps]`` as in a
+    ``StepPlan.exports`` entry (``tokens`` is its position less the row's computed tokens), other than
+    any set the table writes. The row runs in pieces split there, one launch per piece (both backends).
     """
+    if len(exports):
+        return _prefill_exporting(
+            pools, state_table, group, slot, q, k, v, cu_seqlens, has_initial_state, slopes, block_size,
+            component, state_dtype, validate, backend, exports,
+        )
     pools.require_slot_major("lightning_prefill")
     layer = lightning_layer(pools, group, slot, component, state_dtype)
     fw = _framework_of(v)
@@ -327,6 +339,56 @@ def lightning_prefill(
         num_blocks=pools.num_blocks,
         block_tokens=block_size,
     )
+    return from_torch(o, fw)
+
+
+def _prefill_exporting(
+    pools: BlockPools, state_table: Any, group: int, slot: int, q: Any, k: Any, v: Any, cu_seqlens: Any,
+    has_initial_state: Any, slopes: Any, block_size: int, component: str | None, state_dtype: torch.dtype | None,
+    validate: bool | None, backend: Backend | str, exports: Sequence[tuple[int, int, Any]],
+) -> Any:
+    """:func:`lightning_prefill` with ``exports``: piece ``j`` of every row runs from its ``j``-th cut
+    to the next (rows with fewer cuts run nothing), then each cut's state is copied from the row's
+    live set into its export sets; the outputs are put back in token order."""
+    fw = _framework_of(v)
+    qt, kt, vt = to_torch(q), to_torch(k), to_torch(v)
+    cu = to_torch(cu_seqlens).to(torch.int64).cpu()
+    table = _table(state_table, group).to(torch.int64)
+    b = cu.numel() - 1
+    cuts: list[list[tuple[int, Any]]] = [[] for _ in range(b)]
+    for row, tokens, sets in exports:
+        row, tokens = int(row), int(tokens)
+        if not 0 <= row < b or not 0 < tokens < int(cu[row + 1] - cu[row]):
+            raise ValueError(f"export of row {row} after {tokens} tokens is not inside a row of {b}")
+        cuts[row].append((tokens, to_torch(sets)[group].to(torch.int64)))
+    for c in cuts:
+        c.sort(key=lambda t: t[0])
+        if len({t for t, _ in c}) != len(c):
+            raise ValueError("two exports of one row at the same position")
+    layer = lightning_layer(pools, group, slot, component, state_dtype)
+    init = to_torch(has_initial_state).to(torch.bool).cpu().clone()
+    o = torch.zeros_like(vt)
+    for j in range(1 + max(len(c) for c in cuts)):
+        index, lengths, done = [], [], []
+        for r in range(b):
+            ends = [0, *(t for t, _ in cuts[r]), int(cu[r + 1] - cu[r])]
+            lo, hi = (ends[j], ends[j + 1]) if j + 1 < len(ends) else (0, 0)
+            index.append(torch.arange(int(cu[r]) + lo, int(cu[r]) + hi))
+            lengths.append(hi - lo)
+            if j < len(cuts[r]):
+                done.append((r, cuts[r][j][1]))
+        idx = torch.cat(index)
+        piece_cu = torch.tensor([0, *np.cumsum(lengths)], dtype=torch.int64)
+        piece_init = init if j == 0 else torch.ones(b, dtype=torch.bool)
+        o[idx] = lightning_prefill(
+            pools, state_table, group, slot, qt[idx], kt[idx], vt[idx], piece_cu, piece_init, slopes, block_size,
+            component, state_dtype, validate, backend,
+        )
+        if done:
+            rows = torch.tensor([r for r, _ in done], dtype=torch.int64)
+            live = table[rows].to(pools.torch_data.device)
+            states = read_layer_states(pools, layer, live)
+            write_layer_states(pools, layer, torch.stack([sets for _, sets in done]).to(live.device), states)
     return from_torch(o, fw)
 
 
