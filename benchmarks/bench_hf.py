@@ -139,18 +139,19 @@ def run_hybridkv(
     timed(eng.scheduler, "update", acc, "scheduler")
     timed(eng, "run_copies", acc, "copies")
     n0, f0 = counter.n, counter.seconds
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     llm.add_request(0, prompts[0], NEW_TOKENS)
     for _ in range(lead):  # the first request runs ``lead`` steps ahead of the others
         llm.step()
     for i, p in enumerate(prompts[1:], 1):
         llm.add_request(i, p, NEW_TOKENS)
     out = llm.run()
-    total = time.perf_counter() - t0
+    total, cpu = time.perf_counter() - t0, time.process_time() - c0
     acc["hf_forward"] = counter.seconds - f0
     acc["other"] = total - sum(acc.values())
     info = dict(
         seconds=total,
+        cpu_seconds=cpu,
         forwards=counter.n - n0,
         prefix_hit_tokens=llm.events.prefix_hit_tokens,
         steps=llm.events.steps,
@@ -168,24 +169,24 @@ def run_generate_batched(model, prompts, counter: Counter) -> tuple[list[list[in
         ids[i, width - len(p) :] = torch.tensor(p)
         mask[i, width - len(p) :] = 1
     n0 = counter.n
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     out = model.generate(
         ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False
     )
-    total = time.perf_counter() - t0
-    return out[:, width:].tolist(), dict(seconds=total, forwards=counter.n - n0)
+    total, cpu = time.perf_counter() - t0, time.process_time() - c0
+    return out[:, width:].tolist(), dict(seconds=total, cpu_seconds=cpu, forwards=counter.n - n0)
 
 
 @torch.no_grad()
 def run_generate_one_by_one(model, prompts, counter: Counter) -> tuple[list[list[int]], dict]:
     n0 = counter.n
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     outs = []
     for p in prompts:
         out = model.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
         outs.append(out[0, len(p) :].tolist())
-    total = time.perf_counter() - t0
-    return outs, dict(seconds=total, forwards=counter.n - n0)
+    total, cpu = time.perf_counter() - t0, time.process_time() - c0
+    return outs, dict(seconds=total, cpu_seconds=cpu, forwards=counter.n - n0)
 
 
 def bench(model_type: str, wl: str, repeats: int) -> dict:
@@ -209,6 +210,7 @@ def bench(model_type: str, wl: str, repeats: int) -> dict:
             tokens[k] = toks
             samples[k].append(info)
     med = {k: statistics.median(s["seconds"] for s in samples[k]) for k in names}
+    cpu = {k: statistics.median(s["cpu_seconds"] for s in samples[k]) for k in names}
     ref = tokens["generate_one_by_one"]
     generated = len(prompts) * NEW_TOKENS
     hk = samples["hybridkv"][-1]
@@ -223,6 +225,8 @@ def bench(model_type: str, wl: str, repeats: int) -> dict:
         median_seconds=med,
         seconds=({k: [s["seconds"] for s in samples[k]] for k in names}),
         ratio_to_generate_batched={k: med[k] / med["generate_batched"] for k in names},
+        median_cpu_seconds=cpu,
+        cpu_ratio_to_generate_batched={k: cpu[k] / cpu["generate_batched"] for k in names},
         tokens_per_second={k: generated / med[k] for k in names},
         forwards={k: samples[k][-1]["forwards"] for k in names},
         hybridkv_steps=hk["steps"],
