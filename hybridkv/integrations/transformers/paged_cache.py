@@ -272,7 +272,9 @@ class PagedCache:
     ) -> None:
         """Write the forward's new K/V (``[B, H, T, D]`` after the padded past) of the real tokens
         (``real`` bool ``[B, T]``, None: all; left padding is not stored) at ``slot_mapping`` (one slot
-        per real token, row-major) and scatter each row's state into ``out_tables`` ``[G, B, bps]``."""
+        per real token, row-major) and put each row's state in the state buffers for ``out_tables``
+        ``[G, B, bps]`` (resident: scattered into the pool by :meth:`flush`; at once where two rows
+        write one set). The forward's K/V are kept for the same rows' next forward."""
         b, p = len(past_lens), self.past_valid.shape[1]
         if self.kv:
             slots = torch.from_numpy(slot_mapping.astype(np.int64))
