@@ -147,8 +147,8 @@ def test_every_logit_equals_hf_alone(model_type):
 
 
 class StaleConv(HFEngine):
-    """The conv state (MiniMax: the lightning state) is never written back: each forward scatters the
-    component as it was gathered before it."""
+    """The conv state (MiniMax: the lightning state) is never written back: after each forward the
+    state buffers hold the component as it was gathered before it (and the pool gets that)."""
 
     def __init__(self, *a, **kw) -> None:
         super().__init__(*a, **kw)
@@ -167,11 +167,13 @@ class StaleConv(HFEngine):
                     layers[lid][comp[lid]][:n] = before[lid]
                 scatter(pools, tables, group, src, **kw)
 
-            paged_cache_module.scatter_states = scatter_stale
+            paged_cache_module.scatter_states = scatter_stale  # (a set two rows write is scattered in store)
             try:
                 store(c, past, slots, out_tables, **kw)
             finally:
                 paged_cache_module.scatter_states = scatter
+            for lid in layers:  # (otherwise the states stay in the buffers until the pool needs them)
+                layers[lid][comp[lid]][:n] = before[lid]
 
         cache.store = stale_store
 

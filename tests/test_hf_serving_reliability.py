@@ -8,12 +8,14 @@ engine's pure function of logits, seed and position), and ``manager.check_integr
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch", reason="needs torch (pip install 'hybridkv[torch]')")
 pytest.importorskip("transformers", reason="needs transformers (pip install 'hybridkv[hf]')")
 
 from hybridkv.blockmgr.prefix import PrefixCacheConfig  # noqa: E402
+from hybridkv.blockmgr.records import SwapDirection, TierCopies  # noqa: E402
 from hybridkv.errors import RequestTooLargeError  # noqa: E402
 from hybridkv.integrations.transformers import LLM, SamplingParams  # noqa: E402
 from hybridkv.integrations.transformers import engine as engine_module  # noqa: E402
@@ -242,3 +244,61 @@ def test_an_exception_in_a_step_aborts_that_steps_requests_and_the_engine_goes_o
             assert out[sid] == hf_alone(model, prompt, n, sample_params(params, i)), sid
     assert len(out) + len(failed) == sum(p.n for _, _, p in requests.values())
     assert engine.events.failed == len(failed) and len(llm.stats) == engine.events.steps
+
+
+def test_an_offload_that_raises_leaves_no_unwritten_host_block_to_hit(model, monkeypatch):
+    """A fault in the copy of the host tier's offloads (stage 0, device -> host): no host block it was
+    to write stays in the tier (a later host hit would copy back bytes nobody wrote), the books
+    balance, and the engine goes on: every request served after the fault, host hits included,
+    equals the request alone in HF."""
+    tier = PrefixCacheConfig(checkpoint="branch_and_last", host_tier=True)
+    llm = LLM(
+        model,
+        num_blocks=pool_blocks(model, requests=2, kv_blocks=10, k=0),
+        block_size=4,
+        num_host_blocks=64,
+        prefix_cache=tier,
+        max_num_seqs=1,
+    )
+    engine = llm.engine
+    written: set[int] = set()  # host blocks whose last offload ran
+    swap, faults = engine_module.swap_blocks, [1]
+
+    def recording_swap(pools, host, plan, **kw):
+        is_tier = isinstance(plan, TierCopies) and len(plan) > 0
+        if is_tier and plan.direction is SwapDirection.OUT:
+            written.difference_update(plan.host_blocks.tolist())  # (taken by new units: not written yet)
+        if is_tier and plan.direction is SwapDirection.OUT and faults[0]:
+            faults[0] -= 1
+            raise Injected("offload copy")
+        out = swap(pools, host, plan, **kw)
+        if is_tier and plan.direction is SwapDirection.OUT:
+            written.update(plan.host_blocks.tolist())
+        return out
+
+    monkeypatch.setattr(engine_module, "swap_blocks", recording_swap)
+    prefix = [7, 3, 9, 4, 1, 8, 2, 6, 5, 11, 12, 13]
+    prompts = {f"p{i}": prefix + [20 + i, 40 + i] for i in range(9)} | {f"o{i}": [60 + i] * 9 for i in range(5)}
+    order = ["p0", "p1", "o0", "p2", "o1", "p3", "o2", "p4", "p5"]
+    for rid in order:
+        llm.add_request(rid, prompts[rid], 3)
+
+    def host_units() -> set[int]:
+        ids = engine.manager.prefix_cache.tier.host_ids()
+        return set(np.concatenate(ids).tolist()) if ids else set()
+
+    with pytest.raises(Injected):
+        llm.run()
+    assert not faults[0]
+    assert host_units() <= written, sorted(host_units() - written)  # nothing registered that was never written
+    engine.manager.check_integrity()
+    out = llm.run()
+    for rid in ["o3", "p6", "o4", "p7", "p8"]:  # more host hits on the prefix after the fault
+        llm.add_request(rid, prompts[rid], 3)
+    out = llm.run()
+    assert host_units() <= written
+    engine.manager.check_integrity()
+    assert llm.events.tier_onloaded > 0 and set(engine.failed)
+    for rid, toks in out.items():
+        assert toks == hf_alone(model, prompts[rid], 3), rid
+    assert set(out) | set(engine.failed) == set(prompts)

@@ -220,6 +220,7 @@ class HFEngine(Forwards):
         self._done: dict[Any, list[int]] = {}  # samples done at their first token (max_new_tokens 1)
         self._fresh_forks: list[Any] = []  # forked since the last step: their state copy rides in the next plan
         self._update_epoch: int | None = None  # the manager's pin epoch of the last Scheduler.update()
+        self._offloaded = True  # the last plan's host-tier offloads ran (run_copies)
         # transformers 5.24 names the cache argument ``cache`` (``past_key_values`` before)
         # every kind of layer the model looks a mask up for (LFM2: "conv"): None (recurrent layers)
         kinds = [
@@ -315,10 +316,14 @@ class HFEngine(Forwards):
     def run_copies(self, plan: StepPlan) -> None:
         """The plan's copies, in the executor order of docs/contract.md (the host tier's included)."""
         backend, tier = self.cache.backend, plan.tier_copies
+        self._offloaded = not len(tier.offload)
         if len(tier) or len(plan.checkpoint_copies) or plan.swap_out or plan.swap_in or len(plan.copies):
-            self.cache.invalidate()  # (before: a copy that raises half way leaves the pool unknown)
+            # the resident states into the pool first (the copies read them); the next forward
+            # gathers (before the copies: one that raises half way leaves the pool unknown)
+            self.cache.invalidate()
         if len(tier.offload):  # 0. the host tier's offloads: before anything writes the blocks they free
             swap_blocks(self.pools, self.host, tier.offload, backend=backend).synchronize()
+            self._offloaded = True
         copy_blocks(self.pools, plan.checkpoint_copies, backend=backend)
         for p in plan.swap_out:
             swap_blocks(self.pools, self.host, p, backend=backend).synchronize()
@@ -478,7 +483,12 @@ class HFEngine(Forwards):
     def _abandon(self, plan: StepPlan, progress: _Progress, forked: list[Any], forwards: int, exc: BaseException):
         """Close ``plan`` after ``exc`` (see :meth:`step`): abort what it may have left inconsistent."""
         sched, ev = self.scheduler, self.events
-        self.cache.invalidate()
+        try:
+            self.cache.invalidate()
+        except Exception:  # (the scatter of the resident states raised: the next forward gathers)
+            self.cache.discard()
+        if not self._offloaded:
+            self._drop_unwritten_offloads(plan.tier_copies.offload)
         lost: list[Any] = []
         if not progress.updated:
             at_risk = [row.request_id for row in plan.scheduled]
@@ -523,6 +533,20 @@ class HFEngine(Forwards):
             "the others go on with the next step() / run()"
         )
 
+    def _drop_unwritten_offloads(self, offload) -> None:
+        """The host tier's offloads of a plan did not all run: the units they were to fill leave the
+        tier (their host blocks are free again), so no host hit ever copies back unwritten bytes.
+        (The manager has no call for this; the tier's own drop is used, as a withdrawn offload is.)"""
+        cache = self.manager.prefix_cache
+        tier = cache.tier if cache is not None else None
+        if tier is None:
+            return
+        for first in dict.fromkeys(offload.host_blocks.tolist()):
+            if first in tier._unit:  # (a checkpoint's unit is named by its first host block)
+                tier._drop(first, evicted=False)
+                tier.stats.dropped += 1
+        self._offloaded = True
+
     def run(self, max_steps: int = 100_000, progress=None) -> None:
         """Step until every request finished (``progress``: called with the number finished per step).
         An exception in a step propagates once the step is abandoned (:meth:`step`); ``run()`` again
@@ -531,6 +555,7 @@ class HFEngine(Forwards):
             self.step()
             if progress is not None:
                 progress(self.stats[-1].num_finished)
+        self.cache.flush()  # (the pool holds every state once run() returns)
 
     # ---- results -------------------------------------------------------------------------------------
     def outputs(self) -> dict[Any, list[int]]:

@@ -124,7 +124,7 @@ class Forwards:
         src = np.stack([p.src for p in group], axis=1) if init else None  # [G, B, bps]
         dst = np.stack([p.dst for p in group], axis=1)
         src, dst = self.state_tables_for(src, dst)
-        cache = self.cache.build(meta.block_tables[[p.row for p in group]], past, src, init)
+        cache = self.cache.build(meta.block_tables[[p.row for p in group]], past, src, init, dst)
         kwargs = {self._kwarg: cache}
         mask = self._mask(past, t, pads, real)
         call = dict(input_ids=torch.from_numpy(ids), position_ids=torch.from_numpy(pos), attention_mask=mask)
@@ -148,7 +148,7 @@ class Forwards:
         padding = real.to(dtype) if real is not None and t > 1 else None  # [B, T] 1 real, 0 pad
         if not self.cache.kv:
             return padding
-        m = attention_mask(past, t, dtype, pads.tolist() if real is not None else None)
+        m = attention_mask(past, t, dtype, pads.tolist() if real is not None else None, self.cache.past_valid)
         if not self._has_state:
             return m
         return dict.fromkeys(self._mask_kinds, padding) | {"full_attention": m, "sliding_attention": m}
