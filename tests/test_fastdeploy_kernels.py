@@ -111,8 +111,8 @@ def run(kind: str, dtype: str = "float32", variant: str = "", tile: int | None =
                                                               dtype=np.int32), like)}  # fmt: skip
         fm_ref = attach_worker(SimpleNamespace(**meta), ref, t_ref)
         fm_ker = attach_worker(SimpleNamespace(**meta), ker, t_ker)
-        if n == 1 and variant == "row-offset":  # row 1 starts one token late in the kernel's copy
-            fm_ker.cu_seqlens_q = meta["cu_seqlens_q"] + tensors_.to_like(np.array([0, 0, 1, 1, 1], np.int32), like)
+        if n == 1 and variant == "row-offset":  # row 1 ends one token late (into row 3's), row 3 starts late
+            fm_ker.cu_seqlens_q = meta["cu_seqlens_q"] + tensors_.to_like(np.array([0, 0, 1, 1, 0], np.int32), like)
         if n == 1 and variant == "swap":
             t = t_ker.numpy()
             t[:, [0, 1]] = t[:, [1, 0]]
@@ -142,8 +142,8 @@ def run(kind: str, dtype: str = "float32", variant: str = "", tile: int | None =
                     va, vb = (_values(x[at : at + c.nbytes], c.dtype.value) for x in (a, b))
                     if c.dtype.value == "float32":
                         worst = max(worst, float(np.abs(va - vb).max()))
-                    else:  # rounded to bfloat16 from fp32 and from float64 sums: one unit in the last place apart
-                        assert (np.abs(va - vb) <= np.abs(va) * 2.0**-7).all(), f"{comp} differs by more than one ulp"
+                    else:  # rounded to bfloat16 from fp32 and from float64 sums: what exceeds one ulp counts
+                        worst = max(worst, float((np.abs(va - vb) - np.abs(va) * 2.0**-7).max()))
                 write_state_bytes(slot_ker, layout, blocks, a)
         if not variant:
             for seg_ref, seg_ker in zip(ref.segments, ker.segments, strict=True):
