@@ -10,7 +10,10 @@ scattered (drawn from a host pool 3x larger: about one copy per block). Bandwidt
 repetitions (10 with ``--quick``), however long one call takes; the 2 GiB ``y.copy_(x)`` rate
 measured in the same process is the denominator. Before any op is timed its result on the device
 is compared bit for bit with the reference (``--no-check`` skips that). The first lines printed are
-the driver, CUDA, Triton and torch versions.
+the driver, CUDA, Triton and torch versions. The last cases time the FastDeploy layer kernels
+(``layer kernel (torch)`` / ``(paddle)`` rows: MiniMax-M1 TP8 lightning and Qwen3-Next TP2 GDN, a
+decode step of B rows and a prefill step of 4 x 512 tokens, ms per layer step and the state bytes
+read + written per ms; their outputs are first checked against the numpy reference to 1e-3).
 
     python benchmarks/bench_ops_gpu.py            # full run, a few minutes on one H200
     python benchmarks/bench_ops_gpu.py --quick    # smaller sizes, fewer cases
@@ -398,6 +401,102 @@ def segments_case(copy_gbps: float, quick: bool, check: bool) -> list[dict[str, 
     return records
 
 
+def _layer_step(model_name: str, tp: int, fw: str, batch: int, tokens: int, fresh: bool):
+    """(call(backend) -> output, caches' sync, state bytes per call) for one recurrent layer of
+    ``model_name`` at TP ``tp`` over FastDeploy's per-segment caches: ``batch`` rows of ``tokens``
+    tokens each (1: decode), continuing from stored states unless ``fresh``."""
+    from types import SimpleNamespace
+
+    from hybridkv.integrations.fastdeploy import tensors as tensors_
+    from hybridkv.integrations.fastdeploy.layers import gated_delta_rule, gdn_conv, lightning_attention
+    from hybridkv.integrations.fastdeploy.worker import StateTables, allocate_caches, attach_worker
+    from hybridkv.models.presets import preset
+    from hybridkv.planner.layout import plan
+
+    model = preset(model_name, "bfloat16", tp)
+    probe = plan(model, 1 << 30, block_size=64)
+    layout = plan(model, (batch * sum(probe.blocks_per_state) + 64) * probe.bytes_per_block, block_size=64)
+    device = "cpu" if _RUN["smoke"] else "gpu:0"
+    caches = allocate_caches(layout, framework=fw, device=device)
+    tables = StateTables(layout, batch, framework=fw, device=device)
+    lid = next(i for i, spec in enumerate(layout.model.layers) if hasattr(spec, "components"))
+    spec = layout.model.layers[lid]
+    ids = iter(range(1, layout.num_blocks))
+    for i in range(batch):  # distinct state sets in every group
+        tables.set_row(i, [[next(ids) for _ in range(w)] for w in layout.blocks_per_state], i)
+    like = caches.segments[0][0]
+    cu = tensors_.to_like(np.arange(batch + 1, dtype=np.int32) * tokens, like)
+    dec = tensors_.to_like(np.full(batch, 0 if fresh else 7, np.int32), like)
+    meta = SimpleNamespace(cu_seqlens_q=cu, seq_lens_decoder=dec)
+    fm = attach_worker(meta, caches, tables)
+    rng = np.random.default_rng(0)
+    n = batch * tokens
+
+    def rand(*shape):
+        return tensors_.to_like((rng.standard_normal(shape) * 0.3).astype(np.float32), like)
+
+    if spec.mixer == "lightning":
+        h, dk, dv = spec.components[0].shape
+        q, k, v, slopes = rand(n, h, dk), rand(n, h, dk), rand(n, h, dv), [0.1 + 0.01 * i for i in range(h)]
+        return (lambda b: lightning_attention(q, k, v, slopes, fm, lid, backend=b)), spec.state_bytes
+    hv, dk, dv = spec.component("ssm").shape
+    dim, taps = spec.component("conv").shape
+    hk = (dim - hv * dv) // (2 * dk)
+    x, w, g, beta = rand(n, dim), rand(dim, taps + 1), rand(n, hv), rand(n, hv)
+    q, k, v = rand(n, hk, dk), rand(n, hk, dk), rand(n, hv, dv)
+
+    def gdn(b):
+        return gdn_conv(x, w, fm, lid, backend=b), gated_delta_rule(q, k, v, g, beta, fm, lid, backend=b)
+
+    return gdn, spec.state_bytes
+
+
+def layers_case(copy_gbps: float, quick: bool, check: bool) -> list[dict[str, Any]]:
+    """The layer API's Triton kernels (hybridkv.integrations.fastdeploy.kernels) over FastDeploy's
+    per-segment caches, one launch per layer per step: MiniMax-M1 TP8 lightning and Qwen3-Next TP2
+    GDN (conv window + gated delta rule), a decode step (B rows of 1 token) and a prefill step (4 rows
+    of 512 tokens, fresh), on torch and on Paddle (when Paddle with CUDA is installed). Bytes: each
+    row's state read and written once. Before timing, each kernel's output on fresh rows is compared
+    with the numpy reference (relative tolerance 1e-3; the recurrences run in fp32)."""
+    from hybridkv.integrations.fastdeploy import tensors as tensors_
+
+    frameworks = ["torch"]
+    try:
+        import paddle
+
+        if paddle.device.is_compiled_with_cuda() and not _RUN["smoke"]:
+            frameworks.append("paddle")
+    except ImportError:
+        pass
+    batch = 2 if _RUN["smoke"] else 8 if quick else 32
+    prefill = 4 if _RUN["smoke"] else 512
+    kernel = "naive" if _RUN["smoke"] else "triton"
+    reps = 1 if _RUN["smoke"] else 20 if quick else 100
+    records = []
+    for fw in frameworks:
+        if fw == "paddle":
+            import paddle
+
+            sync = paddle.device.synchronize
+        else:
+            sync = _sync
+        for model_name, tp in (("minimax-m1", 8), ("qwen3-next-80b-a3b", 2)):
+            if check:
+                call, _ = _layer_step(model_name, tp, fw, 2, 3, fresh=True)
+                want, got = (call(b) for b in ("naive", kernel))
+                pairs = zip(*((x,) if not isinstance(x, tuple) else x for x in (want, got)), strict=True)
+                err = max(float(np.abs(a - b).max() / max(np.abs(a).max(), 1e-30))
+                          for a, b in ((tensors_.to_numpy(a), tensors_.to_numpy(b)) for a, b in pairs))  # fmt: skip
+                _check(err < 1e-3, f"layer kernel {model_name} ({fw}): relative error {err:.1e}")
+            for rows, tokens, fresh in ((batch, 1, False), (4, prefill, True)):
+                call, nbytes = _layer_step(model_name, tp, fw, rows, tokens, fresh)
+                step = "decode" if tokens == 1 else f"prefill {tokens}"
+                name = f"{model_name} TP{tp} layer kernel, {step}, B={rows} ({nbytes // KiB} KiB states)"
+                ms = _wall_ms(functools.partial(call, kernel), sync, reps)
+                records.append(_record(name, "layer step", f"layer kernel ({fw})", ms, 2 * rows * nbytes, copy_gbps))
+    return records
+
+
 def print_table(copy: dict[str, Any], pinned: dict[str, float], records: list[dict[str, Any]]) -> None:
     print(f"device copy: {copy['gbps']:.0f} GB/s ({copy['ms']:.3f} ms for {copy['bytes'] / GiB:.1f} GiB r+w); "
           f"pinned: in {pinned['in_gbps']:.1f} GB/s, out {pinned['out_gbps']:.1f} GB/s")  # fmt: skip
@@ -455,6 +554,7 @@ def main(argv: list[str] | None = None) -> int:
         records += state_case(models[model_name], batch, copy["gbps"], args.quick, check=not args.no_check)
     records += blocks_and_swap_case(copy["gbps"], pinned, args.quick, check=not args.no_check)
     records += segments_case(copy["gbps"], args.quick, check=not args.no_check)
+    records += layers_case(copy["gbps"], args.quick, check=not args.no_check)
     print_table(copy, pinned, records)
     payload = {
         "quick": args.quick,

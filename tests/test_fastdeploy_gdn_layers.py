@@ -11,6 +11,7 @@ on torch in the torch lane.
 from __future__ import annotations
 
 import importlib.util
+import os
 from types import SimpleNamespace
 
 import numpy as np
@@ -25,6 +26,9 @@ from hybridkv.models.spec import AttentionLayerSpec, ModelSpec
 from hybridkv.planner.layout import plan
 
 FW = "torch" if importlib.util.find_spec("torch") is not None else "paddle"
+# the kernels in the torch lane under Triton's interpreter (tests/test_fastdeploy_kernels.py compares the
+# two paths directly), the reference elsewhere
+BACKEND = "triton" if importlib.util.find_spec("torch") and os.environ.get("TRITON_INTERPRET") == "1" else "naive"
 HK, HV, DK, DV, KERNEL = 1, 2, 4, 4, 4
 DIM = 2 * HK * DK + HV * DV
 TOLERANCE = 1e-5  # float32 states between steps against float64 alone: measured 3e-8
@@ -102,10 +106,11 @@ def run(variant: str = "") -> float:
         cut = {s: slice(done[OWNERS[s]], done[OWNERS[s]] + c) for s, c in step.items()}
         x, g, beta = (np.concatenate([data[OWNERS[s]][i][cut[s]] for s in sorted(step)]) for i in range(3))
         conv = gdn_conv(tensors_.to_like(x.astype(np.float32), like), tensors_.to_like(weight.astype(np.float32), like),
-                        conv_fm, 0)  # fmt: skip
+                        conv_fm, 0, backend=BACKEND)  # fmt: skip
         q, k, v = (tensors_.to_like(a.astype(np.float32), like) for a in _split(_silu(tensors_.to_numpy(conv))))
         o = tensors_.to_numpy(gated_delta_rule(q, k, v, tensors_.to_like(g.astype(np.float32), like),
-                                               tensors_.to_like(beta.astype(np.float32), like), fm, 0))  # fmt: skip
+                                               tensors_.to_like(beta.astype(np.float32), like), fm, 0,
+                                               backend=BACKEND))  # fmt: skip
         at = 0
         for s in sorted(step):
             r, c = OWNERS[s], step[s]

@@ -11,6 +11,7 @@ PRs) must fail by a wide margin. Runs on Paddle in the no-torch lane and on torc
 from __future__ import annotations
 
 import importlib.util
+import os
 from types import SimpleNamespace
 
 import numpy as np
@@ -25,6 +26,9 @@ from hybridkv.models.spec import AttentionLayerSpec, ModelSpec
 from hybridkv.planner.layout import plan
 
 FW = "torch" if importlib.util.find_spec("torch") is not None else "paddle"
+# the kernels in the torch lane under Triton's interpreter (tests/test_fastdeploy_kernels.py compares the
+# two paths directly), the reference elsewhere
+BACKEND = "triton" if importlib.util.find_spec("torch") and os.environ.get("TRITON_INTERPRET") == "1" else "naive"
 H, D = 2, 4
 TOLERANCE = 1e-5  # float32 state storage between steps: measured error 2e-7 on these sizes
 # step -> slot -> tokens this step (slot 2 stays empty; request "c" joins in step 2)
@@ -87,7 +91,7 @@ def run(state_dtype: str = "float32", variant: str = "") -> float:
             flat = [np.concatenate([qkv[(OWNERS[s], lid)][i][done[OWNERS[s]] : done[OWNERS[s]] + c]
                                     for s, c in sorted(step.items())]) for i in range(3)]  # fmt: skip
             q, k, v = (tensors_.to_like(x.astype(np.float32), caches.segments[0][0]) for x in flat)
-            o = tensors_.to_numpy(lightning_attention(q, k, v, slopes[lid], fm, lid))
+            o = tensors_.to_numpy(lightning_attention(q, k, v, slopes[lid], fm, lid, backend=BACKEND))
             at = 0
             for s, c in sorted(step.items()):
                 r = OWNERS[s]

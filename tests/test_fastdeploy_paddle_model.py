@@ -15,6 +15,8 @@ is never written, so the state stays in the live set only) must fail by a wide m
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import random
 from types import SimpleNamespace
 
@@ -31,6 +33,10 @@ from hybridkv.models.spec import AttentionLayerSpec, ModelSpec
 from hybridkv.planner.layout import plan
 from tests.test_fastdeploy_rmv1 import RMv1
 from tests.test_fastdeploy_world import Request, check_books, run_worker_step
+
+# the kernels in the torch lane under Triton's interpreter (tests/test_fastdeploy_kernels.py compares the
+# two paths directly), the reference elsewhere
+BACKEND = "triton" if importlib.util.find_spec("torch") and os.environ.get("TRITON_INTERPRET") == "1" else "naive"
 
 paddle = pytest.importorskip("paddle")
 
@@ -130,7 +136,7 @@ class PaddleModel:
                 continue
             q, k, v = (paddle.matmul(h, self.w[f"{i}{x}"]) for x in "qkv")
             if kind == "R":
-                o = lightning_attention(*(x.reshape([n, H, D]) for x in (q, k, v)), _slopes(i), fm, i)
+                o = lightning_attention(*(x.reshape([n, H, D]) for x in (q, k, v)), _slopes(i), fm, i, backend=BACKEND)
                 o = o.reshape([n, H * D])
             else:
                 o = self._attention(i, q, k, v, rows, slots)
@@ -141,12 +147,13 @@ class PaddleModel:
         """A Qwen3-Next-style GDN mixer: projections and gates in Paddle, the conv window and the delta
         rule through hybridkv (both read and write the row's state set in place)."""
         n = int(h.shape[0])
-        x = paddle.nn.functional.silu(gdn_conv(paddle.matmul(h, self.w[f"{i}in"]), self.w[f"{i}conv"], fm, i))
+        mixed = paddle.matmul(h, self.w[f"{i}in"])
+        x = paddle.nn.functional.silu(gdn_conv(mixed, self.w[f"{i}conv"], fm, i, backend=BACKEND))
         q, k = (x[:, a * D : (a + 1) * D].reshape([n, HK, D]) for a in (0, 1))
         v = x[:, 2 * D :].reshape([n, HV, D])
         g = -paddle.nn.functional.softplus(paddle.matmul(h, self.w[f"{i}g"]))
         beta = paddle.nn.functional.sigmoid(paddle.matmul(h, self.w[f"{i}b"]))
-        return gated_delta_rule(q, k, v, g, beta, fm, i).reshape([n, HV * D])
+        return gated_delta_rule(q, k, v, g, beta, fm, i, backend=BACKEND).reshape([n, HV * D])
 
     def _attention(self, i: int, q, k, v, rows, slots):
         """Write the chunk's K/V into its blocks of ``caches`` (``[num_blocks, 1, block_size, 8]``),

@@ -19,10 +19,17 @@ the number of tokens slot ``i`` computed before this step: 0 is a fresh prompt, 
 from zero; otherwise the row continues from its stored state (a later prefill chunk, or a decode
 token). Each row runs its own recurrence over its own tokens; rows never see one another's state.
 
-This is the reference path: the rows' states are read and written through the per-segment byte
-helpers (:mod:`.state`), the recurrence runs in numpy (float64), and nothing imports torch. The Triton
-kernels that do the same in place over per-segment base pointers are still to be written
-(docs/fastdeploy.md, W4).
+Two paths, chosen by ``backend`` (``"auto"``: the kernel on CUDA, the reference elsewhere):
+
+- the Triton kernels (:mod:`.kernels`): one launch per layer per step over every batch slot, each
+  reading its row's span and state set on the device through the per-segment base pointer row, and
+  writing the state in place; no per-request loop, no host sync. A slot with tokens but no state set
+  (-1 row) is skipped there (its outputs are zero): the kernel cannot raise;
+- the reference: the rows' states read and written through the per-segment byte helpers
+  (:mod:`.state`), the recurrence in numpy (float64); it reads the step's fields on the host and
+  raises ``ValueError`` for a slot with tokens but no state set, before anything is written.
+
+Neither imports torch for Paddle tensors.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from typing import Any
 
 import numpy as np
 
+from hybridkv.integrations.fastdeploy import launch
 from hybridkv.integrations.fastdeploy import tensors as tensors_
 from hybridkv.integrations.fastdeploy.state import gather_state_bytes, scatter_state_bytes
 from hybridkv.integrations.fastdeploy.worker import PAD_BLOCK, StateLayerSlot
@@ -94,7 +102,7 @@ def _layer(
 
 
 def lightning_attention(
-    q: Any, k: Any, v: Any, slopes: Sequence[float], forward_meta: Any, layer_id: int
+    q: Any, k: Any, v: Any, slopes: Sequence[float], forward_meta: Any, layer_id: int, backend: str = "auto"
 ) -> Any:
     """One lightning-attention layer over the flat batch, its states read and written in place.
 
@@ -105,16 +113,20 @@ def lightning_attention(
     tensor). ``forward_meta`` carries ``state_block_tables`` / ``state_layer_slots`` (W3),
     ``hybridkv_layout`` (the layout, set once with them), ``cu_seqlens_q`` and ``seq_lens_decoder``.
     Rows without tokens are not touched. Raises ``ValueError`` for a slot with tokens but no state
-    set (-1 row), shapes that disagree, or missing fields, before any state is written."""
+    set (-1 row; the reference path only, see the module), shapes that disagree, or missing fields,
+    before any state is written. ``backend``: ``"auto"``, ``"triton"`` or ``"naive"`` (the module)."""
     slot, layout, spec = _layer(forward_meta, layer_id)
     comp = spec.components[0]
     heads, dk, dv = comp.shape
-    qn, kn, vn = (tensors_.to_numpy(x).astype(np.float64) for x in (q, k, v))
-    if qn.shape[1:] != (heads, dk) or kn.shape != qn.shape or vn.shape[1:] != (heads, dv) or len(vn) != len(qn):
+    qs, ks, vs = (tuple(int(d) for d in x.shape) for x in (q, k, v))
+    if qs[1:] != (heads, dk) or ks != qs or vs[1:] != (heads, dv) or vs[0] != qs[0]:
         raise ValueError(
             f"lightning_attention: q, k [T, {heads}, {dk}] and v [T, {heads}, {dv}] expected, got "
-            f"{list(qn.shape)}, {list(kn.shape)}, {list(vn.shape)}"
+            f"{list(qs)}, {list(ks)}, {list(vs)}"
         )
+    if launch.use_kernel(slot, backend):
+        return launch.lightning(q, k, v, slopes, forward_meta, slot, layout, spec)
+    qn, kn, vn = (tensors_.to_numpy(x).astype(np.float64) for x in (q, k, v))
     spans = row_spans(forward_meta)
     if spans and spans[-1][1] + spans[-1][2] != len(qn):
         covered = spans[-1][1] + spans[-1][2]
@@ -184,7 +196,7 @@ def _store(slot, layout, spec, rows, old: np.ndarray, name: str, values: np.ndar
     scatter_state_bytes(slot, layout, rows, new)
 
 
-def gdn_conv(x: Any, weight: Any, forward_meta: Any, layer_id: int) -> Any:
+def gdn_conv(x: Any, weight: Any, forward_meta: Any, layer_id: int, backend: str = "auto") -> Any:
     """The causal depthwise conv of a GDN layer over FastDeploy's flat batch, its window in place.
 
     ``x``: ``[num_tokens, conv_dim]`` (the projected q, k, v before the conv); ``weight``: ``[conv_dim,
@@ -193,12 +205,16 @@ def gdn_conv(x: Any, weight: Any, forward_meta: Any, layer_id: int) -> Any:
     stored window (``conv [conv_dim, kernel - 1]``, oldest first) when the row continues
     (``seq_lens_decoder[i] > 0``), zeros for a fresh prompt. The row's last ``kernel - 1`` inputs
     become its window. Returns ``[num_tokens, conv_dim]`` in ``x``'s framework and dtype, before the
-    activation (the layer applies its own)."""
+    activation (the layer applies its own). ``backend``: as :func:`lightning_attention`'s."""
+    slot, layout, spec = _layer(forward_meta, layer_id, ("ssm", "conv"), "gdn_conv")
+    dim, taps = spec.component("conv").shape
+    xs, ws = tuple(int(d) for d in x.shape), tuple(int(d) for d in weight.shape)
+    if len(xs) != 2 or xs[1] != dim or ws != (dim, taps + 1):
+        raise ValueError(f"gdn_conv: x [T, {dim}] and weight [{dim}, {taps + 1}] expected, got {xs}, {ws}")
+    if launch.use_kernel(slot, backend):
+        return launch.conv(x, weight, forward_meta, slot, layout, spec)
     xn, w = tensors_.to_numpy(x).astype(np.float64), tensors_.to_numpy(weight).astype(np.float64)
     slot, layout, spec, spans, rows, old = _gdn_rows(forward_meta, layer_id, len(xn), "gdn_conv")
-    dim, taps = spec.component("conv").shape
-    if xn.ndim != 2 or xn.shape[1] != dim or w.shape != (dim, taps + 1):
-        raise ValueError(f"gdn_conv: x [T, {dim}] and weight [{dim}, {taps + 1}] expected, got {xn.shape}, {w.shape}")
     out = np.zeros(xn.shape)
     if not spans:
         return _as_output(out, x)
@@ -214,7 +230,15 @@ def gdn_conv(x: Any, weight: Any, forward_meta: Any, layer_id: int) -> Any:
 
 
 def gated_delta_rule(
-    q: Any, k: Any, v: Any, g: Any, beta: Any, forward_meta: Any, layer_id: int, scale: float | None = None
+    q: Any,
+    k: Any,
+    v: Any,
+    g: Any,
+    beta: Any,
+    forward_meta: Any,
+    layer_id: int,
+    scale: float | None = None,
+    backend: str = "auto",
 ) -> Any:
     """The gated delta rule of a GDN layer over FastDeploy's flat batch, the state in place.
 
@@ -223,12 +247,20 @@ def gated_delta_rule(
     (log decay) and ``beta``: ``[num_tokens, Hv]``; ``Hv`` a multiple of ``Hk`` (each q / k head serves
     ``Hv / Hk`` value heads). Per token: ``S <- exp(g) S``; ``S <- S + k (beta (v - k^T S))``;
     ``o = (scale q)^T S``, with ``S`` = ``ssm [Hv, d_k, d_v]`` of the row, from zero for a fresh prompt.
-    Returns ``o`` ``[num_tokens, Hv, d_v]`` in ``v``'s framework and dtype."""
+    Returns ``o`` ``[num_tokens, Hv, d_v]`` in ``v``'s framework and dtype. ``backend``: as
+    :func:`lightning_attention`'s."""
+    slot, layout, spec = _layer(forward_meta, layer_id, ("ssm", "conv"), "gated_delta_rule")
+    hv, dk, dv = spec.component("ssm").shape
+    qs, ks, vs, gs, bs = (tuple(int(d) for d in a.shape) for a in (q, k, v, g, beta))
+    if len(qs) != 3 or qs[2:] != (dk,) or ks != qs or vs[1:] != (hv, dv) or hv % qs[1] or qs[0] != vs[0]:
+        raise ValueError(f"gated_delta_rule: q, k [T, Hk, {dk}] and v [T, {hv}, {dv}] expected")
+    if gs != (vs[0], hv) or bs != gs:
+        raise ValueError(f"gated_delta_rule: g and beta [T, {hv}] expected, got {list(gs)}, {list(bs)}")
+    if launch.use_kernel(slot, backend):
+        return launch.gated_delta(q, k, v, g, beta, dk**-0.5 if scale is None else scale, forward_meta, slot,
+                                  layout, spec)  # fmt: skip
     qn, kn, vn, gn, bn = (tensors_.to_numpy(a).astype(np.float64) for a in (q, k, v, g, beta))
     slot, layout, spec, spans, rows, old = _gdn_rows(forward_meta, layer_id, len(vn), "gated_delta_rule")
-    hv, dk, dv = spec.component("ssm").shape
-    if qn.shape[2:] != (dk,) or kn.shape != qn.shape or vn.shape[1:] != (hv, dv) or hv % qn.shape[1]:
-        raise ValueError(f"gated_delta_rule: q, k [T, Hk, {dk}] and v [T, {hv}, {dv}] expected")
     rep = hv // qn.shape[1]
     qn = np.repeat(qn / np.linalg.norm(qn, axis=-1, keepdims=True).clip(1e-6), rep, axis=1)
     kn = np.repeat(kn / np.linalg.norm(kn, axis=-1, keepdims=True).clip(1e-6), rep, axis=1)
