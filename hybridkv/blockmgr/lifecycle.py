@@ -181,10 +181,11 @@ class ManagerCore(PoolBooks):
             return self.pool.num_free
         return self.pool.num_free + self.prefix_cache.num_evictable
 
-    def check_fits(self, max_tokens: int, num_speculative: int = 0) -> None:
-        """Raise :class:`RequestTooLargeError` if a request of ``max_tokens`` can never fit
-        (``TypeError`` / ``ValueError`` for counts that are not integers >= 0)."""
-        needed = self.blocks_to_admit(max_tokens, num_speculative)
+    def check_fits(self, max_tokens: int, num_speculative: int = 0, extra_blocks: int = 0) -> None:
+        """Raise :class:`RequestTooLargeError` if a request of ``max_tokens`` (and ``extra_blocks``
+        held beside it at some point, e.g. a checkpoint set) can never fit (``TypeError`` /
+        ``ValueError`` for counts that are not integers >= 0)."""
+        needed = self.blocks_to_admit(max_tokens, num_speculative) + extra_blocks
         if needed > self.pool.num_usable - self.watermark_blocks:
             raise RequestTooLargeError(needed, self.pool.num_usable - self.watermark_blocks)
 

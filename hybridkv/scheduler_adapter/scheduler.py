@@ -145,7 +145,12 @@ class Scheduler(AdmissionMixin):
                 f"request {request_id!r}: {num_prompt + max_new_tokens} tokens exceed max_num_batched_tokens="
                 f"{self.config.max_num_batched_tokens} without chunked prefill: enable it or raise the budget"
             )
-        self.manager.check_fits(num_prompt + max_new_tokens, self.config.num_speculative_tokens)
+        # vllm_align: past a block boundary the request's checkpoint set is pinned beside its own sets
+        # until its copy runs, and this policy grows only by dropping it when that lets it run: a
+        # request that cannot hold both would preempt itself for ever (as in vLLM), so it never fits
+        total = num_prompt + max_new_tokens
+        held = self.manager.num_state_blocks if self._in_place and total > self.manager.block_size else 0
+        self.manager.check_fits(total, self.config.num_speculative_tokens, extra_blocks=held)
         req = SchedRequest(request_id, num_prompt, max_new_tokens, priority, self._arrivals, ids)
         self._arrivals += 1
         self.requests[request_id] = req

@@ -111,15 +111,16 @@ def state_args(forward_meta: Any, slot: StateLayerSlot, layout: Layout, spec: Re
 def launch(kernel: Any, grid: tuple[int, ...], tensors: list[Any], scalars: list[Any], **constexprs: Any) -> None:
     """``kernel[grid](*tensors, *scalars, **constexprs)`` on the tensors' device: Paddle CUDA tensors
     inside Paddle's compat guard; Paddle CPU tensors (interpreter) as DLPack torch views."""
-    first = tensors[0]
-    device = _device(first)
-    if is_paddle_tensor(first) and device.type != "cuda":
+    device = _device(tensors[0])
+    paddle_args = [is_paddle_tensor(t) for t in tensors]
+    if any(paddle_args) and device.type != "cuda":
         from hybridkv.ops._framework import to_torch
 
-        tensors = [to_torch(t) for t in tensors]
+        # each tensor on its own: the pointer row may be a torch tensor beside Paddle caches
+        tensors = [to_torch(t) if p else t for t, p in zip(tensors, paddle_args, strict=True)]
         guard: Any = contextlib.nullcontext()
     else:
-        guard = paddle_compat() if is_paddle_tensor(first) else contextlib.nullcontext()
+        guard = paddle_compat() if any(paddle_args) else contextlib.nullcontext()
     with guard, device_guard(device):
         kernel[grid](*tensors, *scalars, **constexprs)
 

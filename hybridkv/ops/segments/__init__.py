@@ -46,17 +46,19 @@ def _like(arr: np.ndarray, like: Any) -> Any:
     return torch.from_numpy(np.array(arr)).to(like.device)  # a copy: the cached pieces are read-only
 
 
-_POINTERS: dict[tuple[int, ...], Any] = {}
+_POINTERS: dict[tuple, Any] = {}
 _PIECES: dict[tuple, Any] = {}
 
 
 def pointer_row(segments: Sequence[Any]) -> Any:
     """int64 ``[num_segments]`` device tensor of the segments' base addresses, built once per set of
     allocations (cached by the addresses themselves, so it is right for whatever holds them)."""
-    key = tuple(int(t.data_ptr()) for t in segments)
+    addresses = tuple(int(t.data_ptr()) for t in segments)
+    # (the framework and device too: a row is a tensor of the segments' own kind and place)
+    key = (type(segments[0]).__module__, str(_device(segments[0])), addresses)
     row = _POINTERS.get(key)
     if row is None:
-        row = _POINTERS[key] = _like(np.array(key, dtype=np.int64), segments[0])
+        row = _POINTERS[key] = _like(np.array(addresses, dtype=np.int64), segments[0])
     return row
 
 
