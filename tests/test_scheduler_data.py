@@ -543,3 +543,53 @@ def probe_hits(m: HybridBlockManager, ledger: Ledger, token_lists: list[list[int
         m.free(("probe", i))
         m.release_pins()  # the executor ran every copy handed out
         ledger.check_idle(f"probe {i}")
+
+
+def test_a_vllm_align_request_that_cannot_hold_its_checkpoint_beside_its_sets_is_refused_not_livelocked():
+    """Found by this generator at 4,000 examples: under vllm_align, a lone request whose checkpoint set
+    (pinned until its copy runs) and own live and speculative sets fill the pool preempted itself at
+    every step for ever. It is now refused at add_request (RequestTooLargeError), and the rest run."""
+    from hybridkv.blockmgr.prefix import CheckpointPolicy, EvictionPolicy, PrefixCacheConfig
+
+    run_data_workload(kind='mixed', actions=[
+        ('add', 2, 2, 1, 0, 0),
+        ('add', 9, 6, 0, 0, 0),
+        ('add', 2, 4, 0, 0, 0),
+        ('add', 12, 3, 0, 0, 0),
+        ('add', 12, 5, 0, 0, 0),
+        ('add', 11, 1, 0, 0, 0),
+        ('add', 7, 1, 0, 0, 0),
+        ('add', 5, 6, 0, 0, 0),
+        ('fork', 616, 1, 1),
+        ('add', 5, 6, 0, 0, 0),
+        ('fork', 31, 1, 3),
+        ('step', None),
+        ('step', None),
+        ('fork', 184, 2, 3),
+        ('step', None),
+        ('step', None),
+        ('fork', 31, 1, 3),
+        ('step', None),
+        ('step', None),
+        ('fork', 155, 1, 3),
+        ('fork', 18, 1, 1),
+        ('step', None),
+        ('step', None),
+        ('fork', 272, 1, 3),
+        ('step', None),
+        ('fork', 257, 2, 2),
+        ('step', None),
+        ('fork', 122, 2, 3),
+        ('step', None),
+        ('step', None),
+        ('fork', 519, 2, 1),
+        ('step', None),
+        ('fork', 693, 2, 3),
+        ('step', None)],
+        mode=PreemptionMode.AUTO, k=1, admission=AdmissionPolicy.RESERVED,
+        num_blocks=23, num_host_blocks=16, host_tier=True, watermark=0.0,
+        max_num_seqs=6, max_tokens=6,
+        prefix=PrefixCacheConfig(CheckpointPolicy.VLLM_ALIGN, EvictionPolicy.LRU, 2,
+                                 evict_batch_fraction=0.01, demote_tail=False),
+        sync_swaps=True, run_aborted=True, accept_rate=0.25998818054209877,
+        seed=6312, second_batch=[(970, 19, 1, 1)], second_config=(5, 7, 1), cancel_at_end=True)
