@@ -293,6 +293,18 @@ class HostTier:
         self._undrained.clear()
         return plan
 
+    def drop_unwritten(self, host_blocks: np.ndarray) -> int:
+        """The offloads handed out for ``host_blocks`` (a plan's :class:`TierCopies`) never ran (the
+        step that carried them was abandoned): drop the units they were to fill, so that no host hit
+        copies back bytes that were never written. Returns the units dropped (``stats.dropped``)."""
+        dropped = 0
+        for first in dict.fromkeys(np.asarray(host_blocks).tolist()):
+            if first in self._unit:  # (a checkpoint's unit is named by its first host block)
+                self._drop(first, evicted=False)
+                dropped += 1
+        self.stats.dropped += dropped
+        return dropped
+
     def withdraw_offloads(self, device_ids: np.ndarray) -> int:
         """Withdraw the queued offloads whose device blocks are among ``device_ids`` (blocks handed to
         a writer that does not wait for stage 0: an import READ from a peer at once) and drop their

@@ -535,16 +535,12 @@ class HFEngine(Forwards):
 
     def _drop_unwritten_offloads(self, offload) -> None:
         """The host tier's offloads of a plan did not all run: the units they were to fill leave the
-        tier (their host blocks are free again), so no host hit ever copies back unwritten bytes.
-        (The manager has no call for this; the tier's own drop is used, as a withdrawn offload is.)"""
+        tier (their host blocks are free again), so no host hit ever copies back unwritten bytes."""
         cache = self.manager.prefix_cache
         tier = cache.tier if cache is not None else None
         if tier is None:
             return
-        for first in dict.fromkeys(offload.host_blocks.tolist()):
-            if first in tier._unit:  # (a checkpoint's unit is named by its first host block)
-                tier._drop(first, evicted=False)
-                tier.stats.dropped += 1
+        tier.drop_unwritten(offload.host_blocks)
         self._offloaded = True
 
     def run(self, max_steps: int = 100_000, progress=None) -> None:
