@@ -131,3 +131,10 @@ def test_plan_and_simulate_give_one_gpu_the_same_cache_budget(model, gpu, capsys
     # said the same way: the same sum, word for word, in both
     rule = next(s for s in said if s.startswith("cache "))
     assert rule.split(" - reserve")[0] in " ".join(planned["explain"]) and "reserve 6.0 GiB" in rule
+
+
+def test_a_quantized_state_is_refused_where_a_vllm_column_would_run_it(capsys, no_simulation):
+    # vLLM 0.33 keeps no int8 / fp8 state: its column with one would not be vLLM's (issue 41)
+    for argv in (("--state-dtype", "int8"), ("--state-dtype", "fp8", "--engine", "vllm"),
+                 ("--compare", "engine=hybridkv,vllm", "--state-dtype", "int8")):
+        assert "vLLM 0.33 keeps no int8 / fp8 recurrent state" in _err(capsys, "simulate", *argv)

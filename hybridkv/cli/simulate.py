@@ -7,6 +7,7 @@ A command module of :mod:`hybridkv.cli` (``add_parser`` / ``run``). Imports of t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import math
 import sys
@@ -270,6 +271,15 @@ def write_atomically(summaries: list[dict[str, Any]], out: str) -> list[Any]:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def _quantized(name: str | None) -> bool:
+    """Whether a state dtype name is a quantized (int8 / fp8) one (an unknown name: refused later)."""
+    from hybridkv.models.spec import DType
+
+    with contextlib.suppress(Exception):
+        return name is not None and DType.parse(name, quantized=True).quantized
+    return False
+
+
 def check_args(args: argparse.Namespace) -> None:
     """Checks across flags, before any work: raises ``ValueError`` (one line, exit 2) naming them. A
     flag that the chosen mode ignores (a workload flag of the other workload, a flag that ``--compare``
@@ -314,6 +324,13 @@ def check_args(args: argparse.Namespace) -> None:
             )
         if args.prefix not in ("none", "lru"):
             raise ValueError(f"--prefix {args.prefix}: vLLM's prefix cache evicts lru (--prefix lru or none)")
+    default = args.compare is None and args.engine is None  # (vLLM 0.33 beside hybridkv)
+    narrow = [d for d in compared.get("state-dtype", [args.state_dtype]) if _quantized(d)]
+    if narrow and ("vllm" in compared.get("engine", []) or args.engine == "vllm" or default):
+        raise ValueError(
+            f"state dtype {narrow[0]}: vLLM 0.33 keeps no int8 / fp8 recurrent state, so its column would "
+            "not be vLLM's: run hybridkv alone (--engine hybridkv, or --compare state-dtype=... --engine hybridkv)"
+        )
     if "checkpoint" in given and args.prefix == "none" and "prefix" not in compared:
         raise ValueError("--checkpoint with --prefix none changes nothing: checkpoints are the prefix cache's")
     if "host_cache" in given and args.host_cache != "0" and args.prefix == "none" and "prefix" not in compared:
