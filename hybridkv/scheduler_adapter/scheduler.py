@@ -399,6 +399,8 @@ class Scheduler(AdmissionMixin):
                 s.copies = s.copies.concat(self.manager.checkpoint(req.request_id))
             self._owed.discard(req.request_id)
             self._run(req, n, drafts, s, export_at)
+            # its checkpoint copy and export sets took blocks the step's bound left out: check the rest
+            exact = exact or bool(owed or export)
 
     def _cancel_rescues(self, req: SchedRequest, n: int, drafts: int, extra: int, s: _StepBuilder) -> bool:
         """Cancel the last update's checkpoints if their blocks let ``req`` grow by ``n + drafts``;
