@@ -38,6 +38,8 @@ def _serving(model_type: str, drop: tuple[str, ...] = (), **changes: object) -> 
 
 FAMILY_CONFIGS: dict[str, dict] = {
     "qwen3_5_text": _serving("qwen3_5_text", layer_types=_ALTERNATING),
+    "qwen3_5_moe_text": _serving("qwen3_5_moe_text", layer_types=_ALTERNATING),
+    "qwen3_next": _serving("qwen3_next", layer_types=_ALTERNATING),
     "mamba2": _serving("mamba2", chunk_size=8),
     "nemotron_h": _serving(
         "nemotron_h",
