@@ -29,6 +29,7 @@ from benchmarks._common import RESULTS_DIR, save  # noqa: E402
 from hybridkv.integrations.transformers import model_spec  # noqa: E402
 from hybridkv.integrations.transformers.engine import EngineConfig, HFEngine  # noqa: E402
 from hybridkv.integrations.transformers.sampling import SamplingParams  # noqa: E402
+from hybridkv.models.spec import with_state_dtype  # noqa: E402
 from tests.hf_serving_fixtures import FAMILY_CONFIGS, tiny_model  # noqa: E402
 
 DTYPES = [
@@ -99,8 +100,9 @@ def main() -> None:
     families = args.families.split(",") if args.families else sorted(FAMILY_CONFIGS)
     for family in families:
         model = tiny_model(family)
-        if not model_spec(model).recurrent_layers:
-            print(f"{family:14s} keeps no recurrent state: nothing to quantize", flush=True)
+        spec = model_spec(model)
+        if with_state_dtype(spec, "int8") == spec:  # (conv windows stay as they are)
+            print(f"{family:14s} keeps no state but conv windows or none: nothing to quantize", flush=True)
             continue
         t0 = time.perf_counter()
         ref = run(model, None, prompts, args.new, chunk)
