@@ -29,9 +29,6 @@ from hybridkv.scheduler_adapter import Scheduler, SchedulerConfig, StepOutputs, 
 
 FRAMEWORKS = [f for f in ("torch", "paddle") if importlib.util.find_spec(f) is not None]
 FW = FRAMEWORKS[0]  # torch in the torch lane, Paddle in the no-torch lane
-needs_torch = pytest.mark.skipif(
-    "torch" not in FRAMEWORKS, reason="K and V of different widths (several segments each) are built for torch only"
-)
 
 
 def minimax_layout(kv_dtype: str = "bfloat16", num_blocks: int = 24):
@@ -187,17 +184,55 @@ def test_ops_pools_hold_block_wise_fp8_scales_and_uint8_kv_views():
     assert allocate_pools(minimax_layout(), device="cpu", framework=FW).scales is None
 
 
-@needs_torch
-def test_k_and_v_of_different_widths_are_one_allocation_each_in_fastdeploys_list():
-    """Kimi-like MLA (K 12 wide, V 4: segments of 4, K takes 3): caches[2l] is K [num_blocks, kv_heads,
-    block_size, 3, 4] over one allocation of its 3 segments, caches[2l+1] V over the 4th; the state
-    addressing still sees one tensor per segment of that memory."""
+def _mla_layout(num_blocks=12, hybrid=False):
+    """A Kimi-like model (tests/test_ops_pools.py's, without its torch import): MLA attention keeping K
+    12 wide and V 4 wide (segments of 4: K takes 3, V 1) beside a recurrent layer; ``hybrid``: every
+    decoder layer keeps both (Falcon-H1-like)."""
+    from hybridkv.models.spec import AttentionLayerSpec, HybridLayerSpec, ModelSpec, RecurrentLayerSpec, StateComponent
+
+    attn = AttentionLayerSpec(2, 12, "bfloat16", 4, v_head_dim=4)
+    rec = RecurrentLayerSpec("kda", (StateComponent("ssm", (2, 8, 8), "float32"),))
+    model = ModelSpec("mla-mini", (HybridLayerSpec(attn, rec),) * 3 if hybrid else (rec, attn, rec, rec, attn))
+    probe = plan(model, 1 << 30, block_size=4)
+    return plan(model, num_blocks * probe.bytes_per_block, block_size=4)
+
+
+def _bf16(like: Any, values: np.ndarray) -> Any:
+    """``values`` as a bfloat16 tensor of ``like``'s framework."""
+    if type(like).__module__.startswith("paddle"):
+        import paddle
+
+        return paddle.to_tensor(np.asarray(values, np.float32)).astype("bfloat16")
     import torch
 
-    from tests.test_ops_pools import _mla_layout
+    return torch.from_numpy(np.asarray(values, np.float32)).to(torch.bfloat16)
 
+
+def _bf16_bytes(values: Any) -> np.ndarray:
+    """The bytes of small integers stored as bfloat16 (the upper half of their float32)."""
+    return (np.asarray(values, np.float32).view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
+
+
+def _host_bytes(t: Any) -> np.ndarray:
+    """A tensor's elements in logical order as numpy (bfloat16 as its uint16 bits), on the host."""
+    if type(t).__module__.startswith("paddle"):
+        return np.ascontiguousarray(t.numpy())
+    import torch
+
+    return np.ascontiguousarray((t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy())
+
+
+def _value(t: Any) -> float:
+    return float(t.astype("float32").item()) if type(t).__module__.startswith("paddle") else float(t.float().item())
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_k_and_v_of_different_widths_are_one_allocation_each_in_fastdeploys_list(framework):
+    """Kimi-like MLA (K 12 wide, V 4: segments of 4, K takes 3): caches[2l] is K [num_blocks, kv_heads,
+    block_size, 3, 4] over one allocation of its 3 segments, caches[2l+1] V over the 4th; the state
+    addressing still sees one tensor per segment of that memory. Torch and Paddle (no torch needed)."""
     layout = _mla_layout()
-    c = allocate_caches(layout, framework="torch")
+    c = allocate_caches(layout, framework=framework)
     assert len(c.caches) == 2 * 5 and [i for i, t in enumerate(c.caches) if t is not None] == [2, 3, 8, 9]
     k, v = c.caches[2], c.caches[3]
     assert tuple(k.shape) == (12, 2, 4, 3, 4) and tuple(v.shape) == (12, 2, 4, 4)
@@ -205,27 +240,78 @@ def test_k_and_v_of_different_widths_are_one_allocation_each_in_fastdeploys_list
         assert is_own_allocation(t) and t.data_ptr() == allocation_start(t) and _dtype_name(t) == "bfloat16"
     slot = layout.kv_group.layer_ids.index(1)
     segs = c.segments[slot]
-    assert [s.data_ptr() for s in segs[:3]] == [k.data_ptr() + j * segs[0].nbytes for j in range(3)]
-    assert segs[3].data_ptr() == v.data_ptr()
-    k[5, 1, 2] = torch.arange(12, dtype=torch.bfloat16).view(3, 4)
-    offset = (1 * 4 + 2) * 4 * 2
+    seg_nbytes = layout.num_blocks * layout.segment_bytes
+    assert [s.data_ptr() for s in segs[:3]] == [k.data_ptr() + j * seg_nbytes for j in range(3)]
+    assert segs[3].data_ptr() == v.data_ptr() and all(tuple(s.shape) == (12, layout.segment_bytes) for s in segs)
+    # block 5, head 1, token 2: the K head's 12 columns in segments 0..2, V's 4 in segment 3
+    k[5, 1, 2] = _bf16(k, np.arange(12).reshape(3, 4))
+    v[5, 1, 2] = _bf16(v, np.arange(100, 104))
+    offset = (1 * 4 + 2) * 4 * 2  # (head 1, token 2) x width 4 x 2 bytes
+    raw = [_host_bytes(s) for s in segs]
     for j in range(3):
-        assert segs[j][5, offset : offset + 8].view(torch.bfloat16).tolist() == [4.0 * j + i for i in range(4)]
-    with pytest.raises(ValueError, match="torch only"):
-        allocate_caches(layout, framework="paddle")
+        np.testing.assert_array_equal(raw[j][5, offset : offset + 8], _bf16_bytes(np.arange(4 * j, 4 * j + 4)))
+    np.testing.assert_array_equal(raw[3][5, offset : offset + 8], _bf16_bytes(np.arange(100, 104)))
+    assert sum(int(np.count_nonzero(r)) for r in raw) == int(np.count_nonzero(_bf16_bytes(np.arange(12)))) + 8
+    # the recurrent layer sharing the slot: its state bytes, written per segment, are K's and V's memory
+    st = next(s for s in state_layer_slots(c).values() if s.slot == slot)
+    assert [t.data_ptr() for t in st.segments] == [t.data_ptr() for t in segs]
+    nbytes = layout.model.layers[st.layer_id].state_bytes
+    blocks = list(range(1, 1 + layout.blocks_per_state[st.group]))
+    data = np.random.default_rng(0).integers(1, 256, nbytes, dtype=np.uint8)
+    write_state_bytes(st, layout, blocks, data)
+    np.testing.assert_array_equal(read_state_bytes(st, layout, blocks, nbytes), data)
+    k_mem = _host_bytes(k).transpose(3, 0, 1, 2, 4).copy().view(np.uint8).reshape(3, 12, -1)  # memory order
+    v_mem = _host_bytes(v).view(np.uint8).reshape(12, -1)
+    seg = layout.segment_bytes
+    state_set = np.concatenate([np.concatenate([*k_mem[:, b], v_mem[b]]) for b in blocks])  # block by block
+    np.testing.assert_array_equal(state_set[:nbytes], data)
+    assert layout.block_bytes == 4 * seg and nbytes > seg  # the state spans K's segments and V's
 
 
-@needs_torch
-def test_a_hybrid_models_caches_are_indexed_by_decoder_layer():
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_a_hybrid_models_caches_are_indexed_by_decoder_layer(framework):
     """Falcon-H1-like: every decoder layer keeps K/V and a state (two cache layers each); FastDeploy's
-    caches[2l] / [2l+1] are decoder layer l's K and V (layout.decoder_layer_id)."""
-    from tests.test_ops_pools import _mla_layout
-
+    caches[2l] / [2l+1] are decoder layer l's K and V (layout.decoder_layer_id). Torch and Paddle."""
     layout = _mla_layout(hybrid=True)
-    c = allocate_caches(layout, framework="torch")
+    c = allocate_caches(layout, framework=framework)
     assert c.num_layers == 3 and len(c.caches) == 6 and all(t is not None for t in c.caches)
     for slot, cache_id in enumerate(layout.kv_group.layer_ids):
         if cache_id is not None:
-            assert c.caches[2 * layout.decoder_layer_id(cache_id)].data_ptr() == c.segments[slot][0].data_ptr()
+            k, v = c.caches[2 * layout.decoder_layer_id(cache_id)], c.caches[2 * layout.decoder_layer_id(cache_id) + 1]
+            assert k.data_ptr() == c.segments[slot][0].data_ptr() and v.data_ptr() == c.segments[slot][3].data_ptr()
+            assert all(is_own_allocation(t) for t in (k, v)) and tuple(k.shape) == (12, 2, 4, 3, 4)
     with pytest.raises(ValueError, match="below the model's 3 layers"):
-        allocate_caches(layout, num_layers=2, framework="torch")
+        allocate_caches(layout, num_layers=2, framework=framework)
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+@pytest.mark.parametrize("mla", [False, True])
+def test_every_kv_view_of_a_pool_reads_its_own_segment(framework, mla):
+    """ops.pools.kv_cache_views: each K / V view (every slot, K and V, MLA runs too) reads the bytes of
+    its own segments, in Paddle as in torch (Paddle 3.3 reads a typed view of an offset slice from
+    the wrong bytes)."""
+    from hybridkv.ops.pools import allocate_pools, kv_cache_views
+
+    layout = _mla_layout() if mla else minimax_layout(num_blocks=6)
+    pools = allocate_pools(layout, device="cpu", framework=framework)
+    views = kv_cache_views(pools)
+    slots = [s for s, i in enumerate(layout.kv_group.layer_ids) if i is not None]
+    assert len(views) == 2 * len(slots)
+    cuts = [(0, layout.key_segments), (layout.key_segments, layout.key_segments + layout.value_segments)]
+    for n, view in enumerate(views):
+        slot, (first, stop) = slots[n // 2], cuts[n % 2]
+        for seg in range(first, stop):  # bf16 (n + 1) * 2**(seg - first) in the first element of block 3
+            value = (n + 1) * 2.0 ** (seg - first)
+            pools.data[slot, seg, 3, :2] = _host_like(pools.data, _bf16_bytes([value]))
+            at = (3, 0, 0, seg - first, 0) if stop - first > 1 else (3, 0, 0, 0)
+            assert _value(view[at]) == value, (n, slot, seg)
+
+
+def _host_like(like: Any, arr: np.ndarray) -> Any:
+    if type(like).__module__.startswith("paddle"):
+        import paddle
+
+        return paddle.to_tensor(arr)
+    import torch
+
+    return torch.from_numpy(arr)
