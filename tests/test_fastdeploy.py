@@ -307,6 +307,22 @@ def test_every_kv_view_of_a_pool_reads_its_own_segment(framework, mla):
             assert _value(view[at]) == value, (n, slot, seg)
 
 
+@pytest.mark.skipif("paddle" not in FRAMEWORKS, reason="Paddle's view rule")
+def test_a_paddle_segment_run_at_an_offset_is_refused():
+    """Paddle 3.3 reads a typed view of a slice at a byte offset from the wrong bytes: segment_kv_view
+    refuses a Paddle run that does not start its allocation instead of showing those bytes."""
+    import paddle
+
+    from hybridkv.ops.pools import segment_kv_view
+
+    layout = _mla_layout()
+    spec = layout.model.layers[layout.kv_group.layer_ids[0]]
+    run = paddle.zeros([4, layout.num_blocks, layout.segment_bytes], dtype="uint8")
+    assert tuple(segment_kv_view(run[:3], spec, layout.block_size).shape) == (12, 2, 4, 3, 4)
+    with pytest.raises(ValueError, match="offset 0"):
+        segment_kv_view(run[1:4], spec, layout.block_size)
+
+
 def _host_like(like: Any, arr: np.ndarray) -> Any:
     if type(like).__module__.startswith("paddle"):
         import paddle
