@@ -44,7 +44,7 @@ SLOTS = 4
 TOLERANCE = 1e-5  # fp32 kernel arithmetic against the float64 reference, both stored in float32: measured <= 4e-7
 
 
-def _layout(kind: str, dtype: str):
+def _layout(kind: str, dtype: str, num_blocks: int = 40):
     attn = AttentionLayerSpec(1, 8, "bfloat16")
     if kind == "lightning":
         rec = RecurrentLayerSpec("lightning", (StateComponent("kv", (2, 3, 5), dtype),))
@@ -53,7 +53,7 @@ def _layout(kind: str, dtype: str):
         rec = gdn_layer(1, 2, 3, 5, 4, dtype, "bfloat16")
         spec = ModelSpec("mini-qwen3-next", layers_from_pattern("RA", attn, rec))
     probe = plan(spec, 1 << 20, block_size=4)
-    return plan(spec, 40 * probe.bytes_per_block, block_size=4)
+    return plan(spec, num_blocks * probe.bytes_per_block, block_size=4)
 
 
 def _caches(layout, rng):
@@ -85,7 +85,7 @@ def _call(kind, layer_ids, fm, inputs, backend):
 
 def run(kind: str, dtype: str = "float32", variant: str = "", steps: list[dict[int, int]] = STEPS) -> float:
     """Max difference (outputs and live states, in value) between the kernel and the reference."""
-    layout = _layout(kind, dtype)
+    layout = _layout(kind, dtype, 40 if steps is STEPS else 80)
     rng = np.random.default_rng(1)
     seed_state = rng.bit_generator.state
     ref, ker = _caches(layout, rng), None
@@ -181,9 +181,10 @@ def test_broken_variants_fail_by_a_wide_margin(kind, variant):
     assert run(kind, variant=variant) > 1e3 * TOLERANCE
 
 
-# Prefill rows of several chunks of 16 (the last one short), a prefill continuing from its stored state,
-# a late join of one token, decode rows: the lightning kernel's chunked form against the token recurrence.
-LONG_STEPS = [{0: 37, 1: 2}, {0: 21, 1: 35, 3: 1}, {0: 1, 1: 1, 3: 17}]
+# Prefill rows of several chunks of 16 (the last one short, or of one token, or full), prefills continuing
+# from their stored state, a late join of one token, decode rows: the lightning kernel's chunked form
+# against the token recurrence.
+LONG_STEPS = [{0: 37, 1: 2}, {0: 21, 1: 35, 3: 1}, {0: 1, 1: 1, 3: 17}, {0: 16, 1: 32, 3: 1}]
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
