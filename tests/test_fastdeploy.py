@@ -323,6 +323,35 @@ def test_a_paddle_segment_run_at_an_offset_is_refused():
         segment_kv_view(run[1:4], spec, layout.block_size)
 
 
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_ops_read_state_gives_every_components_bytes(framework):
+    """ops.pools.read_state of a GDN state (ssm float32, then the conv window bf16 at byte 120): each
+    component holds its own bytes of the state set, in Paddle as in torch (Paddle 3.3 read the conv
+    window through a typed view of an offset slice, from the wrong bytes)."""
+    from hybridkv.models.presets import gdn_layer, layers_from_pattern
+    from hybridkv.models.spec import AttentionLayerSpec, ModelSpec
+    from hybridkv.ops.pools import allocate_pools, read_state
+
+    rec = gdn_layer(1, 2, 3, 5, 4, "float32", "bfloat16")
+    model = ModelSpec("mini-qwen3-next", layers_from_pattern("RA", AttentionLayerSpec(1, 8, "bfloat16"), rec))
+    layout = plan(model, 40 * plan(model, 1 << 20, block_size=4).bytes_per_block, block_size=4)
+    pools = allocate_pools(layout, device="cpu", framework=framework)
+    noise = np.random.default_rng(0).integers(0, 256, tuple(int(d) for d in pools.data.shape), dtype=np.uint8)
+    noise[:, :, 0] = 0
+    pools.data[:] = _host_like(pools.data, noise)
+    slot = next(s for s in range(layout.group_size) if layout.state_layer(0, s) is not None)
+    spec = layout.state_layer(0, slot)[1]
+    blocks = list(range(3, 3 + layout.blocks_per_state[0]))
+    state = np.concatenate([noise[slot, :, b].reshape(-1) for b in blocks])[: spec.state_bytes]
+    got = read_state(pools, 0, slot, blocks)
+    offsets = spec.component_offsets()
+    assert offsets["conv"] > 0 and set(got) == {"ssm", "conv"}
+    for c in spec.components:
+        assert tuple(got[c.name].shape) == c.shape and _dtype_name(got[c.name]) == c.dtype.value
+        raw = _host_bytes(got[c.name]).view(np.uint8).reshape(-1)
+        np.testing.assert_array_equal(raw, state[offsets[c.name] : offsets[c.name] + c.nbytes], err_msg=c.name)
+
+
 def _host_like(like: Any, arr: np.ndarray) -> Any:
     if type(like).__module__.startswith("paddle"):
         import paddle
