@@ -112,12 +112,13 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def _check(ok: bool, what: str) -> None:
-    """Bit-exactness of one op on the device, before it is timed (raises, so no figure of a wrong op)."""
+def _check(ok: bool, what: str, label: str = "bit-exact") -> None:
+    """One op's result on the device against the reference (``label``: how), before it is timed
+    (raises, so no figure of a wrong op)."""
     if not ok:
         raise AssertionError(f"{what}: the result on {_RUN['device']} differs from the reference")
     note = " (CPU smoke run: the reference against itself, the script's plumbing only)" if _RUN["smoke"] else ""
-    print(f"  bit-exact: {what}{note}", flush=True)
+    print(f"  {label}: {what}{note}", flush=True)
 
 
 def _record(case: str, op: str, impl: str, ms: float, nbytes: int, denominator_gbps: float) -> dict[str, Any]:
@@ -492,7 +493,7 @@ def layers_case(copy_gbps: float, quick: bool, check: bool) -> list[dict[str, An
                 pairs = zip(*((x,) if not isinstance(x, tuple) else x for x in (want, got)), strict=True)
                 err = max(float(np.abs(a - b).max() / max(np.abs(a).max(), 1e-30))
                           for a, b in ((tensors_.to_numpy(a), tensors_.to_numpy(b)) for a, b in pairs))  # fmt: skip
-                _check(err < 1e-3, f"layer kernel {model_name} ({fw}): relative error {err:.1e}")
+                _check(err < 1e-3, f"layer kernel {model_name} ({fw}): relative error {err:.1e}", "within 1e-3")
             for rows, tokens, fresh in ((batch, 1, False), (4, prefill, True)):
                 call, nbytes = _layer_step(model_name, tp, fw, rows, tokens, fresh)
                 step = "decode" if tokens == 1 else f"prefill {tokens}"
