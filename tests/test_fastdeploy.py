@@ -285,6 +285,30 @@ def test_a_hybrid_models_caches_are_indexed_by_decoder_layer(framework):
 
 
 @pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_k_and_v_of_different_widths_move_with_their_blocks(framework):
+    """MLA caches: copy_blocks and the host tier's offload / onload move every byte of a block's K (in
+    its 3 segments of one allocation) and V through the segment views, in Paddle as in torch."""
+    from hybridkv.integrations.fastdeploy.host_tier import allocate_host_caches, run_tier_copies
+    from hybridkv.integrations.fastdeploy.worker import copy_blocks
+
+    layout = _mla_layout()
+    c = allocate_caches(layout, framework=framework)
+    k, v = c.caches[2], c.caches[3]
+    k[4] = _bf16(k, np.arange(2 * 4 * 12).reshape(2, 4, 3, 4) + 1)
+    v[4] = _bf16(v, np.arange(2 * 4 * 4).reshape(2, 4, 4) + 500)
+    want_k, want_v = _host_bytes(k)[4], _host_bytes(v)[4]
+    copy_blocks(c, [[4], [7]])
+    np.testing.assert_array_equal(_host_bytes(k)[7], want_k)
+    np.testing.assert_array_equal(_host_bytes(v)[7], want_v)
+    host = allocate_host_caches(c, 3, pin_memory=False)
+    run_tier_copies(c, host, {"offload": [[7], [2]], "onload": [[], []]})
+    run_tier_copies(c, host, {"offload": [[], []], "onload": [[9], [2]]})  # [[device], [host]]
+    np.testing.assert_array_equal(_host_bytes(k)[9], want_k)
+    np.testing.assert_array_equal(_host_bytes(v)[9], want_v)
+    assert not _host_bytes(k)[[1, 2, 3, 5, 6, 8, 10, 11]].any() and not _host_bytes(v)[[1, 2, 3, 5, 6, 8, 10, 11]].any()
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
 @pytest.mark.parametrize("mla", [False, True])
 def test_every_kv_view_of_a_pool_reads_its_own_segment(framework, mla):
     """ops.pools.kv_cache_views: each K / V view (every slot, K and V, MLA runs too) reads the bytes of
