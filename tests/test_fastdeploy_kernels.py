@@ -56,8 +56,8 @@ def _layout(kind: str, dtype: str, num_blocks: int = 40):
     return plan(spec, num_blocks * probe.bytes_per_block, block_size=4)
 
 
-def _caches(layout, rng):
-    caches = allocate_caches(layout, framework="paddle")
+def _caches(layout, rng, framework="paddle", device="cpu"):
+    caches = allocate_caches(layout, framework=framework, device=device)
     for segs in caches.segments:
         for t in segs:
             noise = rng.integers(0, 256, tuple(int(d) for d in t.shape), dtype=np.uint8)
@@ -83,16 +83,18 @@ def _call(kind, layer_ids, fm, inputs, backend):
     return [tensors_.to_numpy(o).astype(np.float64) for o in outs]
 
 
-def run(kind: str, dtype: str = "float32", variant: str = "", steps: list[dict[int, int]] = STEPS) -> float:
-    """Max difference (outputs and live states, in value) between the kernel and the reference."""
+def run(kind: str, dtype: str = "float32", variant: str = "", steps: list[dict[int, int]] = STEPS,
+        framework: str = "paddle", device: str = "cpu") -> float:  # fmt: skip
+    """Max difference (outputs and live states, in value) between the kernel and the reference, on
+    caches of ``framework`` on ``device`` (tests/test_fastdeploy_gpu.py runs it on CUDA)."""
     layout = _layout(kind, dtype, 40 if steps is STEPS else 80)
     rng = np.random.default_rng(1)
     seed_state = rng.bit_generator.state
-    ref, ker = _caches(layout, rng), None
+    ref, ker = _caches(layout, rng, framework, device), None
     rng.bit_generator.state = seed_state
-    ker = _caches(layout, rng)
+    ker = _caches(layout, rng, framework, device)
     manager = HybridBlockManager(layout)
-    t_ref, t_ker = StateTables(layout, SLOTS, framework="paddle"), StateTables(layout, SLOTS, framework="paddle")
+    t_ref, t_ker = (StateTables(layout, SLOTS, framework=framework, device=device) for _ in range(2))
     layer_ids = [i for i, s in enumerate(layout.model.layers) if isinstance(s, RecurrentLayerSpec)]
     total = {r: sum(step.get(s, 0) for step in steps) for s, r in OWNERS.items()}
     like = ref.segments[0][0]
