@@ -331,6 +331,22 @@ def test_every_kv_view_of_a_pool_reads_its_own_segment(framework, mla):
             assert _value(view[at]) == value, (n, slot, seg)
 
 
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_a_keys_only_pools_v_view_is_empty_of_the_attention_dtype(framework):
+    """MLA without a rotary part keeps keys only (tests/test_ops_pools.py's torch case): the V view is
+    empty, of the attention dtype; Paddle pools build both views without torch."""
+    from hybridkv.models.spec import AttentionLayerSpec, ModelSpec, RecurrentLayerSpec, StateComponent
+    from hybridkv.ops.pools import allocate_pools, kv_cache_views
+
+    attn = AttentionLayerSpec(1, 16, "bfloat16", 4, v_head_dim=0)
+    model = ModelSpec("keys-only", (RecurrentLayerSpec("kda", (StateComponent("ssm", (2, 8, 8), "float32"),)), attn))
+    layout = plan(model, 8 * plan(model, 1 << 30, block_size=4).bytes_per_block, block_size=4)
+    assert (layout.key_segments, layout.value_segments) == (1, 0)
+    k, v = kv_cache_views(allocate_pools(layout, "cpu", framework=framework))
+    assert tuple(k.shape) == (layout.num_blocks, 1, 4, 16) and tuple(v.shape) == (layout.num_blocks, 1, 4, 0)
+    assert _dtype_name(k) == _dtype_name(v) == "bfloat16"
+
+
 @pytest.mark.skipif("paddle" not in FRAMEWORKS, reason="Paddle's view rule")
 def test_a_paddle_segment_run_at_an_offset_is_refused():
     """Paddle 3.3 reads a typed view of a slice at a byte offset from the wrong bytes: segment_kv_view

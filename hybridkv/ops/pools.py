@@ -221,9 +221,9 @@ def segment_kv_view(segments: Any, spec: AttentionLayerSpec, block_size: int) ->
     at a byte offset from the wrong bytes; :func:`kv_cache_views` views the whole pool instead)."""
     n, num_blocks = int(segments.shape[0]), int(segments.shape[1])
     if is_paddle_tensor(segments):
-        if segments._offset() != 0:
+        if n and segments._offset() != 0:
             raise ValueError("segment_kv_view: a Paddle segment run must start its allocation (offset 0)")
-        typed = segments if spec.dtype.itemsize == 1 else segments.view(paddle_dtype(spec.dtype))
+        typed = segments if spec.dtype.itemsize == 1 or not n else segments.view(paddle_dtype(spec.dtype))
         return _paddle_kv_view(typed, spec, block_size)
     if n == 0:  # zero-width values: an empty view of the right shape and dtype
         dtype = segments.dtype if spec.dtype.itemsize == 1 else torch_dtype(spec.dtype)
@@ -276,7 +276,8 @@ def _paddle_kv_view(run: Any, spec: AttentionLayerSpec, block_size: int) -> Any:
     if n == 0:  # zero-width values: an empty tensor of the right shape and dtype
         import paddle
 
-        return paddle.zeros([*lead, 0], dtype=run.dtype, device=run.place)
+        return paddle.zeros([*lead, 0], dtype="uint8" if spec.dtype.itemsize == 1 else paddle_dtype(spec.dtype),
+                            device=run.place)  # fmt: skip
     t = run.reshape([n, *lead, -1])
     return t[0] if n == 1 else t.transpose([1, 2, 3, 0, 4])
 
