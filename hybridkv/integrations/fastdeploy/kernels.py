@@ -72,7 +72,7 @@ def lightning_kernel(
     with ``S0`` the state before a chunk of ``c`` tokens and ``d = decay_h``, token ``t`` of the chunk
     gets ``o_t = d^(t+1) q_t S0 + sum_{s <= t} d^(t-s) (q_t . k_s) v_s`` (intra-chunk attention) and
     the chunk leaves ``S = d^c S0 + sum_s d^(c-1-s) k_s^T v_s`` (inter-chunk state): the token
-    recurrence unrolled, three ``tl.dot`` per chunk. ``BK``, ``BV``, ``BT`` at least 16 on a GPU."""
+    recurrence unrolled, four ``tl.dot`` per chunk. ``BK``, ``BV``, ``BT`` at least 16 on a GPU."""
     i_b = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1)
     i_v = tl.program_id(2)
