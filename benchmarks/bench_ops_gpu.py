@@ -13,7 +13,8 @@ is compared bit for bit with the reference (``--no-check`` skips that). The firs
 the driver, CUDA, Triton and torch versions. The last cases time the FastDeploy layer kernels
 (``layer kernel (torch)`` / ``(paddle)`` rows: MiniMax-M1 TP8 lightning and Qwen3-Next TP2 GDN, a
 decode step of B rows and a prefill step of 4 x 512 tokens, ms per layer step and the state bytes
-read + written per ms; their outputs are first checked against the numpy reference to 1e-3).
+read + written per ms; their outputs are first checked against the numpy reference to 1e-3, on rows
+of 40 tokens: the lightning kernel runs prefill rows in chunks of 16).
 
     python benchmarks/bench_ops_gpu.py            # full run, a few minutes on one H200
     python benchmarks/bench_ops_gpu.py --quick    # smaller sizes, fewer cases
@@ -111,12 +112,13 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def _check(ok: bool, what: str) -> None:
-    """Bit-exactness of one op on the device, before it is timed (raises, so no figure of a wrong op)."""
+def _check(ok: bool, what: str, label: str = "bit-exact") -> None:
+    """One op's result on the device against the reference (``label``: how), before it is timed
+    (raises, so no figure of a wrong op)."""
     if not ok:
         raise AssertionError(f"{what}: the result on {_RUN['device']} differs from the reference")
     note = " (CPU smoke run: the reference against itself, the script's plumbing only)" if _RUN["smoke"] else ""
-    print(f"  bit-exact: {what}{note}", flush=True)
+    print(f"  {label}: {what}{note}", flush=True)
 
 
 def _record(case: str, op: str, impl: str, ms: float, nbytes: int, denominator_gbps: float) -> dict[str, Any]:
@@ -451,13 +453,17 @@ def _layer_step(model_name: str, tp: int, fw: str, batch: int, tokens: int, fres
     return gdn, spec.state_bytes
 
 
+CHECK_TOKENS = 40  # 2 chunks of 16 and a short one (launch.PREFILL_CHUNK)
+
+
 def layers_case(copy_gbps: float, quick: bool, check: bool) -> list[dict[str, Any]]:
     """The layer API's Triton kernels (hybridkv.integrations.fastdeploy.kernels) over FastDeploy's
     per-segment caches, one launch per layer per step: MiniMax-M1 TP8 lightning and Qwen3-Next TP2
     GDN (conv window + gated delta rule), a decode step (B rows of 1 token) and a prefill step (4 rows
     of 512 tokens, fresh), on torch and on Paddle (when Paddle with CUDA is installed). Bytes: each
-    row's state read and written once. Before timing, each kernel's output on fresh rows is compared
-    with the numpy reference (relative tolerance 1e-3; the recurrences run in fp32)."""
+    row's state read and written once. Before timing, each kernel's output on 2 fresh rows of
+    ``CHECK_TOKENS`` tokens (the lightning kernel's prefill chunks, the last one short) is compared with
+    the numpy reference (relative tolerance 1e-3; the recurrences run in fp32)."""
     from hybridkv.integrations.fastdeploy import tensors as tensors_
 
     frameworks = ["torch"]
@@ -482,12 +488,12 @@ def layers_case(copy_gbps: float, quick: bool, check: bool) -> list[dict[str, An
             sync = _sync
         for model_name, tp in (("minimax-m1", 8), ("qwen3-next-80b-a3b", 2)):
             if check:
-                call, _ = _layer_step(model_name, tp, fw, 2, 3, fresh=True)
+                call, _ = _layer_step(model_name, tp, fw, 2, CHECK_TOKENS, fresh=True)
                 want, got = (call(b) for b in ("naive", kernel))
                 pairs = zip(*((x,) if not isinstance(x, tuple) else x for x in (want, got)), strict=True)
                 err = max(float(np.abs(a - b).max() / max(np.abs(a).max(), 1e-30))
                           for a, b in ((tensors_.to_numpy(a), tensors_.to_numpy(b)) for a, b in pairs))  # fmt: skip
-                _check(err < 1e-3, f"layer kernel {model_name} ({fw}): relative error {err:.1e}")
+                _check(err < 1e-3, f"layer kernel {model_name} ({fw}): relative error {err:.1e}", "within 1e-3")
             for rows, tokens, fresh in ((batch, 1, False), (4, prefill, True)):
                 call, nbytes = _layer_step(model_name, tp, fw, rows, tokens, fresh)
                 step = "decode" if tokens == 1 else f"prefill {tokens}"

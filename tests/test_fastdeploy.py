@@ -29,9 +29,6 @@ from hybridkv.scheduler_adapter import Scheduler, SchedulerConfig, StepOutputs, 
 
 FRAMEWORKS = [f for f in ("torch", "paddle") if importlib.util.find_spec(f) is not None]
 FW = FRAMEWORKS[0]  # torch in the torch lane, Paddle in the no-torch lane
-needs_torch = pytest.mark.skipif(
-    "torch" not in FRAMEWORKS, reason="K and V of different widths (several segments each) are built for torch only"
-)
 
 
 def minimax_layout(kv_dtype: str = "bfloat16", num_blocks: int = 24):
@@ -187,17 +184,55 @@ def test_ops_pools_hold_block_wise_fp8_scales_and_uint8_kv_views():
     assert allocate_pools(minimax_layout(), device="cpu", framework=FW).scales is None
 
 
-@needs_torch
-def test_k_and_v_of_different_widths_are_one_allocation_each_in_fastdeploys_list():
-    """Kimi-like MLA (K 12 wide, V 4: segments of 4, K takes 3): caches[2l] is K [num_blocks, kv_heads,
-    block_size, 3, 4] over one allocation of its 3 segments, caches[2l+1] V over the 4th; the state
-    addressing still sees one tensor per segment of that memory."""
+def _mla_layout(num_blocks=12, hybrid=False):
+    """A Kimi-like model (tests/test_ops_pools.py's, without its torch import): MLA attention keeping K
+    12 wide and V 4 wide (segments of 4: K takes 3, V 1) beside a recurrent layer; ``hybrid``: every
+    decoder layer keeps both (Falcon-H1-like)."""
+    from hybridkv.models.spec import AttentionLayerSpec, HybridLayerSpec, ModelSpec, RecurrentLayerSpec, StateComponent
+
+    attn = AttentionLayerSpec(2, 12, "bfloat16", 4, v_head_dim=4)
+    rec = RecurrentLayerSpec("kda", (StateComponent("ssm", (2, 8, 8), "float32"),))
+    model = ModelSpec("mla-mini", (HybridLayerSpec(attn, rec),) * 3 if hybrid else (rec, attn, rec, rec, attn))
+    probe = plan(model, 1 << 30, block_size=4)
+    return plan(model, num_blocks * probe.bytes_per_block, block_size=4)
+
+
+def _bf16(like: Any, values: np.ndarray) -> Any:
+    """``values`` as a bfloat16 tensor of ``like``'s framework."""
+    if type(like).__module__.startswith("paddle"):
+        import paddle
+
+        return paddle.to_tensor(np.asarray(values, np.float32)).astype("bfloat16")
     import torch
 
-    from tests.test_ops_pools import _mla_layout
+    return torch.from_numpy(np.asarray(values, np.float32)).to(torch.bfloat16)
 
+
+def _bf16_bytes(values: Any) -> np.ndarray:
+    """The bytes of small integers stored as bfloat16 (the upper half of their float32)."""
+    return (np.asarray(values, np.float32).view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
+
+
+def _host_bytes(t: Any) -> np.ndarray:
+    """A tensor's elements in logical order as numpy (bfloat16 as its uint16 bits), on the host."""
+    if type(t).__module__.startswith("paddle"):
+        return np.ascontiguousarray(t.numpy())
+    import torch
+
+    return np.ascontiguousarray((t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy())
+
+
+def _value(t: Any) -> float:
+    return float(t.astype("float32").item()) if type(t).__module__.startswith("paddle") else float(t.float().item())
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_k_and_v_of_different_widths_are_one_allocation_each_in_fastdeploys_list(framework):
+    """Kimi-like MLA (K 12 wide, V 4: segments of 4, K takes 3): caches[2l] is K [num_blocks, kv_heads,
+    block_size, 3, 4] over one allocation of its 3 segments, caches[2l+1] V over the 4th; the state
+    addressing still sees one tensor per segment of that memory. Torch and Paddle (no torch needed)."""
     layout = _mla_layout()
-    c = allocate_caches(layout, framework="torch")
+    c = allocate_caches(layout, framework=framework)
     assert len(c.caches) == 2 * 5 and [i for i, t in enumerate(c.caches) if t is not None] == [2, 3, 8, 9]
     k, v = c.caches[2], c.caches[3]
     assert tuple(k.shape) == (12, 2, 4, 3, 4) and tuple(v.shape) == (12, 2, 4, 4)
@@ -205,27 +240,163 @@ def test_k_and_v_of_different_widths_are_one_allocation_each_in_fastdeploys_list
         assert is_own_allocation(t) and t.data_ptr() == allocation_start(t) and _dtype_name(t) == "bfloat16"
     slot = layout.kv_group.layer_ids.index(1)
     segs = c.segments[slot]
-    assert [s.data_ptr() for s in segs[:3]] == [k.data_ptr() + j * segs[0].nbytes for j in range(3)]
-    assert segs[3].data_ptr() == v.data_ptr()
-    k[5, 1, 2] = torch.arange(12, dtype=torch.bfloat16).view(3, 4)
-    offset = (1 * 4 + 2) * 4 * 2
+    seg_nbytes = layout.num_blocks * layout.segment_bytes
+    assert [s.data_ptr() for s in segs[:3]] == [k.data_ptr() + j * seg_nbytes for j in range(3)]
+    assert segs[3].data_ptr() == v.data_ptr() and all(tuple(s.shape) == (12, layout.segment_bytes) for s in segs)
+    # block 5, head 1, token 2: the K head's 12 columns in segments 0..2, V's 4 in segment 3
+    k[5, 1, 2] = _bf16(k, np.arange(12).reshape(3, 4))
+    v[5, 1, 2] = _bf16(v, np.arange(100, 104))
+    offset = (1 * 4 + 2) * 4 * 2  # (head 1, token 2) x width 4 x 2 bytes
+    raw = [_host_bytes(s) for s in segs]
     for j in range(3):
-        assert segs[j][5, offset : offset + 8].view(torch.bfloat16).tolist() == [4.0 * j + i for i in range(4)]
-    with pytest.raises(ValueError, match="torch only"):
-        allocate_caches(layout, framework="paddle")
+        np.testing.assert_array_equal(raw[j][5, offset : offset + 8], _bf16_bytes(np.arange(4 * j, 4 * j + 4)))
+    np.testing.assert_array_equal(raw[3][5, offset : offset + 8], _bf16_bytes(np.arange(100, 104)))
+    assert sum(int(np.count_nonzero(r)) for r in raw) == int(np.count_nonzero(_bf16_bytes(np.arange(12)))) + 8
+    # the recurrent layer sharing the slot: its state bytes, written per segment, are K's and V's memory
+    st = next(s for s in state_layer_slots(c).values() if s.slot == slot)
+    assert [t.data_ptr() for t in st.segments] == [t.data_ptr() for t in segs]
+    nbytes = layout.model.layers[st.layer_id].state_bytes
+    blocks = list(range(1, 1 + layout.blocks_per_state[st.group]))
+    data = np.random.default_rng(0).integers(1, 256, nbytes, dtype=np.uint8)
+    write_state_bytes(st, layout, blocks, data)
+    np.testing.assert_array_equal(read_state_bytes(st, layout, blocks, nbytes), data)
+    k_mem = _host_bytes(k).transpose(3, 0, 1, 2, 4).copy().view(np.uint8).reshape(3, 12, -1)  # memory order
+    v_mem = _host_bytes(v).view(np.uint8).reshape(12, -1)
+    seg = layout.segment_bytes
+    state_set = np.concatenate([np.concatenate([*k_mem[:, b], v_mem[b]]) for b in blocks])  # block by block
+    np.testing.assert_array_equal(state_set[:nbytes], data)
+    assert layout.block_bytes == 4 * seg and nbytes > seg  # the state spans K's segments and V's
 
 
-@needs_torch
-def test_a_hybrid_models_caches_are_indexed_by_decoder_layer():
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_a_hybrid_models_caches_are_indexed_by_decoder_layer(framework):
     """Falcon-H1-like: every decoder layer keeps K/V and a state (two cache layers each); FastDeploy's
-    caches[2l] / [2l+1] are decoder layer l's K and V (layout.decoder_layer_id)."""
-    from tests.test_ops_pools import _mla_layout
-
+    caches[2l] / [2l+1] are decoder layer l's K and V (layout.decoder_layer_id). Torch and Paddle."""
     layout = _mla_layout(hybrid=True)
-    c = allocate_caches(layout, framework="torch")
+    c = allocate_caches(layout, framework=framework)
     assert c.num_layers == 3 and len(c.caches) == 6 and all(t is not None for t in c.caches)
     for slot, cache_id in enumerate(layout.kv_group.layer_ids):
         if cache_id is not None:
-            assert c.caches[2 * layout.decoder_layer_id(cache_id)].data_ptr() == c.segments[slot][0].data_ptr()
+            k, v = c.caches[2 * layout.decoder_layer_id(cache_id)], c.caches[2 * layout.decoder_layer_id(cache_id) + 1]
+            assert k.data_ptr() == c.segments[slot][0].data_ptr() and v.data_ptr() == c.segments[slot][3].data_ptr()
+            assert all(is_own_allocation(t) for t in (k, v)) and tuple(k.shape) == (12, 2, 4, 3, 4)
     with pytest.raises(ValueError, match="below the model's 3 layers"):
-        allocate_caches(layout, num_layers=2, framework="torch")
+        allocate_caches(layout, num_layers=2, framework=framework)
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_k_and_v_of_different_widths_move_with_their_blocks(framework):
+    """MLA caches: copy_blocks and the host tier's offload / onload move every byte of a block's K (in
+    its 3 segments of one allocation) and V through the segment views, in Paddle as in torch."""
+    from hybridkv.integrations.fastdeploy.host_tier import allocate_host_caches, run_tier_copies
+    from hybridkv.integrations.fastdeploy.worker import copy_blocks
+
+    layout = _mla_layout()
+    c = allocate_caches(layout, framework=framework)
+    k, v = c.caches[2], c.caches[3]
+    k[4] = _bf16(k, np.arange(2 * 4 * 12).reshape(2, 4, 3, 4) + 1)
+    v[4] = _bf16(v, np.arange(2 * 4 * 4).reshape(2, 4, 4) + 500)
+    want_k, want_v = _host_bytes(k)[4], _host_bytes(v)[4]
+    copy_blocks(c, [[4], [7]])
+    np.testing.assert_array_equal(_host_bytes(k)[7], want_k)
+    np.testing.assert_array_equal(_host_bytes(v)[7], want_v)
+    host = allocate_host_caches(c, 3, pin_memory=False)
+    run_tier_copies(c, host, {"offload": [[7], [2]], "onload": [[], []]})
+    run_tier_copies(c, host, {"offload": [[], []], "onload": [[9], [2]]})  # [[device], [host]]
+    np.testing.assert_array_equal(_host_bytes(k)[9], want_k)
+    np.testing.assert_array_equal(_host_bytes(v)[9], want_v)
+    assert not _host_bytes(k)[[1, 2, 3, 5, 6, 8, 10, 11]].any() and not _host_bytes(v)[[1, 2, 3, 5, 6, 8, 10, 11]].any()
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+@pytest.mark.parametrize("mla", [False, True])
+def test_every_kv_view_of_a_pool_reads_its_own_segment(framework, mla):
+    """ops.pools.kv_cache_views: each K / V view (every slot, K and V, MLA runs too) reads the bytes of
+    its own segments, in Paddle as in torch (Paddle 3.3 reads a typed view of an offset slice from
+    the wrong bytes)."""
+    from hybridkv.ops.pools import allocate_pools, kv_cache_views
+
+    layout = _mla_layout() if mla else minimax_layout(num_blocks=6)
+    pools = allocate_pools(layout, device="cpu", framework=framework)
+    views = kv_cache_views(pools)
+    slots = [s for s, i in enumerate(layout.kv_group.layer_ids) if i is not None]
+    assert len(views) == 2 * len(slots)
+    cuts = [(0, layout.key_segments), (layout.key_segments, layout.key_segments + layout.value_segments)]
+    for n, view in enumerate(views):
+        slot, (first, stop) = slots[n // 2], cuts[n % 2]
+        for seg in range(first, stop):  # bf16 (n + 1) * 2**(seg - first) in the first element of block 3
+            value = (n + 1) * 2.0 ** (seg - first)
+            pools.data[slot, seg, 3, :2] = _host_like(pools.data, _bf16_bytes([value]))
+            at = (3, 0, 0, seg - first, 0) if stop - first > 1 else (3, 0, 0, 0)
+            assert _value(view[at]) == value, (n, slot, seg)
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_a_keys_only_pools_v_view_is_empty_of_the_attention_dtype(framework):
+    """MLA without a rotary part keeps keys only (tests/test_ops_pools.py's torch case): the V view is
+    empty, of the attention dtype; Paddle pools build both views without torch."""
+    from hybridkv.models.spec import AttentionLayerSpec, ModelSpec, RecurrentLayerSpec, StateComponent
+    from hybridkv.ops.pools import allocate_pools, kv_cache_views
+
+    attn = AttentionLayerSpec(1, 16, "bfloat16", 4, v_head_dim=0)
+    model = ModelSpec("keys-only", (RecurrentLayerSpec("kda", (StateComponent("ssm", (2, 8, 8), "float32"),)), attn))
+    layout = plan(model, 8 * plan(model, 1 << 30, block_size=4).bytes_per_block, block_size=4)
+    assert (layout.key_segments, layout.value_segments) == (1, 0)
+    k, v = kv_cache_views(allocate_pools(layout, "cpu", framework=framework))
+    assert tuple(k.shape) == (layout.num_blocks, 1, 4, 16) and tuple(v.shape) == (layout.num_blocks, 1, 4, 0)
+    assert _dtype_name(k) == _dtype_name(v) == "bfloat16"
+
+
+@pytest.mark.skipif("paddle" not in FRAMEWORKS, reason="Paddle's view rule")
+def test_a_paddle_segment_run_at_an_offset_is_refused():
+    """Paddle 3.3 reads a typed view of a slice at a byte offset from the wrong bytes: segment_kv_view
+    refuses a Paddle run that does not start its allocation instead of showing those bytes."""
+    import paddle
+
+    from hybridkv.ops.pools import segment_kv_view
+
+    layout = _mla_layout()
+    spec = layout.model.layers[layout.kv_group.layer_ids[0]]
+    run = paddle.zeros([4, layout.num_blocks, layout.segment_bytes], dtype="uint8")
+    assert tuple(segment_kv_view(run[:3], spec, layout.block_size).shape) == (12, 2, 4, 3, 4)
+    with pytest.raises(ValueError, match="offset 0"):
+        segment_kv_view(run[1:4], spec, layout.block_size)
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_ops_read_state_gives_every_components_bytes(framework):
+    """ops.pools.read_state of a GDN state (ssm float32, then the conv window bf16 at byte 120): each
+    component holds its own bytes of the state set, in Paddle as in torch (Paddle 3.3 read the conv
+    window through a typed view of an offset slice, from the wrong bytes)."""
+    from hybridkv.models.presets import gdn_layer, layers_from_pattern
+    from hybridkv.models.spec import AttentionLayerSpec, ModelSpec
+    from hybridkv.ops.pools import allocate_pools, read_state
+
+    rec = gdn_layer(1, 2, 3, 5, 4, "float32", "bfloat16")
+    model = ModelSpec("mini-qwen3-next", layers_from_pattern("RA", AttentionLayerSpec(1, 8, "bfloat16"), rec))
+    layout = plan(model, 40 * plan(model, 1 << 20, block_size=4).bytes_per_block, block_size=4)
+    pools = allocate_pools(layout, device="cpu", framework=framework)
+    noise = np.random.default_rng(0).integers(0, 256, tuple(int(d) for d in pools.data.shape), dtype=np.uint8)
+    noise[:, :, 0] = 0
+    pools.data[:] = _host_like(pools.data, noise)
+    slot = next(s for s in range(layout.group_size) if layout.state_layer(0, s) is not None)
+    spec = layout.state_layer(0, slot)[1]
+    blocks = list(range(3, 3 + layout.blocks_per_state[0]))
+    state = np.concatenate([noise[slot, :, b].reshape(-1) for b in blocks])[: spec.state_bytes]
+    got = read_state(pools, 0, slot, blocks)
+    offsets = spec.component_offsets()
+    assert offsets["conv"] > 0 and set(got) == {"ssm", "conv"}
+    for c in spec.components:
+        assert tuple(got[c.name].shape) == c.shape and _dtype_name(got[c.name]) == c.dtype.value
+        raw = _host_bytes(got[c.name]).view(np.uint8).reshape(-1)
+        np.testing.assert_array_equal(raw, state[offsets[c.name] : offsets[c.name] + c.nbytes], err_msg=c.name)
+
+
+def _host_like(like: Any, arr: np.ndarray) -> Any:
+    if type(like).__module__.startswith("paddle"):
+        import paddle
+
+        return paddle.to_tensor(arr)
+    import torch
+
+    return torch.from_numpy(arr)

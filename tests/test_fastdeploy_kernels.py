@@ -44,7 +44,7 @@ SLOTS = 4
 TOLERANCE = 1e-5  # fp32 kernel arithmetic against the float64 reference, both stored in float32: measured <= 4e-7
 
 
-def _layout(kind: str, dtype: str):
+def _layout(kind: str, dtype: str, num_blocks: int = 40):
     attn = AttentionLayerSpec(1, 8, "bfloat16")
     if kind == "lightning":
         rec = RecurrentLayerSpec("lightning", (StateComponent("kv", (2, 3, 5), dtype),))
@@ -53,11 +53,11 @@ def _layout(kind: str, dtype: str):
         rec = gdn_layer(1, 2, 3, 5, 4, dtype, "bfloat16")
         spec = ModelSpec("mini-qwen3-next", layers_from_pattern("RA", attn, rec))
     probe = plan(spec, 1 << 20, block_size=4)
-    return plan(spec, 40 * probe.bytes_per_block, block_size=4)
+    return plan(spec, num_blocks * probe.bytes_per_block, block_size=4)
 
 
-def _caches(layout, rng):
-    caches = allocate_caches(layout, framework="paddle")
+def _caches(layout, rng, framework="paddle", device="cpu"):
+    caches = allocate_caches(layout, framework=framework, device=device)
     for segs in caches.segments:
         for t in segs:
             noise = rng.integers(0, 256, tuple(int(d) for d in t.shape), dtype=np.uint8)
@@ -83,21 +83,23 @@ def _call(kind, layer_ids, fm, inputs, backend):
     return [tensors_.to_numpy(o).astype(np.float64) for o in outs]
 
 
-def run(kind: str, dtype: str = "float32", variant: str = "", tile: int | None = None) -> float:
-    """Max difference (outputs and live states, in value) between the kernel and the reference."""
-    layout = _layout(kind, dtype)
+def run(kind: str, dtype: str = "float32", variant: str = "", steps: list[dict[int, int]] = STEPS,
+        framework: str = "paddle", device: str = "cpu") -> float:  # fmt: skip
+    """Max difference (outputs and live states, in value) between the kernel and the reference, on
+    caches of ``framework`` on ``device`` (tests/test_fastdeploy_gpu.py runs it on CUDA)."""
+    layout = _layout(kind, dtype, 40 if steps is STEPS else 80)
     rng = np.random.default_rng(1)
     seed_state = rng.bit_generator.state
-    ref, ker = _caches(layout, rng), None
+    ref, ker = _caches(layout, rng, framework, device), None
     rng.bit_generator.state = seed_state
-    ker = _caches(layout, rng)
+    ker = _caches(layout, rng, framework, device)
     manager = HybridBlockManager(layout)
-    t_ref, t_ker = StateTables(layout, SLOTS, framework="paddle"), StateTables(layout, SLOTS, framework="paddle")
+    t_ref, t_ker = (StateTables(layout, SLOTS, framework=framework, device=device) for _ in range(2))
     layer_ids = [i for i, s in enumerate(layout.model.layers) if isinstance(s, RecurrentLayerSpec)]
-    total = {r: sum(step.get(s, 0) for step in STEPS) for s, r in OWNERS.items()}
+    total = {r: sum(step.get(s, 0) for step in steps) for s, r in OWNERS.items()}
     like = ref.segments[0][0]
     done, worst = dict.fromkeys(total, 0), 0.0
-    for n, step in enumerate(STEPS):
+    for n, step in enumerate(steps):
         for slot in step:
             rid = OWNERS[slot]
             if rid not in manager.requests:
@@ -167,6 +169,7 @@ def test_lightning_kernel_equals_the_reference(dtype):
 
 def test_lightning_kernel_over_several_value_tiles(monkeypatch):
     monkeypatch.setattr(launch, "MAX_STATE_TILE", 8)  # BK 4: two value columns a program, three tiles
+    monkeypatch.setattr(launch, "MIN_DOT", 1)  # the interpreter's tl.dot takes tiles under 16
     assert run("lightning") < TOLERANCE
 
 
@@ -178,3 +181,44 @@ def test_gdn_kernels_equal_the_reference():
 @pytest.mark.parametrize("variant", ["row-offset", "swap"])
 def test_broken_variants_fail_by_a_wide_margin(kind, variant):
     assert run(kind, variant=variant) > 1e3 * TOLERANCE
+
+
+# Prefill rows of several chunks of 16 (the last one short, or of one token, or full), prefills continuing
+# from their stored state, a late join of one token, decode rows: the lightning kernel's chunked form
+# against the token recurrence.
+LONG_STEPS = [{0: 37, 1: 2}, {0: 21, 1: 35, 3: 1}, {0: 1, 1: 1, 3: 17}, {0: 16, 1: 32, 3: 1}]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_lightning_prefill_in_chunks_equals_the_token_recurrence(monkeypatch, dtype):
+    monkeypatch.setattr(launch, "PREFILL_CHUNK", 16)
+    assert run("lightning", dtype, steps=LONG_STEPS) < TOLERANCE
+
+
+# The kernel's source with one chunk-form term broken, loaded as a module of its own and launched
+# through the same entry point: each must fail by a wide margin.
+CHUNK_BREAKS = {
+    "non-causal": ("b_intra = tl.where(b_gap >= 0,", "b_intra = tl.where(b_gap >= -BT,"),
+    "full-chunk decay": ("b_s = _powers(b_log, f_c) * b_s", "b_s = _powers(b_log, f_c * 0 + BT) * b_s"),
+    "no S0 decay": ("* b_qdecay[:, None]", "* 1.0"),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(CHUNK_BREAKS))
+def test_broken_chunk_forms_fail_by_a_wide_margin(monkeypatch, tmp_path, variant):
+    import importlib.util
+    import inspect
+
+    from hybridkv.integrations.fastdeploy import kernels
+
+    old, new = CHUNK_BREAKS[variant]
+    source = inspect.getsource(kernels)
+    assert source.count(old) == 1
+    path = tmp_path / f"broken_{variant.replace(' ', '_').replace('-', '_')}.py"
+    path.write_text(source.replace(old, new))
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(kernels, "lightning_kernel", module.lightning_kernel)
+    monkeypatch.setattr(launch, "PREFILL_CHUNK", 16)
+    assert run("lightning", variant="chunk", steps=LONG_STEPS) > 1e3 * TOLERANCE

@@ -4,7 +4,8 @@ at the model sizes, without local-memory spills.
 Triton's interpreter accepts code the compiler rejects (tensor int-to-pointer casts, dtype constexprs,
 loops bounded by loaded values); this runs the real compiler and ``ptxas`` (no device needed) in a
 subprocess without TRITON_INTERPRET, with the tiles :mod:`hybridkv.integrations.fastdeploy.launch`
-chooses: MiniMax-M1 lightning (d 128, fp32 state), Qwen3-Next GDN (d_k = d_v = 128, two value heads per
+chooses: MiniMax-M1 lightning (d 128, fp32 state, prefill chunks of ``PREFILL_CHUNK`` tokens, its warps),
+Qwen3-Next GDN (d_k = d_v = 128, two value heads per
 key head, conv over 8,192 channels, bf16 window).
 """
 
@@ -23,7 +24,9 @@ SCRIPT = r"""
 import json
 import triton.language as tl
 from hybridkv.integrations.fastdeploy import kernels as K
-from hybridkv.integrations.fastdeploy.launch import MAX_CONV_CHANNELS, state_tiles
+from hybridkv.integrations.fastdeploy.launch import LIGHTNING_WARPS, MAX_CONV_CHANNELS, MIN_DOT, PREFILL_CHUNK
+from hybridkv.integrations.fastdeploy.launch import state_tiles
+from hybridkv.ops import ptx_check
 from hybridkv.ops.ptx_check import _compile
 
 meta = {"ptrs": "*i64", "table_ptr": "*i32", "cu_ptr": "*i32", "dec_ptr": "*i32"}
@@ -33,8 +36,11 @@ bk, bv = state_tiles(128, 128)
 out = {}
 sig = meta | {p: "*bf16" for p in ("q_ptr", "k_ptr", "v_ptr", "o_ptr")} | {"decay_ptr": "*fp32"}
 sig |= ints("stride_table", "stride_q_t", "stride_q_h", "stride_v_t", "stride_v_h", "stride_o_t", "stride_o_h") | addr
-consts = dict(DK=128, DV=128, BK=bk, BV=bv, DT=tl.float32, F64=False)
+consts = dict(DK=128, DV=128, BK=max(bk, MIN_DOT), BV=max(bv, MIN_DOT), BT=max(PREFILL_CHUNK, MIN_DOT), DT=tl.float32,
+              F64=False)
+warps, ptx_check.NUM_WARPS = ptx_check.NUM_WARPS, LIGHTNING_WARPS  # as launch.lightning launches it
 out["lightning"] = _compile(K.lightning_kernel, sig, consts, [], 90)
+ptx_check.NUM_WARPS = warps
 sig = meta | {p: "*bf16" for p in ("q_ptr", "k_ptr", "v_ptr")} | {"g_ptr": "*fp32", "beta_ptr": "*fp32"}
 sig |= {"o_ptr": "*bf16"}
 sig |= ints("stride_table", "stride_q_t", "stride_q_h", "stride_v_t", "stride_v_h", "stride_g_t", "stride_o_t",

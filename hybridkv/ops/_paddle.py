@@ -181,10 +181,13 @@ def read_state(pools: BlockPools, group: int, slot: int, spec: StateLayerSpec, b
         (at,) = to_place([np.flatnonzero(null[0])], pools.device)
         flat[at] = 0
     offsets = spec.component_offsets()
-    return {
-        c.name: flat[offsets[c.name] : offsets[c.name] + c.nbytes].view(paddle_dtype(c.dtype)).reshape(list(c.shape))
-        for c in spec.components
-    }
+    out = {}
+    for c in spec.components:
+        # a tensor of its own before the typed view: Paddle 3.3 reads a typed view of a slice at a byte
+        # offset from the wrong bytes
+        own = flat[offsets[c.name] : offsets[c.name] + c.nbytes].clone()
+        out[c.name] = own.view(paddle_dtype(c.dtype)).reshape(list(c.shape))
+    return out
 
 
 # ---- Triton on Paddle tensors (CUDA) ----------------------------------------------------------------

@@ -21,6 +21,7 @@ from hybridkv.ops._framework import (
     DeviceId,
     Framework,
     from_torch,
+    is_paddle_tensor,
     paddle_device,
     paddle_dtype,
     paddle_zeros,
@@ -213,10 +214,17 @@ def kv_view_shape(layout: Layout, spec: AttentionLayerSpec, value: bool) -> tupl
 
 
 def segment_kv_view(segments: Any, spec: AttentionLayerSpec, block_size: int) -> Any:
-    """Torch uint8 ``[n, num_blocks, segment_bytes]`` (``n`` consecutive segments of one layer slot)
-    seen as that layer's K or V: ``[num_blocks, kv_heads, block_size, head_dim]`` for ``n == 1``, else
-    ``[num_blocks, kv_heads, block_size, n, width]`` (:func:`kv_view_shape`). Same memory, same start."""
-    n, num_blocks = segments.shape[0], segments.shape[1]
+    """Torch or Paddle uint8 ``[n, num_blocks, segment_bytes]`` (``n`` consecutive segments of one layer
+    slot) seen as that layer's K or V: ``[num_blocks, kv_heads, block_size, head_dim]`` for ``n == 1``,
+    else ``[num_blocks, kv_heads, block_size, n, width]`` (:func:`kv_view_shape`). Same memory, same
+    start. A Paddle ``segments`` must start its allocation (Paddle 3.3 reads a typed view of a slice
+    at a byte offset from the wrong bytes; :func:`kv_cache_views` views the whole pool instead)."""
+    n, num_blocks = int(segments.shape[0]), int(segments.shape[1])
+    if is_paddle_tensor(segments):
+        if n and segments._offset() != 0:
+            raise ValueError("segment_kv_view: a Paddle segment run must start its allocation (offset 0)")
+        typed = segments if spec.dtype.itemsize == 1 or not n else segments.view(paddle_dtype(spec.dtype))
+        return _paddle_kv_view(typed, spec, block_size)
     if n == 0:  # zero-width values: an empty view of the right shape and dtype
         dtype = segments.dtype if spec.dtype.itemsize == 1 else torch_dtype(spec.dtype)
         return segments.new_empty((num_blocks, spec.num_kv_heads, block_size, 0), dtype=dtype)
@@ -243,26 +251,35 @@ def kv_cache_views(pools: BlockPools) -> list[Any]:
         return []
     views = []
     ks, vs = layout.key_segments, layout.value_segments
-    paddle_pool = pools.framework is Framework.PADDLE
     for slot, layer_id in enumerate(kv.layer_ids):
         if layer_id is None:
             continue
         spec = layout.model.layers[layer_id]
         assert isinstance(spec, AttentionLayerSpec)
         for cut in (slice(0, ks), slice(ks, ks + vs)):
-            if paddle_pool and cut.stop - cut.start == 1:  # Paddle's own view, no torch
-                views.append(_paddle_kv_view(pools.data[slot, cut.start], spec, layout.block_size))
+            if pools.framework is Framework.PADDLE:  # Paddle's own views, no torch
+                # the whole pool seen as the attention dtype, then sliced in elements: a typed view of
+                # an offset slice reads the wrong bytes in Paddle 3.3
+                typed = pools.data if spec.dtype.itemsize == 1 else pools.data.view(paddle_dtype(spec.dtype))
+                views.append(_paddle_kv_view(typed[slot, cut], spec, layout.block_size))
                 continue
             t = segment_kv_view(pools.torch_data[slot, cut], spec, layout.block_size)
             views.append(from_torch(t, pools.framework))
     return views
 
 
-def _paddle_kv_view(segment: Any, spec: AttentionLayerSpec, block_size: int) -> Any:
-    """Paddle uint8 ``[num_blocks, segment_bytes]`` seen as ``[num_blocks, kv_heads, block_size,
-    head_dim]`` of the attention dtype (uint8 for 1-byte KV). Same memory."""
-    t = segment if spec.dtype.itemsize == 1 else segment.view(paddle_dtype(spec.dtype))
-    return t.reshape([int(segment.shape[0]), spec.num_kv_heads, block_size, -1])
+def _paddle_kv_view(run: Any, spec: AttentionLayerSpec, block_size: int) -> Any:
+    """Paddle ``[n, num_blocks, segment_bytes / itemsize]`` of the attention dtype (uint8 for 1-byte KV):
+    ``n`` consecutive segments already typed, seen as :func:`segment_kv_view`'s shapes. Same memory."""
+    n, num_blocks = int(run.shape[0]), int(run.shape[1])
+    lead = [num_blocks, spec.num_kv_heads, block_size]
+    if n == 0:  # zero-width values: an empty tensor of the right shape and dtype
+        import paddle
+
+        return paddle.zeros([*lead, 0], dtype="uint8" if spec.dtype.itemsize == 1 else paddle_dtype(spec.dtype),
+                            device=run.place)  # fmt: skip
+    t = run.reshape([n, *lead, -1])
+    return t[0] if n == 1 else t.transpose([1, 2, 3, 0, 4])
 
 
 def read_state(pools: BlockPools, group: int, slot: int, blocks: Any) -> dict[str, Any]:

@@ -12,8 +12,9 @@ Every kernel is one launch per layer per step over all ``max_num_seqs`` batch sl
 tokens ``cu_seqlens_q[i] .. cu_seqlens_q[i + 1]`` (read on the device), from its stored state when
 ``seq_lens_decoder[i] > 0`` and from zero otherwise, and writes the new state in place. A slot without
 tokens, or whose state set starts with padding (-1) or the null block, reads and writes nothing and its
-outputs stay zero. There is no per-request Python loop and no host sync. The recurrences run token by
-token in fp32 (fp64 for fp64 states); the references are :mod:`.layers`' numpy paths (float64).
+outputs stay zero. There is no per-request Python loop and no host sync. The recurrences run in fp32
+(fp64 for fp64 states) token by token, except the lightning kernel's prefill rows, which run in chunks
+(:func:`lightning_kernel`); the references are :mod:`.layers`' numpy paths (float64).
 Variables follow the ops kernels: ``i_`` program ids, ``o_`` offsets, ``m_`` masks, ``p_`` pointers,
 ``b_`` register tiles.
 """
@@ -50,14 +51,28 @@ def _row_span(cu_ptr, dec_ptr, p_row, i_b):
 
 
 @triton.jit
+def _powers(b_log, x):
+    """``decay ** x`` for ``x >= 0`` from ``b_log = log(decay)``, with ``decay ** 0 = 1`` even for a zero
+    decay (whose log is -inf)."""
+    return tl.where(x == 0, 1.0, tl.exp(x * b_log))
+
+
+@triton.jit
 def lightning_kernel(
     ptrs, table_ptr, cu_ptr, dec_ptr, q_ptr, k_ptr, v_ptr, o_ptr, decay_ptr,
     stride_table, stride_q_t, stride_q_h, stride_v_t, stride_v_h, stride_o_t, stride_o_h,
     component_base, block_elems, segment_elems,
-    DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr, F64: tl.constexpr,
+    DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, DT: tl.constexpr,
+    F64: tl.constexpr,
 ):  # fmt: skip
     """Program ``(i_b, i_h, i_v)``: value columns ``i_v * BV ..`` of head ``i_h``'s state ``[d_k, d_v]``
-    of slot ``i_b``. Per token ``S <- decay_h S + k^T v``, ``o = q S``. ``k`` strides as ``q``."""
+    of slot ``i_b``. Per token ``S <- decay_h S + k^T v``, ``o = q S``. ``k`` strides as ``q``.
+
+    A row of one token (decode) steps once. A longer row (prefill) runs in chunks of ``BT`` tokens:
+    with ``S0`` the state before a chunk of ``c`` tokens and ``d = decay_h``, token ``t`` of the chunk
+    gets ``o_t = d^(t+1) q_t S0 + sum_{s <= t} d^(t-s) (q_t . k_s) v_s`` (intra-chunk attention) and
+    the chunk leaves ``S = d^c S0 + sum_s d^(c-1-s) k_s^T v_s`` (inter-chunk state): the token
+    recurrence unrolled, four ``tl.dot`` per chunk. ``BK``, ``BV``, ``BT`` at least 16 on a GPU."""
     i_b = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1)
     i_v = tl.program_id(2)
@@ -74,14 +89,40 @@ def lightning_kernel(
     m_s = m_s & (z + n > 0)
     b_s = tl.load(p_s, mask=m_s & (z + init > 0), other=0).to(cdt)
     b_decay = tl.load(decay_ptr + i_h).to(cdt)
-    for t in range(0, n):
-        tok = first + t
-        b_q = tl.load(q_ptr + tok * stride_q_t + i_h * stride_q_h + o_k, mask=m_k, other=0).to(cdt)
-        b_k = tl.load(k_ptr + tok * stride_q_t + i_h * stride_q_h + o_k, mask=m_k, other=0).to(cdt)
-        b_v = tl.load(v_ptr + tok * stride_v_t + i_h * stride_v_h + o_v, mask=m_v, other=0).to(cdt)
-        b_s = b_decay * b_s + b_k[:, None] * b_v[None, :]
-        b_o = tl.sum(b_q[:, None] * b_s, axis=0)
-        tl.store(o_ptr + tok * stride_o_t + i_h * stride_o_h + o_v, b_o.to(o_ptr.dtype.element_ty), mask=m_v)
+    if n > 1:  # prefill: chunk by chunk
+        b_log = tl.log(b_decay)
+        o_t = tl.arange(0, BT)
+        f_t = o_t.to(cdt)
+        b_gap = f_t[:, None] - f_t[None, :]  # t - s
+        b_intra = tl.where(b_gap >= 0, _powers(b_log, tl.maximum(b_gap, 0.0)), 0.0)  # causal, decayed
+        b_qdecay = _powers(b_log, f_t + 1)
+        for c in range(0, n, BT):
+            m_t = (c + o_t) < n
+            tok = first + c + o_t
+            m_qk = m_t[:, None] & m_k[None, :]
+            m_tv = m_t[:, None] & m_v[None, :]
+            p_qk = tok[:, None] * stride_q_t + i_h * stride_q_h + o_k[None, :]
+            b_q = tl.load(q_ptr + p_qk, mask=m_qk, other=0).to(cdt)
+            b_k = tl.load(k_ptr + p_qk, mask=m_qk, other=0).to(cdt)
+            b_v = tl.load(v_ptr + tok[:, None] * stride_v_t + i_h * stride_v_h + o_v[None, :], mask=m_tv,
+                          other=0).to(cdt)  # fmt: skip
+            b_a = tl.dot(b_q, tl.trans(b_k), input_precision="ieee") * b_intra
+            b_o = tl.dot(b_a, b_v, input_precision="ieee")
+            b_o += tl.dot(b_q, b_s, input_precision="ieee") * b_qdecay[:, None]
+            tl.store(o_ptr + tok[:, None] * stride_o_t + i_h * stride_o_h + o_v[None, :],
+                     b_o.to(o_ptr.dtype.element_ty), mask=m_tv)  # fmt: skip
+            f_c = tl.minimum(n - c, BT).to(cdt)  # tokens in this chunk (the last may be short)
+            b_w = tl.where(m_t, _powers(b_log, tl.maximum(f_c - 1 - f_t, 0.0)), 0.0)
+            b_s = _powers(b_log, f_c) * b_s + tl.dot(tl.trans(b_k * b_w[:, None]), b_v, input_precision="ieee")
+    else:  # decode: one token
+        for t in range(0, n):
+            tok = first + t
+            b_q = tl.load(q_ptr + tok * stride_q_t + i_h * stride_q_h + o_k, mask=m_k, other=0).to(cdt)
+            b_k = tl.load(k_ptr + tok * stride_q_t + i_h * stride_q_h + o_k, mask=m_k, other=0).to(cdt)
+            b_v = tl.load(v_ptr + tok * stride_v_t + i_h * stride_v_h + o_v, mask=m_v, other=0).to(cdt)
+            b_s = b_decay * b_s + b_k[:, None] * b_v[None, :]
+            b_o = tl.sum(b_q[:, None] * b_s, axis=0)
+            tl.store(o_ptr + tok * stride_o_t + i_h * stride_o_h + o_v, b_o.to(o_ptr.dtype.element_ty), mask=m_v)
     tl.store(p_s, b_s.to(DT), mask=m_s)
 
 

@@ -24,6 +24,9 @@ from hybridkv.planner.layout import Layout
 
 MAX_STATE_TILE = 2048  # state elements per program (as hybridkv.ops.lightning's decode kernel)
 MAX_CONV_CHANNELS = 256
+PREFILL_CHUNK = 16  # tokens per chunk of the lightning kernel's prefill rows (a power of two)
+MIN_DOT = 16  # tl.dot's smallest tile side on a GPU: the lightning kernel's tiles are padded to it
+LIGHTNING_WARPS = 8  # at d 128 and chunks of 16, 4 warps spill registers for sm_90 (fp32 dots); 8 do not
 _ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -149,12 +152,13 @@ def lightning(q: Any, k: Any, v: Any, slopes: Any, forward_meta: Any, slot: Stat
     ptrs, table, cu, dec, base, block_elems, seg_elems, dt = state_args(forward_meta, slot, layout, spec, comp.name)
     q, k, v = (_contiguous(x) for x in (q, k, v))
     out = output_like(v, tuple(int(d) for d in v.shape))
-    bk, bv = state_tiles(dk, dv)
+    bk, bv = (max(b, MIN_DOT) for b in state_tiles(dk, dv))
     grid = (int(dec.shape[0]), heads, -(-dv // bv))
     sq, sv = _strides(q), _strides(v)
     launch(lightning_kernel, grid, [ptrs, table, cu, dec, q, k, v, out, decay_row(slopes, ptrs)],
            [_strides(table)[0], sq[0], sq[1], sv[0], sv[1], sv[0], sv[1], base, block_elems, seg_elems],
-           DK=dk, DV=dv, BK=bk, BV=bv, DT=dt, F64=False)  # fmt: skip
+           DK=dk, DV=dv, BK=bk, BV=bv, BT=max(PREFILL_CHUNK, MIN_DOT), DT=dt, F64=False,
+           num_warps=LIGHTNING_WARPS)  # fmt: skip
     return out
 
 

@@ -228,7 +228,7 @@ def allocate_caches(
     and the side segments as three allocations when K and V take several segments), scale tensors for
     ``block_wise_fp8`` attention, and FastDeploy's ``caches`` list over them. ``num_layers`` defaults
     to the model's decoder layer count (FastDeploy's ``num_hidden_layers``; ``layout.num_decoder_layers``)
-    and may not be lower; ``framework`` ``"paddle"`` or ``"torch"`` (K, V of different widths: torch)."""
+    and may not be lower; ``framework`` ``"paddle"`` or ``"torch"``."""
     if not isinstance(layout, Layout):
         raise TypeError(f"allocate_caches needs a Layout, got {type(layout).__name__}")
     framework = _check_framework(framework)
@@ -239,8 +239,6 @@ def allocate_caches(
         raise ValueError(f"num_layers {n} is below the model's {layout.num_decoder_layers} layers")
     kv, attn, seg = layout.kv_group, _attention_spec(layout), (layout.num_blocks, layout.segment_bytes)
     runs = (layout.key_segments, layout.value_segments) if attn is not None else (1,)
-    if max(runs) > 1 and framework == "paddle":
-        raise ValueError("K and V of different widths (several segments each) are built for torch only")
     # the side run (per-token side tensors after V: indexer keys, positions) in one allocation of its own
     side = (layout.side_segments,) if attn is not None and layout.side_segments else ()
     segments, scales = [], []
@@ -295,10 +293,10 @@ def kv_cache_list(caches: FastDeployCaches) -> list[Any]:
             if n == 1:
                 shape = (layout.num_blocks, spec.num_kv_heads, layout.block_size, width)
                 out[at + v] = _view(t, "uint8" if spec.dtype.itemsize == 1 else spec.dtype.value, shape)
-            else:  # torch: t's allocation holds the n segments
+            else:  # t starts the allocation that holds the run's n segments (allocate_caches)
                 from hybridkv.ops.pools import segment_kv_view
 
-                run = t.as_strided((n, layout.num_blocks, seg), (layout.num_blocks * seg, seg, 1))
+                run = t.as_strided([n, layout.num_blocks, seg], [layout.num_blocks * seg, seg, 1])
                 out[at + v] = segment_kv_view(run, spec, layout.block_size)
         if stride == 4 and caches.scales[slot] is not None:
             out[at + 2], out[at + 3] = caches.scales[slot]  # type: ignore[misc]
