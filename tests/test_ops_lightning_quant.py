@@ -1,0 +1,213 @@
+"""Lightning decode / prefill in place over a quantized state (int8 / fp8 values then float32 scales in
+the set): the reference writes the bytes of gather (dequantize) -> float32 recurrence -> scatter
+(quantize) with the same seeds, the Triton kernels (``TRITON_INTERPRET=1``) the reference's bytes
+(decode) or within one quantization step (prefill: its block sums run in another order)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from hybridkv.models.spec import with_state_scales
+from hybridkv.ops import allocate_pools, allocate_state_buffers, gather_states, scatter_states
+from hybridkv.ops.addressing import state_byte_addresses
+from hybridkv.ops.lightning import (
+    lightning_decode,
+    lightning_decode_naive,
+    lightning_layer,
+    lightning_prefill,
+    lightning_prefill_varlen_naive,
+    lightning_slopes,
+    read_layer_states,
+    write_layer_states,
+)
+from hybridkv.ops.states import quant
+from hybridkv.ops.testing import fill_random_, interpreter_enabled, random_state_table, small_layout
+from hybridkv.planner.layout import NULL_BLOCK, plan
+
+needs_interpreter = pytest.mark.skipif(not interpreter_enabled(), reason="set TRITON_INTERPRET=1")
+BACKENDS = ["naive", pytest.param("triton", marks=needs_interpreter)]
+
+# name -> (small_layout kwargs, scale granularity)
+CASES = {
+    # two segments per block (attention K/V), an int8 [3, 4, 8] state and a bf16 conv after it
+    "int8_row": (dict(components=(("ssm", (3, 4, 8), "int8"), ("conv", (6, 3), "bfloat16"))), "row"),
+    # 40-byte blocks: rows and heads cross block boundaries, scales in the last block
+    "fp8_row": (dict(components=(("ssm", (2, 4, 8), "fp8"),), pattern="RRR", state_block_bytes=40), "row"),
+    "int8_head": (dict(components=(("ssm", (2, 4, 8), "int8"),), pattern="RRR", state_block_bytes=40), "head"),
+    "fp8_head_odd": (dict(components=(("ssm", (2, 3, 12), "fp8"),), pattern="RRR", state_block_bytes=40), "head"),
+}
+SEEDS = quant.rounding_seeds([5, 6, 7, 8], [100, 101, 102, 103])
+
+
+def _setup(case: str, batch: int = 4, null_rows=(1,)):
+    kwargs, scales = CASES[case]
+    layout = small_layout(**kwargs)
+    if scales != "row":
+        model = with_state_scales(layout.model, scales)
+        layout = plan(model, layout.budget_bytes, layout.block_size, state_block_bytes=kwargs.get("state_block_bytes"))
+    pools = fill_random_(allocate_pools(layout, "cpu"), 0)
+    table = torch.from_numpy(random_state_table(layout, batch, 1, null_rows=null_rows, extra_columns=1))
+    g, s = next(
+        (g, s) for g in range(layout.num_state_groups) for s in range(layout.group_size) if layout.state_layer(g, s)
+    )
+    layer = lightning_layer(pools, g, s)
+    gen = torch.Generator().manual_seed(2)
+    states = torch.randn(batch, layer.num_heads, layer.dk, layer.dv, generator=gen) * torch.logspace(-2, 1, layer.dv)
+    write_layer_states(pools, layer, table[g], states)
+    return layout, pools, table, layer
+
+
+def _qkv(t: int, layer, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(t, layer.num_heads, d, generator=gen) for d in (layer.dk, layer.dk, layer.dv)]
+
+
+def _component_mask(pools, layer, rows) -> torch.Tensor:
+    """bool over the layer slot's bytes: the component's values and scales in the (non-null) sets of ``rows``."""
+    address, null = state_byte_addresses(pools.layout, pools.num_blocks, rows.to(torch.int64), layer.state_bytes)
+    cut = slice(layer.component_offset, layer.component_offset + layer.stored_bytes)
+    mask = torch.zeros(pools.torch_data[layer.slot].numel(), dtype=torch.bool)
+    mask[address[:, cut][~null[:, cut]]] = True
+    return mask.view(pools.torch_data[layer.slot].shape)
+
+
+def _composed_decode(pools, table, layer, q, k, v, slopes, seeds):
+    """gather_states (dequantize into float32) -> the float32 decode -> scatter_states (quantize) of the group."""
+    buf = allocate_state_buffers(pools.layout, table.shape[1], device="cpu", compute_dtype="float32")
+    gather_states(pools, table, None, buf, backend="naive")
+    state = buf.layer(layer.group, layer.slot)["ssm"]
+    o = lightning_decode_naive(q, k, v, state, slopes)
+    scatter_states(pools, table, None, buf, backend="naive", seeds=seeds)
+    return o
+
+
+@pytest.mark.parametrize("stochastic", [False, True])
+@pytest.mark.parametrize("case", CASES)
+def test_reference_decode_writes_the_bytes_of_gather_recurrence_scatter(case, stochastic):
+    layout, pools, table, layer = _setup(case, null_rows=())
+    seeds = SEEDS if stochastic else None
+    q, k, v = _qkv(4, layer, 3)
+    slopes = lightning_slopes(layer.num_heads, 1, 3)
+    pools_c = allocate_pools(layout, "cpu")
+    pools_c.torch_data.copy_(pools.torch_data)
+    o_c = _composed_decode(pools_c, table, layer, q, k, v, slopes, seeds)
+    o = lightning_decode(pools, table, layer.group, layer.slot, q, k, v, slopes, backend="naive", seeds=seeds)
+    mask = _component_mask(pools, layer, table[layer.group])
+    assert torch.equal(pools.torch_data[layer.slot][mask], pools_c.torch_data[layer.slot][mask])
+    assert torch.allclose(o, o_c, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_decode_rewrites_every_scale_and_stays_within_half_a_step(case):
+    """Nearest rounding: every value of the new state within half its group's new step, so a stale or
+    per-tensor scale fails (the state grows past the old scales: v is large)."""
+    layout, pools, table, layer = _setup(case)
+    q, k, v = _qkv(4, layer, 4)
+    v = v * 50.0
+    slopes = lightning_slopes(layer.num_heads, 0, 3)
+    want = read_layer_states(pools, layer, table[layer.group])
+    lightning_decode_naive(q, k, v, want, slopes)
+    lightning_decode(pools, table, layer.group, layer.slot, q, k, v, slopes, backend="naive")
+    got = read_layer_states(pools, layer, table[layer.group])
+    for b in (0, 2, 3):
+        groups = want[b].reshape(-1, layer.scale_group)
+        step = groups.abs().amax(1, keepdim=True) / layer.stored.quant_max
+        if layer.stored.value == "int8":
+            bound = step / 2 * 1.0001 + 1e-7
+        else:
+            bound = torch.maximum(groups.abs() / 16, step * 448 * 2.0**-10) * 1.0001
+        assert ((got[b].reshape(-1, layer.scale_group) - groups).abs() <= bound).all()
+
+
+@needs_interpreter
+@pytest.mark.parametrize("stochastic", [False, True])
+@pytest.mark.parametrize("case", CASES)
+def test_triton_decode_writes_the_reference_bytes(case, stochastic):
+    seeds = SEEDS if stochastic else None
+    _, pools, table, layer = _setup(case)
+    _, pools_r, _, _ = _setup(case)
+    before = pools.torch_data.clone()
+    init = torch.tensor([True, True, False, True])
+    q, k, v = _qkv(4, layer, 5)
+    slopes = lightning_slopes(layer.num_heads, 2, 3)
+    args = (table, layer.group, layer.slot, q, k, v, slopes)
+    o = lightning_decode(pools, *args, has_initial_state=init, backend="triton", seeds=seeds)
+    o_r = lightning_decode(pools_r, *args, has_initial_state=init, backend="naive", seeds=seeds)
+    assert torch.equal(pools.torch_data, pools_r.torch_data)
+    assert torch.allclose(o, o_r, rtol=1e-5, atol=1e-5) and (o[1] == 0).all()
+    changed = pools.torch_data != before
+    live = table.clone()
+    live[:, 1] = NULL_BLOCK
+    assert not (changed[layer.slot] & ~_component_mask(pools, layer, live[layer.group])).any()
+    assert not changed[: layer.slot].any() and not changed[layer.slot + 1 :].any()
+
+
+def _prefill_inputs(layer):
+    lengths = [5, 0, 37, 3]
+    cu = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]))
+    q, k, v = _qkv(int(cu[-1]), layer, 6)
+    return cu, q, k * 0.3, v, torch.tensor([True, True, False, True])
+
+
+@pytest.mark.parametrize("stochastic", [False, True])
+@pytest.mark.parametrize("case", CASES)
+def test_reference_prefill_writes_the_bytes_of_gather_recurrence_scatter(case, stochastic):
+    layout, pools, table, layer = _setup(case, null_rows=(3,))
+    seeds = SEEDS if stochastic else None
+    cu, q, k, v, init = _prefill_inputs(layer)
+    slopes = lightning_slopes(layer.num_heads, 0, 3)
+    pools_c = allocate_pools(layout, "cpu")
+    pools_c.torch_data.copy_(pools.torch_data)
+    buf = allocate_state_buffers(layout, 4, device="cpu", compute_dtype="float32")
+    gather_states(pools_c, table, None, buf, backend="naive")
+    state = buf.layer(layer.group, layer.slot)["ssm"]
+    o_c = lightning_prefill_varlen_naive(q, k, v, cu, state, init, slopes, block_size=16)
+    live = table.clone()
+    live[:, [1, 3]] = NULL_BLOCK  # no tokens / a null row: nothing written
+    scatter_states(pools_c, live, None, buf, backend="naive", seeds=seeds)
+    slot = layer.slot
+    o = lightning_prefill(pools, table, layer.group, slot, q, k, v, cu, init, slopes, 16, backend="naive", seeds=seeds)
+    mask = _component_mask(pools, layer, live[layer.group])
+    assert torch.equal(pools.torch_data[slot][mask], pools_c.torch_data[slot][mask])
+    assert torch.allclose(o[: int(cu[3])], o_c[: int(cu[3])], rtol=1e-6, atol=1e-6)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("stochastic", [False, True])
+@pytest.mark.parametrize("case", CASES)
+def test_triton_prefill_is_within_one_step_of_the_reference(case, stochastic):
+    seeds = SEEDS if stochastic else None
+    _, pools, table, layer = _setup(case, null_rows=(3,))
+    _, pools_r, _, _ = _setup(case, null_rows=(3,))
+    before = pools.torch_data.clone()
+    cu, q, k, v, init = _prefill_inputs(layer)
+    slopes = lightning_slopes(layer.num_heads, 1, 3)
+    args = (table, layer.group, layer.slot, q, k, v, cu, init, slopes, 16)
+    o = lightning_prefill(pools, *args, backend="triton", seeds=seeds)
+    o_r = lightning_prefill(pools_r, *args, backend="naive", seeds=seeds)
+    assert torch.allclose(o, o_r, rtol=1e-4, atol=1e-4) and (o[int(cu[3]) :] == 0).all()
+    got = read_layer_states(pools, layer, table[layer.group])
+    want = read_layer_states(pools_r, layer, table[layer.group])
+    for b in (0, 2):
+        groups = want[b].reshape(-1, layer.scale_group)
+        step = groups.abs().amax(1, keepdim=True) / layer.stored.quant_max
+        bound = step * 1.001 if layer.stored.value == "int8" else torch.maximum(groups.abs() / 7, step * 0.01)
+        assert ((got[b].reshape(-1, layer.scale_group) - groups).abs() <= bound).all()
+    live = table.clone()
+    live[:, [1, 3]] = NULL_BLOCK
+    changed = pools.torch_data != before
+    assert not (changed[layer.slot] & ~_component_mask(pools, layer, live[layer.group])).any()
+    assert not changed[: layer.slot].any() and not changed[layer.slot + 1 :].any()
+
+
+def test_tensor_scales_and_a_state_dtype_are_refused():
+    layout = small_layout(components=(("ssm", (2, 4, 8), "int8"),), pattern="RRR", state_block_bytes=40)
+    tensor = plan(
+        with_state_scales(layout.model, "tensor"), layout.budget_bytes, layout.block_size, state_block_bytes=40
+    )
+    with pytest.raises(ValueError, match="row or head"):
+        lightning_layer(allocate_pools(tensor, "cpu"), 0, 0)
+    with pytest.raises(ValueError, match="row or head"):
+        lightning_layer(allocate_pools(layout, "cpu"), 0, 0, state_dtype=torch.float32)
