@@ -43,7 +43,9 @@ from hybridkv.integrations.fastdeploy import launch
 from hybridkv.integrations.fastdeploy import tensors as tensors_
 from hybridkv.integrations.fastdeploy.state import gather_state_bytes, scatter_state_bytes
 from hybridkv.integrations.fastdeploy.worker import PAD_BLOCK, StateLayerSlot
-from hybridkv.models.spec import RecurrentLayerSpec
+from hybridkv.models.spec import RecurrentLayerSpec, StateComponent
+from hybridkv.ops.states import quant_np
+from hybridkv.ops.states.quant import region_salt
 from hybridkv.planner.layout import Layout
 
 _NUMPY = {"float32": np.float32, "float64": np.float64, "float16": np.float16}
@@ -64,6 +66,35 @@ def _to_store(values: np.ndarray, dtype: str) -> np.ndarray:
         rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
         return rounded.view(np.uint8).reshape(len(values), -1)
     return values.astype(_NUMPY[dtype]).view(np.uint8).reshape(len(values), -1)
+
+
+def _decode(raw: np.ndarray, comp: StateComponent) -> np.ndarray:
+    """A component's stored bytes ``[B, nbytes]`` as float64 ``[B, numel]``: an int8 / fp8 one
+    dequantized (values times their float32 scales, :mod:`hybridkv.ops.states.quant_np`)."""
+    if comp.dtype.quantized:
+        with np.errstate(over="ignore", invalid="ignore"):  # a fresh row's stored bytes may be anything
+            return quant_np.decode(raw, comp.dtype, comp.numel, comp.scale_group).astype(np.float64)
+    return _from_store(raw, comp.dtype.value)
+
+
+def _encode(values: np.ndarray, comp: StateComponent, seeds: np.ndarray | None, salt: int) -> np.ndarray:
+    """float64 ``[B, numel]`` as the component's stored bytes; an int8 / fp8 one quantized from float32
+    per scale group, rounded stochastically with ``seeds`` ``[B]`` (None: to nearest)."""
+    if not comp.dtype.quantized:
+        return _to_store(values, comp.dtype.value)
+    u = 0.5 if seeds is None else quant_np.uniforms(seeds, salt, comp.numel)
+    return quant_np.encode(values.reshape(len(values), -1).astype(np.float32), comp.dtype, comp.scale_group, u)
+
+
+def row_seeds(forward_meta: Any, spans: Sequence[tuple[int, int, int, int]]) -> np.ndarray | None:
+    """Stochastic-rounding seeds ``[len(spans)]`` of the rows' new states, from (request, position
+    after this step) (:func:`~hybridkv.ops.states.quant.rounding_seeds`); None (round to nearest) when
+    ``forward_meta.state_request_ids`` (set by ``attach_worker``) is missing or a slot has no request."""
+    ids = getattr(forward_meta, "state_request_ids", None)
+    if ids is None or any(ids[slot] is None for slot, *_ in spans):
+        return None
+    keys = [quant_np.request_key(ids[slot]) for slot, *_ in spans]
+    return quant_np.rounding_seeds(keys, [start + n for _, _, n, start in spans])
 
 
 def _host(x: Any, what: str) -> np.ndarray:
@@ -124,7 +155,7 @@ def lightning_attention(
             f"lightning_attention: q, k [T, {heads}, {dk}] and v [T, {heads}, {dv}] expected, got "
             f"{list(qs)}, {list(ks)}, {list(vs)}"
         )
-    if launch.use_kernel(slot, backend):
+    if launch.use_kernel(slot, backend, comp.dtype.quantized):
         return launch.lightning(q, k, v, slopes, forward_meta, slot, layout, spec)
     qn, kn, vn = (tensors_.to_numpy(x).astype(np.float64) for x in (q, k, v))
     spans = row_spans(forward_meta)
@@ -143,14 +174,15 @@ def lightning_attention(
         return _as_output(out, v)
     offset, nbytes = spec.component_offsets()[comp.name], comp.nbytes
     old = tensors_.to_numpy(gather_state_bytes(slot, layout, rows, offset + nbytes))
-    states = _from_store(np.ascontiguousarray(old[:, offset:]), comp.dtype.value).reshape(len(live), heads, dk, dv)
+    states = _decode(np.ascontiguousarray(old[:, offset:]), comp).reshape(len(live), heads, dk, dv)
     for r, (_, first, n, start) in enumerate(spans):
         s = states[r] if start > 0 else np.zeros((heads, dk, dv))  # a fresh prompt starts from zero
         for t in range(first, first + n):
             s = decay * s + kn[t][:, :, None] * vn[t][:, None, :]
             out[t] = np.einsum("hk,hkv->hv", qn[t], s)
         states[r] = s
-    data = np.concatenate([old[:, :offset], _to_store(states.reshape(len(live), -1), comp.dtype.value)], axis=1)
+    new = _encode(states.reshape(len(live), -1), comp, row_seeds(forward_meta, spans), region_salt(layer_id, offset))
+    data = np.concatenate([old[:, :offset], new], axis=1)
     scatter_state_bytes(slot, layout, rows, data)
     return _as_output(out, v)
 
@@ -184,15 +216,15 @@ def _gdn_rows(forward_meta: Any, layer_id: int, num_tokens: int, what: str):
 def _component(spec: RecurrentLayerSpec, old: np.ndarray, name: str) -> np.ndarray:
     comp = spec.component(name)
     at = spec.component_offsets()[name]
-    values = _from_store(np.ascontiguousarray(old[:, at : at + comp.nbytes]), comp.dtype.value)
+    values = _decode(np.ascontiguousarray(old[:, at : at + comp.nbytes]), comp)
     return values.reshape(len(old), *comp.shape)
 
 
-def _store(slot, layout, spec, rows, old: np.ndarray, name: str, values: np.ndarray) -> None:
+def _store(slot, layout, spec, rows, old: np.ndarray, name: str, values: np.ndarray, seeds=None, layer_id=0) -> None:
     comp = spec.component(name)
     at = spec.component_offsets()[name]
     new = old.copy()
-    new[:, at : at + comp.nbytes] = _to_store(values.reshape(len(old), -1), comp.dtype.value)
+    new[:, at : at + comp.nbytes] = _encode(values.reshape(len(old), -1), comp, seeds, region_salt(layer_id, at))
     scatter_state_bytes(slot, layout, rows, new)
 
 
@@ -211,7 +243,7 @@ def gdn_conv(x: Any, weight: Any, forward_meta: Any, layer_id: int, backend: str
     xs, ws = tuple(int(d) for d in x.shape), tuple(int(d) for d in weight.shape)
     if len(xs) != 2 or xs[1] != dim or ws != (dim, taps + 1):
         raise ValueError(f"gdn_conv: x [T, {dim}] and weight [{dim}, {taps + 1}] expected, got {xs}, {ws}")
-    if launch.use_kernel(slot, backend):
+    if launch.use_kernel(slot, backend, spec.component("conv").dtype.quantized):
         return launch.conv(x, weight, forward_meta, slot, layout, spec)
     xn, w = tensors_.to_numpy(x).astype(np.float64), tensors_.to_numpy(weight).astype(np.float64)
     slot, layout, spec, spans, rows, old = _gdn_rows(forward_meta, layer_id, len(xn), "gdn_conv")
@@ -256,7 +288,7 @@ def gated_delta_rule(
         raise ValueError(f"gated_delta_rule: q, k [T, Hk, {dk}] and v [T, {hv}, {dv}] expected")
     if gs != (vs[0], hv) or bs != gs:
         raise ValueError(f"gated_delta_rule: g and beta [T, {hv}] expected, got {list(gs)}, {list(bs)}")
-    if launch.use_kernel(slot, backend):
+    if launch.use_kernel(slot, backend, spec.component("ssm").dtype.quantized):
         return launch.gated_delta(q, k, v, g, beta, dk**-0.5 if scale is None else scale, forward_meta, slot,
                                   layout, spec)  # fmt: skip
     qn, kn, vn, gn, bn = (tensors_.to_numpy(a).astype(np.float64) for a in (q, k, v, g, beta))
@@ -277,5 +309,5 @@ def gated_delta_rule(
             s = s + kn[t][:, :, None] * delta[:, None, :]
             out[t] = np.einsum("hk,hkv->hv", qn[t], s)
         states[r] = s
-    _store(slot, layout, spec, rows, old, "ssm", states)
+    _store(slot, layout, spec, rows, old, "ssm", states, row_seeds(forward_meta, spans), layer_id)
     return _as_output(out, v)
