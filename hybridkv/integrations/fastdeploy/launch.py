@@ -27,18 +27,13 @@ MAX_CONV_CHANNELS = 256
 _ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
-def use_kernel(slot: StateLayerSlot, backend: str, quantized: bool = False) -> bool:
+def use_kernel(slot: StateLayerSlot, backend: str) -> bool:
     """``backend``: ``"auto"`` (the kernel on CUDA when Triton is installed, the reference elsewhere),
     ``"triton"`` (the kernel: needs CUDA, or ``TRITON_INTERPRET=1`` and torch for CPU tensors) or
-    ``"naive"`` (the reference). A ``quantized`` (int8 / fp8) state has no layer kernel: ``"auto"``
-    takes the reference (on the host), ``"triton"`` raises ``ValueError``. Raises ``ValueError`` for
-    another name, ``RuntimeError`` for ``"triton"`` on CPU tensors without the interpreter."""
+    ``"naive"`` (the reference). Raises ``ValueError`` for another name, ``RuntimeError`` for
+    ``"triton"`` on CPU tensors without the interpreter."""
     if backend not in ("auto", "naive", "triton"):
         raise ValueError(f"backend must be 'auto', 'naive' or 'triton', got {backend!r}")
-    if quantized:
-        if backend == "triton":
-            raise ValueError("the layer kernels do not read int8 / fp8 states: use backend='naive' or 'auto'")
-        return False
     on_gpu = _device(slot.segments[0]).type == "cuda"
     if backend == "auto":
         return on_gpu and importlib.util.find_spec("triton") is not None

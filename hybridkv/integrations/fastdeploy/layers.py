@@ -29,7 +29,10 @@ Two paths, chosen by ``backend`` (``"auto"``: the kernel on CUDA, the reference 
   (:mod:`.state`), the recurrence in numpy (float64); it reads the step's fields on the host and
   raises ``ValueError`` for a slot with tokens but no state set, before anything is written.
 
-Neither imports torch for Paddle tensors.
+Neither imports torch for Paddle tensors. An int8 / fp8 state (values then float32 scales) is
+dequantized, run and written back quantized, rounded by (request, position) from
+``forward_meta.state_request_ids`` (:mod:`.kernels_quant`; the reference through
+:mod:`hybridkv.ops.states.quant_np`).
 """
 
 from __future__ import annotations
@@ -82,19 +85,22 @@ def _encode(values: np.ndarray, comp: StateComponent, seeds: np.ndarray | None, 
     per scale group, rounded stochastically with ``seeds`` ``[B]`` (None: to nearest)."""
     if not comp.dtype.quantized:
         return _to_store(values, comp.dtype.value)
-    u = 0.5 if seeds is None else quant_np.uniforms(seeds, salt, comp.numel)
+    u: np.ndarray | float = 0.5
+    if seeds is not None:  # a row without a request (seed -1) rounds to nearest
+        u = np.where((seeds < 0)[:, None], np.float32(0.5), quant_np.uniforms(seeds, salt, comp.numel))
     return quant_np.encode(values.reshape(len(values), -1).astype(np.float32), comp.dtype, comp.scale_group, u)
 
 
 def row_seeds(forward_meta: Any, spans: Sequence[tuple[int, int, int, int]]) -> np.ndarray | None:
     """Stochastic-rounding seeds ``[len(spans)]`` of the rows' new states, from (request, position
-    after this step) (:func:`~hybridkv.ops.states.quant.rounding_seeds`); None (round to nearest) when
-    ``forward_meta.state_request_ids`` (set by ``attach_worker``) is missing or a slot has no request."""
+    after this step) (:func:`~hybridkv.ops.states.quant.rounding_seeds`); -1 (round to nearest) for a
+    slot without a request id, None without ``forward_meta.state_request_ids`` (set by ``attach_worker``)."""
     ids = getattr(forward_meta, "state_request_ids", None)
-    if ids is None or any(ids[slot] is None for slot, *_ in spans):
+    if ids is None:
         return None
-    keys = [quant_np.request_key(ids[slot]) for slot, *_ in spans]
-    return quant_np.rounding_seeds(keys, [start + n for _, _, n, start in spans])
+    keys = [quant_np.request_key(ids[slot]) if ids[slot] is not None else 0 for slot, *_ in spans]
+    seeds = quant_np.rounding_seeds(keys, [start + n for _, _, n, start in spans])
+    return np.where([ids[slot] is None for slot, *_ in spans], -1, seeds).astype(np.int64)
 
 
 def _host(x: Any, what: str) -> np.ndarray:
@@ -155,7 +161,11 @@ def lightning_attention(
             f"lightning_attention: q, k [T, {heads}, {dk}] and v [T, {heads}, {dv}] expected, got "
             f"{list(qs)}, {list(ks)}, {list(vs)}"
         )
-    if launch.use_kernel(slot, backend, comp.dtype.quantized):
+    if launch.use_kernel(slot, backend):
+        if comp.dtype.quantized:
+            from hybridkv.integrations.fastdeploy import kernels_quant
+
+            return kernels_quant.lightning(q, k, v, slopes, forward_meta, slot, layout, spec, layer_id)
         return launch.lightning(q, k, v, slopes, forward_meta, slot, layout, spec)
     qn, kn, vn = (tensors_.to_numpy(x).astype(np.float64) for x in (q, k, v))
     spans = row_spans(forward_meta)
@@ -243,7 +253,7 @@ def gdn_conv(x: Any, weight: Any, forward_meta: Any, layer_id: int, backend: str
     xs, ws = tuple(int(d) for d in x.shape), tuple(int(d) for d in weight.shape)
     if len(xs) != 2 or xs[1] != dim or ws != (dim, taps + 1):
         raise ValueError(f"gdn_conv: x [T, {dim}] and weight [{dim}, {taps + 1}] expected, got {xs}, {ws}")
-    if launch.use_kernel(slot, backend, spec.component("conv").dtype.quantized):
+    if launch.use_kernel(slot, backend):
         return launch.conv(x, weight, forward_meta, slot, layout, spec)
     xn, w = tensors_.to_numpy(x).astype(np.float64), tensors_.to_numpy(weight).astype(np.float64)
     slot, layout, spec, spans, rows, old = _gdn_rows(forward_meta, layer_id, len(xn), "gdn_conv")
@@ -288,7 +298,12 @@ def gated_delta_rule(
         raise ValueError(f"gated_delta_rule: q, k [T, Hk, {dk}] and v [T, {hv}, {dv}] expected")
     if gs != (vs[0], hv) or bs != gs:
         raise ValueError(f"gated_delta_rule: g and beta [T, {hv}] expected, got {list(gs)}, {list(bs)}")
-    if launch.use_kernel(slot, backend, spec.component("ssm").dtype.quantized):
+    if launch.use_kernel(slot, backend) and spec.component("ssm").dtype.quantized:
+        from hybridkv.integrations.fastdeploy import kernels_quant
+
+        return kernels_quant.gated_delta(q, k, v, g, beta, dk**-0.5 if scale is None else scale, forward_meta, slot,
+                                         layout, spec, layer_id)  # fmt: skip
+    if launch.use_kernel(slot, backend):
         return launch.gated_delta(q, k, v, g, beta, dk**-0.5 if scale is None else scale, forward_meta, slot,
                                   layout, spec)  # fmt: skip
     qn, kn, vn, gn, bn = (tensors_.to_numpy(a).astype(np.float64) for a in (q, k, v, g, beta))
