@@ -73,6 +73,13 @@ def _component_mask(pools, layer, rows) -> torch.Tensor:
     return mask.view(pools.torch_data[layer.slot].shape)
 
 
+def _stored(pools, layer, rows) -> torch.Tensor:
+    """uint8 ``[B, component bytes]``: the component's stored values and scales of the sets ``rows``, in order."""
+    address, _ = state_byte_addresses(pools.layout, pools.num_blocks, rows.to(torch.int64), layer.state_bytes)
+    cut = slice(layer.component_offset, layer.component_offset + layer.stored_bytes)
+    return pools.torch_data[layer.slot].reshape(-1)[address[:, cut]]
+
+
 def _composed_decode(pools, table, layer, q, k, v, slopes, seeds):
     """gather_states (dequantize into float32) -> the float32 decode -> scatter_states (quantize) of the group."""
     buf = allocate_state_buffers(pools.layout, table.shape[1], device="cpu", compute_dtype="float32")
@@ -211,3 +218,32 @@ def test_tensor_scales_and_a_state_dtype_are_refused():
         lightning_layer(allocate_pools(tensor, "cpu"), 0, 0)
     with pytest.raises(ValueError, match="row or head"):
         lightning_layer(allocate_pools(layout, "cpu"), 0, 0, state_dtype=torch.float32)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", ["int8_row", "fp8_head_odd"])
+def test_prefill_exports_copy_the_stored_values_and_scales(backend, case):
+    """An export of a quantized state is the live set's stored bytes after the piece, values and scales
+    as they are: byte-equal to prefilling the row's first tokens on its own (same seeds), and the
+    live state after the row equals the same two pieces run one after the other."""
+    layout, pools, table, layer = _setup(case, batch=6, null_rows=())
+    _, pools_2, _, _ = _setup(case, batch=6, null_rows=())
+    live, spare = table[:, :3], table[:, 3:]
+    g, slot = layer.group, layer.slot
+    cu = torch.tensor([0, 9, 12, 26])
+    init = torch.tensor([True, False, True])
+    q, k, v = _qkv(26, layer, 7)
+    slopes = lightning_slopes(layer.num_heads, 0, 3)
+    seeds = SEEDS[:3]
+    lightning_prefill(pools, live, g, slot, q, k, v * 3, cu, init, slopes, 4, backend=backend, seeds=seeds,
+                      exports=[(2, 5, spare[:, 2])])  # fmt: skip
+    # the same row 2 in two calls: its first 5 tokens, then the rest
+    first = torch.cat([torch.arange(0, 9), torch.arange(9, 12), torch.arange(12, 17)])
+    lightning_prefill(pools_2, live, g, slot, q[first], k[first], v[first] * 3, torch.tensor([0, 9, 12, 17]), init,
+                      slopes, 4, backend=backend, seeds=seeds)  # fmt: skip
+    assert torch.equal(_stored(pools, layer, spare[g][2:3]), _stored(pools_2, layer, live[g][2:3]))
+    rest = torch.arange(17, 26)
+    none = torch.tensor([0, 0, 0, 9])
+    lightning_prefill(pools_2, live, g, slot, q[rest], k[rest], v[rest] * 3, none, torch.ones(3, dtype=torch.bool),
+                      slopes, 4, backend=backend, seeds=seeds)  # fmt: skip
+    assert torch.equal(_stored(pools, layer, live[g]), _stored(pools_2, layer, live[g]))
