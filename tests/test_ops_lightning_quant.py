@@ -247,3 +247,23 @@ def test_prefill_exports_copy_the_stored_values_and_scales(backend, case):
     lightning_prefill(pools_2, live, g, slot, q[rest], k[rest], v[rest] * 3, none, torch.ones(3, dtype=torch.bool),
                       slopes, 4, backend=backend, seeds=seeds)  # fmt: skip
     assert torch.equal(_stored(pools, layer, live[g]), _stored(pools_2, layer, live[g]))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_decode_into_other_sets_reads_the_live_ones_and_writes_only_its_outputs(backend):
+    """The speculative shape over an fp8 state: rows read their live sets and write other sets (a
+    null output set writes nothing); the written sets hold the bytes an in-place decode writes."""
+    _, pools, table, layer = _setup("fp8_row", batch=6, null_rows=())
+    _, pools_2, _, _ = _setup("fp8_row", batch=6, null_rows=())
+    live, out = table[:, :3], table[:, 3:].clone()
+    out[:, 1] = NULL_BLOCK
+    before = pools.torch_data.clone()
+    q, k, v = _qkv(3, layer, 8)
+    slopes = lightning_slopes(layer.num_heads, 1, 3)
+    g, slot = layer.group, layer.slot
+    o = lightning_decode(pools, live, g, slot, q, k, v, slopes, out_table=out, backend=backend, seeds=SEEDS[:3])
+    o_2 = lightning_decode(pools_2, live, g, slot, q, k, v, slopes, backend=backend, seeds=SEEDS[:3])
+    assert (o[1] == 0).all() and torch.allclose(o[[0, 2]], o_2[[0, 2]], rtol=1e-6, atol=1e-6)
+    assert torch.equal(_stored(pools, layer, out[g][[0, 2]]), _stored(pools_2, layer, live[g][[0, 2]]))
+    changed = pools.torch_data != before
+    assert not (changed[slot] & ~_component_mask(pools, layer, out[g])).any()
