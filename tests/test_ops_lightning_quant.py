@@ -129,9 +129,15 @@ def test_decode_rewrites_every_scale_and_stays_within_half_a_step(case):
 
 
 @needs_interpreter
+@pytest.mark.parametrize("tile", [None, 8])
 @pytest.mark.parametrize("stochastic", [False, True])
 @pytest.mark.parametrize("case", CASES)
-def test_triton_decode_writes_the_reference_bytes(case, stochastic):
+def test_triton_decode_writes_the_reference_bytes(case, stochastic, tile, monkeypatch):
+    """``tile`` 8: one state row per step of the program's loop (several steps; head scales: two passes)."""
+    if tile is not None:
+        from hybridkv.ops.lightning import kernel_quant
+
+        monkeypatch.setattr(kernel_quant, "MAX_DECODE_TILE", tile)
     seeds = SEEDS if stochastic else None
     _, pools, table, layer = _setup(case)
     _, pools_r, _, _ = _setup(case)

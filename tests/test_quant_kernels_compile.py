@@ -1,9 +1,10 @@
 """The int8 / fp8 state kernels (hybridkv.ops.lightning.kernel_quant, the FastDeploy layer kernels of
 hybridkv.integrations.fastdeploy.kernels_quant) compile for a real GPU target (sm_90, no device) with
 ptxas: the interpreter accepts code the compiler rejects. Every format and scale granularity at a small
-head (no spills); int8 row scales at d_k = d_v = 128, where one program holds a whole head (a row scale
-covers all of d_v) and spills: 9-33 KB stored to local memory per program at 4-8 warps, measured,
-not asserted, and not timed on a GPU.
+head, and int8 row scales at d_k = d_v = 128: the ops decode (a few whole rows at a time) without
+spills at d 128 (4 B at a 5 x 12 head); the prefill and the FastDeploy kernels, which hold a whole
+head (a row scale covers all of d_v), spill there (measured 5-33 KB stored to local memory per
+program): recorded, not asserted, and not timed on a GPU.
 """
 
 from __future__ import annotations
@@ -50,8 +51,8 @@ for kind in (0, 1):
                    "decay_ptr": "*fp32"}
             sig |= {n: "i32" for n in ("stride_in_b", "stride_out_b", "stride_q_b", "stride_q_h", "stride_v_b",
                                        "stride_v_h", "stride_o_b", "stride_o_h")} | geo
-            c = dict(DK=dk, DV=dv, BK=bk, BV=bv, KIND=kind, QMAX=127.0 if kind == 0 else 448.0, ROW=row,
-                     STOCHASTIC=True)
+            c = dict(DK=dk, DV=dv, BKR=LQ.decode_rows(dk, dv), BV=bv, KIND=kind, QMAX=127.0 if kind == 0 else 448.0,
+                     ROW=row, STOCHASTIC=True)
             out[f"ops decode k{kind} row{row} {dk}x{dv}"] = comp(LQ._decode_quant_kernel, sig, c, LQ.NUM_WARPS)
             sig = {"pool_ptr": "*u8", "table_ptr": "*i32", "init_ptr": "*i8", "seeds_ptr": "*i64", "cu_ptr": "*i32",
                    "q_ptr": "*fp32", "k_ptr": "*fp32", "v_ptr": "*fp32", "o_ptr": "*fp32", "log_decay_ptr": "*fp32"}
@@ -90,5 +91,7 @@ def test_the_quantized_state_kernels_compile_for_sm90():
     assert len(report) == 20
     for name, r in report.items():
         assert r["registers"] > 0, name
-        if name.endswith("5x12"):
+        if name.startswith("ops decode"):  # a few rows at a time: measured 0 B at d 128, 4 B at 5 x 12 (row scales)
+            assert r["spill_store_bytes"] <= 16, (name, r)
+        elif name.endswith("5x12"):
             assert (r["spill_store_bytes"], r["spill_load_bytes"], r["local_sass"]) == (0, 0, 0), (name, r)

@@ -3,8 +3,10 @@ then float32 scales inside the state set (the layout of :mod:`hybridkv.ops.state
 
 Program ``(b, h)`` owns the whole ``[d_k, d_v]`` state of head ``h`` of row ``b`` (a row scale covers
 all ``d_v`` values of a row, a head scale the whole head, so one program sees every value of the
-scales it rewrites). It reads the values and their scales, dequantizes (``q * scale``, float32), runs
-the recurrence in float32 exactly as :mod:`.kernel` does, then quantizes the new state: per scale
+scales it rewrites): the decode runs it a few whole rows at a time (head scales: a first pass finds
+the head's largest new magnitude), the prefill holds it whole across its token blocks. It reads the
+values and their scales, dequantizes (``q * scale``, float32), runs the recurrence in float32 exactly
+as :mod:`.kernel` does, then quantizes the new state: per scale
 group ``scale = max|S| / quant_max``, ``S / scale`` rounded to nearest or stochastically with the
 row's seed (the arithmetic of :mod:`hybridkv.ops.states.quant`, bit for bit, same hash and salt), and
 writes values and scales back. Byte addresses follow the layout's rule
@@ -27,7 +29,13 @@ if TYPE_CHECKING:
     import torch
 
 KIND_INT8, KIND_E4M3 = 0, 1
-NUM_WARPS = 8
+NUM_WARPS = 4
+MAX_DECODE_TILE = 1024  # state elements a decode step holds: no spills on sm_90 at d 128 (2048: 0.3 KB)
+
+
+def decode_rows(dk: int, dv: int) -> int:
+    """State rows a decode program runs at a time: whole rows (a row scale covers all of ``d_v``)."""
+    return max(1, min(triton.next_power_of_2(dk), MAX_DECODE_TILE // triton.next_power_of_2(dv)))
 
 
 @triton.jit
@@ -59,19 +67,24 @@ def _load(
 
 
 @triton.jit
-def _store(
-    pool_ptr, t_row, e, g, s, m_kv, m_k, write, seed, salt, state_offset, value_bytes, block_bytes, segment_bytes,
-    segment_stride, slot_base, KIND: tl.constexpr, QMAX: tl.constexpr, ROW: tl.constexpr, STOCHASTIC: tl.constexpr,
-):  # fmt: skip
-    """Quantize float32 ``s`` ``[BK, BV]`` (padding lanes ignored) and write values and scales where
-    ``write`` (``[1, BV]``) and the block is real."""
-    s = tl.where(m_kv, s, 0.0)
+def _scales(s, m_kv, QMAX: tl.constexpr, ROW: tl.constexpr):
+    """New scales ``[BK]`` of float32 ``s`` ``[BK, BV]`` (padding lanes ignored): each row's largest
+    magnitude over ``QMAX``, or (head scales) the tile's, on every lane."""
+    a = tl.abs(tl.where(m_kv, s, 0.0))
     if ROW:
-        scale = tl.max(tl.abs(s), axis=1) / QMAX  # [BK]
-    else:
-        scale = tl.max(tl.max(tl.abs(s), axis=1), axis=0) / QMAX + tl.zeros_like(g).to(tl.float32)
+        return tl.max(a, axis=1) / QMAX
+    return tl.max(tl.max(a, axis=1), axis=0) / QMAX + tl.zeros([s.shape[0]], dtype=tl.float32)
+
+
+@triton.jit
+def _store_values(
+    pool_ptr, t_row, e, s, scale, m_kv, write, seed, salt, state_offset, block_bytes, segment_bytes,
+    segment_stride, slot_base, KIND: tl.constexpr, STOCHASTIC: tl.constexpr,
+):  # fmt: skip
+    """Quantize float32 ``s`` ``[BK, BV]`` with ``scale`` ``[BK]`` and write the values where ``write``
+    (``[1, BV]``) and the block is real."""
     safe = tl.where(scale > 0, scale, 1.0)
-    v = tl.where(scale[:, None] > 0, s / safe[:, None], 0.0)
+    v = tl.where(scale[:, None] > 0, tl.where(m_kv, s, 0.0) / safe[:, None], 0.0)
     if STOCHASTIC:
         u = (_hash(_hash(e ^ salt) ^ seed) >> 8).to(tl.float32) * 5.9604644775390625e-08
     else:
@@ -82,11 +95,41 @@ def _store(
         bits = _e4m3_bits(_round_float(v, u, 3, -6, 448.0))
     a_v, blk = _address(state_offset + e, t_row, block_bytes, segment_bytes, segment_stride, slot_base)
     tl.store(pool_ptr + a_v, bits, mask=m_kv & blk & write)
+
+
+@triton.jit
+def _store_scales(
+    pool_ptr, t_row, g, scale, m, write, state_offset, value_bytes, block_bytes, segment_bytes, segment_stride,
+    slot_base,
+):  # fmt: skip
+    """Write ``scale`` ``[BK]`` at scale indices ``g`` where ``m`` and the row writes (``write`` ``[1, BV]``)."""
     o_s = state_offset + value_bytes + 4 * g
     a_s, blk_s = _address(o_s, t_row, block_bytes, segment_bytes, segment_stride, slot_base)
     w_k = tl.max(write.to(tl.int32), axis=1).to(tl.int1)  # [1] -> the row's flag for every lane
-    # head scales: every lane writes the same scale to the same address
-    tl.store(pool_ptr.to(tl.pointer_type(tl.float32)) + a_s // 4, scale, mask=m_k & blk_s & w_k)
+    tl.store(pool_ptr.to(tl.pointer_type(tl.float32)) + a_s // 4, scale, mask=m & blk_s & w_k)
+
+
+@triton.jit
+def _new_rows(
+    pool_ptr, p_in, k_row, b_v, b_decay, i_h, r0, live, init, state_offset, value_bytes, block_bytes,
+    segment_bytes, segment_stride, slot_base,
+    DK: tl.constexpr, DV: tl.constexpr, BKR: tl.constexpr, BV: tl.constexpr, KIND: tl.constexpr, ROW: tl.constexpr,
+):  # fmt: skip
+    """Rows ``r0 ..`` of head ``i_h``'s new state (``decay S + k^T v``, float32 ``[BKR, BV]``), with their
+    element and scale indices, row offsets and masks."""
+    o_k = r0 + tl.arange(0, BKR).to(tl.int64)
+    o_v = tl.arange(0, BV).to(tl.int64)
+    m_k = o_k < DK
+    m_kv = m_k[:, None] & (o_v < DV)[None, :]
+    # padding lanes address element 0 / scale 0 (masked): no table entry past the state is read
+    e = tl.where(m_kv, i_h * (DK * DV) + o_k[:, None] * DV + o_v[None, :], 0)
+    g = tl.where(m_k, _scale_index(i_h, o_k, DK, ROW), 0)
+    old = _load(
+        pool_ptr, p_in, e, g, m_kv & live & init, m_k, state_offset, value_bytes, block_bytes, segment_bytes,
+        segment_stride, slot_base, KIND,
+    )  # fmt: skip
+    b_k = tl.load(k_row + o_k, mask=m_k, other=0).to(tl.float32)
+    return b_decay * old + b_k[:, None] * b_v[None, :], e, g, o_k, m_k, m_kv
 
 
 @triton.jit
@@ -94,37 +137,53 @@ def _decode_quant_kernel(
     pool_ptr, in_table_ptr, out_table_ptr, init_ptr, seeds_ptr, q_ptr, k_ptr, v_ptr, o_ptr, decay_ptr,
     stride_in_b, stride_out_b, stride_q_b, stride_q_h, stride_v_b, stride_v_h, stride_o_b, stride_o_h,
     block_bytes, segment_bytes, segment_stride, slot_base, state_offset, value_bytes, salt,
-    DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, KIND: tl.constexpr,
+    DK: tl.constexpr, DV: tl.constexpr, BKR: tl.constexpr, BV: tl.constexpr, KIND: tl.constexpr,
     QMAX: tl.constexpr, ROW: tl.constexpr, STOCHASTIC: tl.constexpr,
 ):  # fmt: skip
+    """Program ``(b, h)`` runs head ``h``'s state ``BKR`` rows at a time (a row scale covers one row);
+    head scales take a first pass for the head's largest new magnitude, the old scale is read before
+    the new one is written."""
     i_b = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1).to(tl.int64)
-    o_k = tl.arange(0, BK).to(tl.int64)
     o_v = tl.arange(0, BV).to(tl.int64)
-    m_k, m_v = o_k < DK, o_v < DV
-    m_kv = m_k[:, None] & m_v[None, :]
+    m_v = o_v < DV
     p_in = in_table_ptr + i_b * stride_in_b
     p_out = out_table_ptr + i_b * stride_out_b
     live = (tl.load(p_out + o_v * 0) != 0)[None, :]
     init = (tl.load(init_ptr + i_b + o_v * 0) != 0)[None, :]
-    # padding lanes address element 0 / scale 0 (masked): no table entry past the state is read
-    e = tl.where(m_kv, i_h * (DK * DV) + o_k[:, None] * DV + o_v[None, :], 0)
-    g = tl.where(m_k, _scale_index(i_h, o_k, DK, ROW), 0)
-    b_s = _load(
-        pool_ptr, p_in, e, g, m_kv & live & init, m_k, state_offset, value_bytes, block_bytes, segment_bytes,
-        segment_stride, slot_base, KIND,
-    )  # fmt: skip
-    b_q = tl.load(q_ptr + i_b * stride_q_b + i_h * stride_q_h + o_k, mask=m_k, other=0).to(tl.float32)
-    b_k = tl.load(k_ptr + i_b * stride_q_b + i_h * stride_q_h + o_k, mask=m_k, other=0).to(tl.float32)
+    q_row = q_ptr + i_b * stride_q_b + i_h * stride_q_h
+    k_row = k_ptr + i_b * stride_q_b + i_h * stride_q_h
     b_v = tl.load(v_ptr + i_b * stride_v_b + i_h * stride_v_h + o_v, mask=m_v, other=0).to(tl.float32)
     b_decay = tl.load(decay_ptr + i_h).to(tl.float32)
-    b_s = b_decay * b_s + b_k[:, None] * b_v[None, :]
-    b_o = tl.sum(tl.where(live, b_q[:, None] * b_s, 0.0), axis=0)
     seed = tl.load(seeds_ptr + i_b).to(tl.int64) & 0xFFFFFFFF if STOCHASTIC else 0
-    _store(
-        pool_ptr, p_out, e, g, b_s, m_kv, m_k, live, seed, salt, state_offset, value_bytes, block_bytes,
-        segment_bytes, segment_stride, slot_base, KIND, QMAX, ROW, STOCHASTIC,
-    )  # fmt: skip
+    geo = (state_offset, value_bytes, block_bytes, segment_bytes, segment_stride, slot_base)
+    amax = tl.zeros([BKR], dtype=tl.float32)
+    if not ROW:  # the head's largest new magnitude first
+        for r0 in range(0, DK, BKR):
+            s, e, g, o_k, m_k, m_kv = _new_rows(
+                pool_ptr, p_in, k_row, b_v, b_decay, i_h, r0, live, init, *geo, DK, DV, BKR, BV, KIND, ROW
+            )
+            amax = tl.maximum(amax, _scales(s, m_kv, 1.0, ROW))
+    b_o = tl.zeros([BV], dtype=tl.float32)
+    for r0 in range(0, DK, BKR):
+        s, e, g, o_k, m_k, m_kv = _new_rows(
+            pool_ptr, p_in, k_row, b_v, b_decay, i_h, r0, live, init, *geo, DK, DV, BKR, BV, KIND, ROW
+        )
+        b_q = tl.load(q_row + o_k, mask=m_k, other=0).to(tl.float32)
+        b_o += tl.sum(tl.where(live, b_q[:, None] * s, 0.0), axis=0)
+        if ROW:
+            scale = _scales(s, m_kv, QMAX, ROW)
+        else:
+            scale = amax / QMAX
+        _store_values(
+            pool_ptr, p_out, e, s, scale, m_kv, live, seed, salt, state_offset, block_bytes, segment_bytes,
+            segment_stride, slot_base, KIND, STOCHASTIC,
+        )  # fmt: skip
+        if ROW:
+            _store_scales(pool_ptr, p_out, g, scale, m_k, live, *geo)
+    if not ROW:  # after every row was read with the old scale
+        o_k = tl.arange(0, BKR).to(tl.int64)
+        _store_scales(pool_ptr, p_out, i_h + o_k * 0, amax / QMAX, o_k == 0, live, *geo)
     tl.store(o_ptr + i_b * stride_o_b + i_h * stride_o_h + o_v, b_o.to(o_ptr.dtype.element_ty), mask=m_v)
 
 
@@ -184,9 +243,14 @@ def _prefill_quant_kernel(
         k_decay = tl.where(m_t, tl.exp(log_lam * tl.where(m_t, b_len - 1.0 - f_t, 0.0)), 0.0)
         b_s = tl.exp(log_lam * b_len) * b_s + tl.dot(tl.trans(b_k * k_decay[:, None]), b_v, input_precision=PRECISION)
     seed = tl.load(seeds_ptr + i_b).to(tl.int64) & 0xFFFFFFFF if STOCHASTIC else 0
-    _store(
-        pool_ptr, p_row, e, g, b_s, m_kv, m_k, live, seed, salt, state_offset, value_bytes, block_bytes,
-        segment_bytes, segment_stride, slot_base, KIND, QMAX, ROW, STOCHASTIC,
+    scale = _scales(b_s, m_kv, QMAX, ROW)
+    _store_values(
+        pool_ptr, p_row, e, b_s, scale, m_kv, live, seed, salt, state_offset, block_bytes, segment_bytes,
+        segment_stride, slot_base, KIND, STOCHASTIC,
+    )  # fmt: skip
+    _store_scales(  # head scales: every lane writes the same scale to the same address
+        pool_ptr, p_row, g, scale, m_k, live, state_offset, value_bytes, block_bytes, segment_bytes, segment_stride,
+        slot_base,
     )  # fmt: skip
 
 
@@ -219,7 +283,7 @@ def launch_decode(
         pool, in_table, out_table, has_initial_state, seeds if seeds is not None else in_table, q, k, v, o, decay,
         in_table.stride(0), out_table.stride(0), q.stride(0), q.stride(1), v.stride(0), v.stride(1),
         o.stride(0), o.stride(1), *args,
-        DK=dk, DV=dv, BK=triton.next_power_of_2(dk), BV=triton.next_power_of_2(dv), num_warps=NUM_WARPS, **consts,
+        DK=dk, DV=dv, BKR=decode_rows(dk, dv), BV=triton.next_power_of_2(dv), num_warps=NUM_WARPS, **consts,
     )  # fmt: skip
 
 
