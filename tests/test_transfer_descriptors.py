@@ -211,14 +211,56 @@ def test_minimax_m1_tp8_32k_counts():
     assert counts == {"paged": (624, 20, 12480, 204472320), "padded": (39, 20, 780, 204472320)}
 
 
+def quantized_states(pool: np.ndarray, layout, blocks) -> list[tuple[np.ndarray, np.ndarray]]:
+    """(value bytes, float32 scales) of every int8 / fp8 state component of the request, each read on
+    its own by the layout's rule (byte ``o`` of a state in block ``set[o // block_bytes]``, segment
+    ``o % block_bytes // segment_bytes``), in layer-slot order; empty for a model without them."""
+    out = []
+    for g, group in enumerate(layout.state_groups):
+        ids = blocks.state_blocks[g]
+        for slot, layer_id in enumerate(group.layer_ids):
+            if layer_id is None:
+                continue
+            spec = layout.model.layers[layer_id]
+            for c in spec.components:
+                if not c.dtype.quantized:
+                    continue
+                o = spec.component_offsets()[c.name] + np.arange(c.nbytes)
+                within = o % layout.block_bytes
+                raw = pool[slot][
+                    within // layout.segment_bytes, ids[o // layout.block_bytes], within % layout.segment_bytes
+                ]
+                out.append((raw[: c.value_bytes].copy(), raw[c.value_bytes :].copy().view(np.float32)))
+    return out
+
+
+def _same_states(a, b) -> bool:
+    return len(a) == len(b) and all(
+        np.array_equal(va, vb) and np.array_equal(sa.view(np.uint32), sb.view(np.uint32))
+        for (va, sa), (vb, sb) in zip(a, b, strict=True)
+    )
+
+
+STATE_DTYPES = ["bfloat16", "int8", "float8_e4m3fn"]
+
+
 @settings(
     max_examples=int(os.environ.get("HYBRIDKV_HYPOTHESIS_EXAMPLES", "30")),
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
-@given(st.integers(0, 60), st.permutations(list(range(1, 60))), st.sampled_from(["paged", "padded"]))
-def test_any_ids_move_byte_exact(num_tokens, perm, kind):
-    layout = mini_layout(mini_mamba2(), 60, kind)
+@given(
+    st.integers(0, 60),
+    st.permutations(list(range(1, 60))),
+    st.sampled_from(["paged", "padded"]),
+    st.sampled_from(STATE_DTYPES),
+)
+def test_any_ids_move_byte_exact(num_tokens, perm, kind, state_dtype):
+    """Any source and destination ids, any state dtype: an int8 / fp8 state arrives with its values
+    and its float32 scales byte for byte (they are bytes of the state set like any other)."""
+    from hybridkv.models.spec import with_state_dtype
+
+    layout = mini_layout(with_state_dtype(mini_mamba2(), state_dtype), 60, kind)
     n = layout.footprint(num_tokens).num_blocks
     src_ids, dst_ids = np.arange(1, n + 1), np.asarray(perm[:n])
     src, dst = seeded_pool(layout, 1), seeded_pool(layout, 2)
@@ -228,8 +270,38 @@ def test_any_ids_move_byte_exact(num_tokens, perm, kind):
     pairs = pair_descriptors(regions_of_array(layout, src), sb, dst_regions, db)
     copy_pairs([src.reshape(-1)], [dst.reshape(-1)], pairs)
     assert reference_bytes(dst, layout, db) == reference_bytes(src, layout, sb)
+    states = quantized_states(src, layout, sb)
+    assert len(states) == (4 if state_dtype != "bfloat16" else 0) * (n > 0)
+    assert _same_states(quantized_states(dst, layout, db), states)
     untouched = ~covered_mask(dst_regions, pairs.dst)[0]
     assert np.array_equal(dst.reshape(-1)[untouched], before.reshape(-1)[untouched])
+
+
+@pytest.mark.parametrize("state_dtype", ["int8", "float8_e4m3fn"])
+@pytest.mark.parametrize("kind", ["paged", "padded"])
+def test_a_transfer_that_drops_the_scales_bytes_fails_the_check(state_dtype, kind):
+    """The same copy with the destination's scale bytes left as they were (a mover that sized the
+    state by its values): the values still match, the scales do not, and both checks say so."""
+    from hybridkv.models.spec import with_state_dtype
+
+    layout = mini_layout(with_state_dtype(mini_mamba2(), state_dtype), 60, kind)
+    src_m, dst_m, export, imp, src, dst, before, pairs, _ = transfer(layout, layout, 13)
+    good = quantized_states(dst, layout, imp.blocks)
+    assert _same_states(good, quantized_states(src, layout, export.blocks)) and len(good) == 4
+    for g, group in enumerate(layout.state_groups):  # put the destination's old scale bytes back
+        for slot, layer_id in enumerate(group.layer_ids):
+            if layer_id is None:
+                continue
+            spec = layout.model.layers[layer_id]
+            c = spec.component("ssm")
+            o = spec.component_offsets()["ssm"] + np.arange(c.value_bytes, c.nbytes)
+            within = o % layout.block_bytes
+            at = (within // layout.segment_bytes, imp.blocks.state_blocks[g][o // layout.block_bytes])
+            dst[slot][(*at, within % layout.segment_bytes)] = before[slot][(*at, within % layout.segment_bytes)]
+    dropped = quantized_states(dst, layout, imp.blocks)
+    assert all(np.array_equal(v, gv) for (v, _), (gv, _) in zip(dropped, good, strict=True))
+    assert not _same_states(dropped, good)
+    assert reference_bytes(dst, layout, imp.blocks) != reference_bytes(src, layout, export.blocks)
 
 
 def test_docs_transfer_python_snippet_runs_as_written(tmp_path):
@@ -267,8 +339,9 @@ def _model(kv_dtype="bfloat16", ssm_dtype="bfloat16", name="mini-mamba2"):
             r"components\[0\]\.dtype: here 'bfloat16', peer 'float16'",
         ),
         (dict(kv_dtype="fp8"), dict(kv_dtype="block_wise_fp8"), r"kv_scale_dtype: here None, peer 'float32'"),
+        (dict(ssm_dtype="int8"), dict(ssm_dtype="fp8"), r"components\[0\]\.dtype: here 'int8', peer 'float8_e4m3fn'"),
     ],
-    ids=["kv-bf16-vs-fp16", "kv-int8-vs-fp8", "state-bf16-vs-fp16", "kv-scales"],
+    ids=["kv-bf16-vs-fp16", "kv-int8-vs-fp8", "state-bf16-vs-fp16", "kv-scales", "state-int8-vs-fp8"],
 )
 def test_layout_signature_covers_every_kv_and_state_dtype(here, peer, expect):
     """Same model name, same byte sizes, another element type: every path that meets a peer's layout

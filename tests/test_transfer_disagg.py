@@ -5,6 +5,7 @@ import pytest
 
 from hybridkv.blockmgr.errors import DuplicateRequestError, RequestTooLargeError, UnknownRequestError
 from hybridkv.blockmgr.transfer_plans import RequestBlocks
+from hybridkv.models.spec import with_state_dtype
 from hybridkv.scheduler_adapter.cost import PreemptionMode
 from hybridkv.scheduler_adapter.disagg import DecodeRole, PrefillRole
 from hybridkv.scheduler_adapter.requests import StepOutputs
@@ -14,6 +15,7 @@ from hybridkv.transfer.errors import HandoffRefusedError
 from hybridkv.transfer.handoff import BlocksMessage, notification_for
 from hybridkv.transfer.loopback import LoopbackEngine, LoopbackHub, connect_pair, regions_of_array
 from hybridkv.transfer.testing import mini_layout, mini_mamba2, mini_minimax, reference_bytes, seeded_pool
+from tests.test_transfer_descriptors import _same_states, quantized_states
 
 
 def sample(plan, token=7):
@@ -32,8 +34,20 @@ def roles(model=mini_minimax, num_blocks=200, config=None, num_host_blocks=200):
     return layout, src, dst, prefill, decode, p_engine, d_engine
 
 
-@pytest.mark.parametrize("model", [mini_minimax, mini_mamba2])
+def mini_mamba2_int8():
+    """mini_mamba2 with its ssm state int8 (values then float32 row scales in the set)."""
+    return with_state_dtype(mini_mamba2(), "int8")
+
+
+def mini_minimax_fp8():
+    """mini_minimax with its lightning state float8_e4m3fn (values then float32 row scales)."""
+    return with_state_dtype(mini_minimax(), "fp8")
+
+
+@pytest.mark.parametrize("model", [mini_minimax, mini_mamba2, mini_mamba2_int8, mini_minimax_fp8])
 def test_requests_prefill_here_and_decode_there(model):
+    """Splitwise prefill -> decode: every hand-off's bytes arrive as they were, an int8 / fp8 state's
+    values and scales included (checked on their own as well)."""
     layout, src, dst, prefill, decode, p_engine, d_engine = roles(model)
     prompts = {"a": list(range(100, 130)), "b": 45, "c": list(range(9))}  # chunked: 32 tokens per step
     for rid, prompt in prompts.items():
@@ -49,6 +63,11 @@ def test_requests_prefill_here_and_decode_there(model):
         offered = BlocksMessage.from_bytes(h.offer).blocks
         plan = decode.pull(d_engine, "prefill", h, max_new_tokens=4, timeout_s=1.0)
         assert reference_bytes(dst, layout, plan.blocks) == reference_bytes(src, layout, offered)
+        states = quantized_states(src, layout, offered)
+        assert len(states) == (
+            0 if model in (mini_minimax, mini_mamba2) else {"mini-mamba2": 4}.get(layout.model.name, 14)
+        )
+        assert _same_states(quantized_states(dst, layout, plan.blocks), states)
         assert h.first_token == ord("x") and not h.stopped
     assert sorted(prefill.settle(p_engine, "decode")) == ["a", "b", "c"]
     assert prefill.num_pending_handoffs == 0 and not prefill.manager.requests

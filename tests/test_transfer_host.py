@@ -25,6 +25,7 @@ from hybridkv.blockmgr.prefix import CheckpointPolicy, PrefixCacheConfig
 from hybridkv.blockmgr.transfer_host import PrefixNotCachedError, export_prefix, exportable_tokens
 from hybridkv.blockmgr.transfer_plans import RequestBlocks
 from hybridkv.errors import RequestStateError
+from hybridkv.models.spec import with_state_dtype
 from hybridkv.transfer import MemoryKind, PoolRegions, TransferError, pair_tiered_descriptors
 from hybridkv.transfer.loopback import (
     LoopbackEngine,
@@ -39,6 +40,7 @@ from hybridkv.transfer.prefix_handoff import finish_prefix_export, offer_prefix,
 from hybridkv.transfer.testing import mini_layout, mini_mamba2, mini_minimax, reference_bytes, seeded_pool
 
 from .test_manager_atomic import snapshot
+from .test_transfer_descriptors import STATE_DTYPES, _same_states, quantized_states
 
 TIER = PrefixCacheConfig(CheckpointPolicy.EVERY_N_BLOCKS, every_n=2, host_tier=True)
 A = list(range(100, 124))  # 6 blocks of 4 tokens: checkpoints at 8 and 16 (every 2 blocks)
@@ -423,8 +425,10 @@ def test_block_major_regions_address_the_ops_host_pool():
 @given(st.data())
 def test_any_split_between_device_and_host_moves_the_same_bytes(data):
     """A request's ids drawn at random, each in the device pool or in the host pool (holding the same
-    bytes as the device block would): the tiered pairs move what one pool's pairs would."""
-    layout = mini_layout(data.draw(st.sampled_from([mini_minimax, mini_mamba2]))(), 40)
+    bytes as the device block would): the tiered pairs move what one pool's pairs would, for any state
+    dtype (an int8 / fp8 state's values and float32 scales checked on their own too)."""
+    model = data.draw(st.sampled_from([mini_minimax, mini_mamba2]))()
+    layout = mini_layout(with_state_dtype(model, data.draw(st.sampled_from(STATE_DTYPES))), 40)
     src, dst = seeded_pool(layout, 3), seeded_pool(layout, 4)
     host = host_pool_array(layout, 40)
     n_tok = data.draw(st.integers(1, 24))
@@ -446,6 +450,7 @@ def test_any_split_between_device_and_host_moves_the_same_bytes(data):
     copy_pairs([src.reshape(-1)], [dst.reshape(-1)], pairs.device)
     copy_pairs([host.reshape(-1)], [dst.reshape(-1)], pairs.host)
     assert reference_bytes(dst, layout, blocks(dst_ids)) == reference_bytes(src, layout, blocks(ids))
+    assert _same_states(quantized_states(dst, layout, blocks(dst_ids)), quantized_states(src, layout, blocks(ids)))
     with pytest.raises(TransferError):
         pair_tiered_descriptors(r_dev, r_host, blocks(src_ids), on_host[:-1], r_dst, blocks(dst_ids))
 

@@ -22,7 +22,10 @@ one layer's states of a full batch, ``1 / num_gdn_layers`` of the slot pool, and
 every staged state twice (gather, write back): the cost of running FLA's slot-indexed kernels over
 paged state until they take per-segment block tables (docs/fastdeploy.md, W5).
 
-The index moves run in the caches' framework (Paddle: no torch).
+The index moves run in the caches' framework (Paddle: no torch). An int8 / fp8 ``ssm`` state is
+staged as float32: dequantized when gathered, quantized per scale group (rounded to nearest: the
+pool does not know the rows' positions) when written back, both on the host
+(:mod:`hybridkv.ops.states.quant_np`).
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from hybridkv.integrations.fastdeploy.worker import (
     _zeros,
 )
 from hybridkv.models.spec import RecurrentLayerSpec
+from hybridkv.ops.states import quant_np
 
 PAD_SLOT_ID = -1
 """``gdn_slot_ids`` of a batch row without a request (PR #7074's ``PAD_SLOT_ID``)."""
@@ -87,7 +91,8 @@ class HybridGDNStatePool:
         self._nbytes = spec.state_bytes
         rows = tables.max_num_seqs + 1
         fw, dev = caches.framework, caches.device
-        self.ssm_staging = _zeros(fw, (rows, *self._ssm.shape), self._ssm.dtype.value, dev)
+        staged = "float32" if self._ssm.dtype.quantized else self._ssm.dtype.value
+        self.ssm_staging = _zeros(fw, (rows, *self._ssm.shape), staged, dev)
         self.conv_staging = _zeros(fw, (rows, *self._conv.shape), self._conv.dtype.value, dev)
         self.slot_ids = _zeros(fw, (tables.max_num_seqs,), "int32", dev)
         self.slot_ids[...] = PAD_SLOT_ID
@@ -166,7 +171,12 @@ class HybridGDNStatePool:
         ssm, conv = self.ssm_staging, self.conv_staging
         at = tensors_.index(ssm, self._live + 1)
         n, o = int(self._live.size), self._offsets
-        ssm_b = tensors_.view_dtype(tensors_.reshape(ssm[at], (n, -1)), "uint8")
+        if self._ssm.dtype.quantized:
+            values = tensors_.to_numpy(tensors_.reshape(ssm[at], (n, -1)))
+            c = self._ssm
+            ssm_b = tensors_.to_like(quant_np.encode(values, c.dtype, c.scale_group), ssm)
+        else:
+            ssm_b = tensors_.view_dtype(tensors_.reshape(ssm[at], (n, -1)), "uint8")
         conv_b = tensors_.view_dtype(tensors_.reshape(conv[at], (n, -1)), "uint8")
         pieces = []
         for name, part in sorted((("ssm", ssm_b), ("conv", conv_b)), key=lambda item: o[item[0]]):
@@ -192,7 +202,12 @@ class HybridGDNStatePool:
         """Flat state bytes ``[B, nbytes]`` -> (ssm ``[B, H, K, V]``, conv ``[B, conv_dim, kernel - 1]``),
         in the staging buffers' framework."""
         o, b = self._offsets, int(data.shape[0])
-        ssm = tensors_.view_dtype(data[:, o["ssm"] : o["ssm"] + self._ssm.nbytes].contiguous(), self._ssm.dtype.value)
+        raw = data[:, o["ssm"] : o["ssm"] + self._ssm.nbytes].contiguous()
+        if self._ssm.dtype.quantized:
+            c = self._ssm
+            ssm = tensors_.to_like(quant_np.decode(tensors_.to_numpy(raw), c.dtype, c.numel, c.scale_group), raw)
+        else:
+            ssm = tensors_.view_dtype(raw, self._ssm.dtype.value)
         conv = data[:, o["conv"] : o["conv"] + self._conv.nbytes].contiguous()
         conv = tensors_.view_dtype(conv, self._conv.dtype.value)
         return tensors_.reshape(ssm, (b, *self._ssm.shape)), tensors_.reshape(conv, (b, *self._conv.shape))

@@ -29,7 +29,10 @@ Two paths, chosen by ``backend`` (``"auto"``: the kernel on CUDA, the reference 
   (:mod:`.state`), the recurrence in numpy (float64); it reads the step's fields on the host and
   raises ``ValueError`` for a slot with tokens but no state set, before anything is written.
 
-Neither imports torch for Paddle tensors.
+Neither imports torch for Paddle tensors. An int8 / fp8 state (values then float32 scales) is
+dequantized, run and written back quantized, rounded by (request, position) from
+``forward_meta.state_request_ids`` (:mod:`.kernels_quant`; the reference through
+:mod:`hybridkv.ops.states.quant_np`).
 """
 
 from __future__ import annotations
@@ -43,7 +46,9 @@ from hybridkv.integrations.fastdeploy import launch
 from hybridkv.integrations.fastdeploy import tensors as tensors_
 from hybridkv.integrations.fastdeploy.state import gather_state_bytes, scatter_state_bytes
 from hybridkv.integrations.fastdeploy.worker import PAD_BLOCK, StateLayerSlot
-from hybridkv.models.spec import RecurrentLayerSpec
+from hybridkv.models.spec import RecurrentLayerSpec, StateComponent
+from hybridkv.ops.states import quant_np
+from hybridkv.ops.states.quant import region_salt
 from hybridkv.planner.layout import Layout
 
 _NUMPY = {"float32": np.float32, "float64": np.float64, "float16": np.float16}
@@ -64,6 +69,38 @@ def _to_store(values: np.ndarray, dtype: str) -> np.ndarray:
         rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
         return rounded.view(np.uint8).reshape(len(values), -1)
     return values.astype(_NUMPY[dtype]).view(np.uint8).reshape(len(values), -1)
+
+
+def _decode(raw: np.ndarray, comp: StateComponent) -> np.ndarray:
+    """A component's stored bytes ``[B, nbytes]`` as float64 ``[B, numel]``: an int8 / fp8 one
+    dequantized (values times their float32 scales, :mod:`hybridkv.ops.states.quant_np`)."""
+    if comp.dtype.quantized:
+        with np.errstate(over="ignore", invalid="ignore"):  # a fresh row's stored bytes may be anything
+            return quant_np.decode(raw, comp.dtype, comp.numel, comp.scale_group).astype(np.float64)
+    return _from_store(raw, comp.dtype.value)
+
+
+def _encode(values: np.ndarray, comp: StateComponent, seeds: np.ndarray | None, salt: int) -> np.ndarray:
+    """float64 ``[B, numel]`` as the component's stored bytes; an int8 / fp8 one quantized from float32
+    per scale group, rounded stochastically with ``seeds`` ``[B]`` (None: to nearest)."""
+    if not comp.dtype.quantized:
+        return _to_store(values, comp.dtype.value)
+    u: np.ndarray | float = 0.5
+    if seeds is not None:  # a row without a request (seed -1) rounds to nearest
+        u = np.where((seeds < 0)[:, None], np.float32(0.5), quant_np.uniforms(seeds, salt, comp.numel))
+    return quant_np.encode(values.reshape(len(values), -1).astype(np.float32), comp.dtype, comp.scale_group, u)
+
+
+def row_seeds(forward_meta: Any, spans: Sequence[tuple[int, int, int, int]]) -> np.ndarray | None:
+    """Stochastic-rounding seeds ``[len(spans)]`` of the rows' new states, from (request, position
+    after this step) (:func:`~hybridkv.ops.states.quant.rounding_seeds`); -1 (round to nearest) for a
+    slot without a request id, None without ``forward_meta.state_request_ids`` (set by ``attach_worker``)."""
+    ids = getattr(forward_meta, "state_request_ids", None)
+    if ids is None:
+        return None
+    keys = [quant_np.request_key(ids[slot]) if ids[slot] is not None else 0 for slot, *_ in spans]
+    seeds = quant_np.rounding_seeds(keys, [start + n for _, _, n, start in spans])
+    return np.where([ids[slot] is None for slot, *_ in spans], -1, seeds).astype(np.int64)
 
 
 def _host(x: Any, what: str) -> np.ndarray:
@@ -125,6 +162,10 @@ def lightning_attention(
             f"{list(qs)}, {list(ks)}, {list(vs)}"
         )
     if launch.use_kernel(slot, backend):
+        if comp.dtype.quantized:
+            from hybridkv.integrations.fastdeploy import kernels_quant
+
+            return kernels_quant.lightning(q, k, v, slopes, forward_meta, slot, layout, spec, layer_id)
         return launch.lightning(q, k, v, slopes, forward_meta, slot, layout, spec)
     qn, kn, vn = (tensors_.to_numpy(x).astype(np.float64) for x in (q, k, v))
     spans = row_spans(forward_meta)
@@ -143,14 +184,15 @@ def lightning_attention(
         return _as_output(out, v)
     offset, nbytes = spec.component_offsets()[comp.name], comp.nbytes
     old = tensors_.to_numpy(gather_state_bytes(slot, layout, rows, offset + nbytes))
-    states = _from_store(np.ascontiguousarray(old[:, offset:]), comp.dtype.value).reshape(len(live), heads, dk, dv)
+    states = _decode(np.ascontiguousarray(old[:, offset:]), comp).reshape(len(live), heads, dk, dv)
     for r, (_, first, n, start) in enumerate(spans):
         s = states[r] if start > 0 else np.zeros((heads, dk, dv))  # a fresh prompt starts from zero
         for t in range(first, first + n):
             s = decay * s + kn[t][:, :, None] * vn[t][:, None, :]
             out[t] = np.einsum("hk,hkv->hv", qn[t], s)
         states[r] = s
-    data = np.concatenate([old[:, :offset], _to_store(states.reshape(len(live), -1), comp.dtype.value)], axis=1)
+    new = _encode(states.reshape(len(live), -1), comp, row_seeds(forward_meta, spans), region_salt(layer_id, offset))
+    data = np.concatenate([old[:, :offset], new], axis=1)
     scatter_state_bytes(slot, layout, rows, data)
     return _as_output(out, v)
 
@@ -184,15 +226,15 @@ def _gdn_rows(forward_meta: Any, layer_id: int, num_tokens: int, what: str):
 def _component(spec: RecurrentLayerSpec, old: np.ndarray, name: str) -> np.ndarray:
     comp = spec.component(name)
     at = spec.component_offsets()[name]
-    values = _from_store(np.ascontiguousarray(old[:, at : at + comp.nbytes]), comp.dtype.value)
+    values = _decode(np.ascontiguousarray(old[:, at : at + comp.nbytes]), comp)
     return values.reshape(len(old), *comp.shape)
 
 
-def _store(slot, layout, spec, rows, old: np.ndarray, name: str, values: np.ndarray) -> None:
+def _store(slot, layout, spec, rows, old: np.ndarray, name: str, values: np.ndarray, seeds=None, layer_id=0) -> None:
     comp = spec.component(name)
     at = spec.component_offsets()[name]
     new = old.copy()
-    new[:, at : at + comp.nbytes] = _to_store(values.reshape(len(old), -1), comp.dtype.value)
+    new[:, at : at + comp.nbytes] = _encode(values.reshape(len(old), -1), comp, seeds, region_salt(layer_id, at))
     scatter_state_bytes(slot, layout, rows, new)
 
 
@@ -256,6 +298,11 @@ def gated_delta_rule(
         raise ValueError(f"gated_delta_rule: q, k [T, Hk, {dk}] and v [T, {hv}, {dv}] expected")
     if gs != (vs[0], hv) or bs != gs:
         raise ValueError(f"gated_delta_rule: g and beta [T, {hv}] expected, got {list(gs)}, {list(bs)}")
+    if launch.use_kernel(slot, backend) and spec.component("ssm").dtype.quantized:
+        from hybridkv.integrations.fastdeploy import kernels_quant
+
+        return kernels_quant.gated_delta(q, k, v, g, beta, dk**-0.5 if scale is None else scale, forward_meta, slot,
+                                         layout, spec, layer_id)  # fmt: skip
     if launch.use_kernel(slot, backend):
         return launch.gated_delta(q, k, v, g, beta, dk**-0.5 if scale is None else scale, forward_meta, slot,
                                   layout, spec)  # fmt: skip
@@ -277,5 +324,5 @@ def gated_delta_rule(
             s = s + kn[t][:, :, None] * delta[:, None, :]
             out[t] = np.einsum("hk,hkv->hv", qn[t], s)
         states[r] = s
-    _store(slot, layout, spec, rows, old, "ssm", states)
+    _store(slot, layout, spec, rows, old, "ssm", states, row_seeds(forward_meta, spans), layer_id)
     return _as_output(out, v)

@@ -477,7 +477,8 @@ class StateTables:
 
 def attach_worker(forward_meta: Any, caches: FastDeployCaches, tables: StateTables) -> Any:
     """Set ``caches``, ``state_block_tables``, ``state_layer_slots``, ``hybridkv_layout`` on ``forward_meta`` (after
-    ``initialize_forward_meta``). Always the same objects: nothing is allocated per step.
+    ``initialize_forward_meta``), and ``state_request_ids`` (the tables' per-slot request ids: the
+    rounding seeds of int8 / fp8 states). Always the same objects: nothing is allocated per step.
     ``has_initial_state`` of a row is ``seq_lens_decoder[idx] > 0``, read by the kernel itself.
     ``TypeError`` for other objects, ``ValueError`` if the two were built for different layouts."""
     if not isinstance(caches, FastDeployCaches) or not isinstance(tables, StateTables):
@@ -491,4 +492,5 @@ def attach_worker(forward_meta: Any, caches: FastDeployCaches, tables: StateTabl
     forward_meta.state_block_tables = tables.state_block_tables
     forward_meta.state_layer_slots = caches.layer_slots
     forward_meta.hybridkv_layout = caches.layout  # what layers.lightning_attention addresses the states by
+    forward_meta.state_request_ids = tables.request_ids  # the same list, updated in place by the tables
     return forward_meta

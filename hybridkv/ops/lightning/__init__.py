@@ -27,6 +27,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
+from hybridkv.models.dtypes import DType
 from hybridkv.ops._framework import (
     Backend,
     Framework,
@@ -37,6 +38,7 @@ from hybridkv.ops._framework import (
     torch_dtype,
 )
 from hybridkv.ops.addressing import state_byte_addresses
+from hybridkv.ops.lightning import quantized
 from hybridkv.ops.lightning.naive import (
     decay_factors,
     lightning_decode_naive,
@@ -46,6 +48,7 @@ from hybridkv.ops.lightning.naive import (
     lightning_slopes,
 )
 from hybridkv.ops.pools import BlockPools
+from hybridkv.ops.states.quant import region_salt
 from hybridkv.planner.layout import NULL_BLOCK
 
 
@@ -58,8 +61,12 @@ class LightningLayer(NamedTuple):
     num_heads: int
     dk: int
     dv: int
-    dtype: torch.dtype
+    dtype: torch.dtype  # the compute dtype of a quantized component (float32)
     state_bytes: int  # the whole layer state (all components)
+    stored: DType | None = None  # int8 / float8_e4m3fn: values then float32 scales (None: stored as ``dtype``)
+    scale_group: int = 0  # values per scale (d_v: row scales; d_k * d_v: head scales)
+    salt: int = 0  # the stochastic-rounding salt (:func:`~hybridkv.ops.states.quant.region_salt`)
+    stored_bytes: int = 0  # the component's bytes, scales included (quantized only)
 
 
 def lightning_layer(
@@ -75,6 +82,10 @@ def lightning_layer(
     Without ``state_dtype`` the component's dtype and shape ``[H, d_k, d_v]`` are used; with it, ``head_dims``
     ``(H, d_k, d_v)`` (default: the component's shape with ``d_v`` rescaled to the new item size) must
     cover the component's bytes exactly. Raises ``ValueError`` otherwise.
+
+    An int8 / float8_e4m3fn component (values then scales, row or head scales; ``state_dtype`` not
+    given) is computed in float32: read dequantized, written back quantized. Per-tensor scales are
+    refused: a head's new state could not be written before every head of the row is done.
     """
     layout = pools.layout
     if not 0 <= group < layout.num_state_groups:
@@ -92,6 +103,17 @@ def lightning_layer(
         c = spec.component(component)
     if len(c.shape) != 3:
         raise ValueError(f"a lightning state is [H, d_k, d_v], component {c.name!r} has shape {c.shape}")
+    if c.dtype.quantized:
+        if state_dtype is not None or head_dims is not None or c.scales == "tensor":
+            raise ValueError(
+                f"component {c.name!r} is {c.dtype.value} with {c.scales} scales: a quantized lightning state "
+                "takes row or head scales and no state_dtype / head_dims"
+            )
+        off = spec.component_offsets()[c.name]
+        salt = region_salt(entry[0], off)
+        return LightningLayer(
+            group, slot, off, *c.shape, torch.float32, spec.state_bytes, c.dtype, c.scale_group, salt, c.nbytes
+        )
     dtype = torch_dtype(c.dtype) if state_dtype is None else state_dtype
     itemsize = torch.empty(0, dtype=dtype).element_size()
     h, dk, dv = c.shape
@@ -126,18 +148,36 @@ def _layer_addresses(pools: BlockPools, layer: LightningLayer, rows: torch.Tenso
 
 def read_layer_states(pools: BlockPools, layer: LightningLayer, rows: torch.Tensor) -> torch.Tensor:
     """States ``[B, H, d_k, d_v]`` (new tensor) of the sets in ``rows`` (int ``[B, >= blocks_per_state]``);
-    null-block bytes read as zeros."""
+    null-block bytes read as zeros. A quantized component reads dequantized (float32)."""
+    if layer.stored is not None:
+        return quantized.read_states(pools, layer, rows)
     address, null = _layer_addresses(pools, layer, rows.to(pools.torch_data.device, torch.int64))
     flat = pools.torch_data[layer.slot].reshape(-1)[address].masked_fill(null, 0)
     return flat.contiguous().view(layer.dtype).view(rows.shape[0], layer.num_heads, layer.dk, layer.dv)
 
 
-def write_layer_states(pools: BlockPools, layer: LightningLayer, rows: torch.Tensor, states: torch.Tensor) -> None:
-    """Write ``states`` ``[B, H, d_k, d_v]`` into the sets in ``rows``; null-block bytes are skipped."""
+def write_layer_states(
+    pools: BlockPools, layer: LightningLayer, rows: torch.Tensor, states: torch.Tensor, seeds: Any = None
+) -> None:
+    """Write ``states`` ``[B, H, d_k, d_v]`` into the sets in ``rows``; null-block bytes are skipped. A
+    quantized component is quantized here (``seeds`` int64 ``[B]``: stochastic rounding, else nearest)."""
+    if layer.stored is not None:
+        quantized.write_states(pools, layer, rows, states, seeds)
+        return
     address, null = _layer_addresses(pools, layer, rows.to(pools.torch_data.device, torch.int64))
     data = states.to(layer.dtype).contiguous().view(rows.shape[0], -1).view(torch.uint8)
     keep = ~null
     pools.torch_data[layer.slot].view(-1)[address[keep]] = data[keep]
+
+
+def _seeds(seeds: Any, b: int, device: Any) -> torch.Tensor | None:
+    """int64 ``[B]`` seeds on ``device`` (None stays None). Raises ``ValueError`` when fewer than ``b``."""
+    if seeds is None:
+        return None
+    t = to_torch(seeds)
+    if t.numel() < b:
+        raise ValueError(f"seeds has {t.numel()} entries, the batch {b} rows")
+    return t.reshape(-1)[:b].to(device, torch.int64).contiguous()
 
 
 def _live_rows(table: torch.Tensor) -> torch.Tensor:
@@ -173,6 +213,7 @@ def lightning_decode(
     state_dtype: torch.dtype | None = None,
     backend: Backend | str = "auto",
     validate: bool | None = None,
+    seeds: Any = None,
 ) -> Any:
     """One decode token per row through the paged state; returns ``o`` ``[B, H, d_v]`` (``v``'s dtype and framework).
 
@@ -182,6 +223,10 @@ def lightning_decode(
     ``[B]`` (default all True): False reads zeros. ``q``, ``k`` ``[B, H, d_k]``, ``v`` ``[B, H, d_v]``;
     ``slopes`` ``[H]`` (:func:`lightning_slopes`). ``validate`` (default: tables on the host) checks ids
     and that no block is written by two rows. Raises ``ValueError``.
+
+    A quantized component (int8 / fp8, :func:`lightning_layer`) is read dequantized, updated in float32
+    and written back quantized; ``seeds`` int64 ``[B]`` (e.g. ``rounding_seeds(request_ids, positions
+    after the token)``, :mod:`hybridkv.ops.states.quant`) round stochastically, None to nearest.
     """
     pools.require_slot_major("lightning_decode")
     layer = lightning_layer(pools, group, slot, component, state_dtype)
@@ -220,11 +265,19 @@ def lightning_decode(
         o = lightning_decode_naive(qt, kt, vt, states, slopes_t)
         o[~live] = 0
         rows = torch.where(live[:, None], t_out.to(pools.torch_data.device), NULL_BLOCK)
-        write_layer_states(pools, layer, rows, states)
+        write_layer_states(pools, layer, rows, states, seeds)
         return from_torch(o, fw)
-    from hybridkv.ops.lightning import kernel
+    from hybridkv.ops.lightning import kernel, kernel_quant
 
     dev = pools.torch_data.device
+    if layer.stored is not None:
+        o = torch.empty(b, layer.num_heads, layer.dv, dtype=vt.dtype, device=dev)
+        kernel_quant.launch_decode(
+            pools.torch_data.view(-1), t_in.to(dev, torch.int32).contiguous(), t_out.to(dev, torch.int32).contiguous(),
+            init.to(torch.int8).contiguous(), _seeds(seeds, b, dev), qt.contiguous(), kt.contiguous(),
+            vt.contiguous(), o, decay_factors(slopes_t, torch.float32).to(dev), quantized.geometry(pools, layer),
+        )  # fmt: skip
+        return from_torch(o, fw)
     itemsize = torch.empty(0, dtype=layer.dtype).element_size()
     lay = pools.layout
     pool = pools.torch_data.view(-1).view(layer.dtype)
@@ -267,6 +320,7 @@ def lightning_prefill(
     validate: bool | None = None,
     backend: Backend | str = "auto",
     exports: Sequence[tuple[int, int, Any]] = (),
+    seeds: Any = None,
 ) -> Any:
     """Chunked prefill of ``B`` packed rows through the paged state, block-wise (Lightning Attention-2).
 
@@ -284,11 +338,14 @@ def lightning_prefill(
     (``0 < tokens <`` the row's length) is also written into ``sets``, state sets ``[G, bps]`` as in a
     ``StepPlan.exports`` entry (``tokens`` is its position less the row's computed tokens), other than
     any set the table writes. The row runs in pieces split there, one launch per piece (both backends).
+
+    A quantized component: as :func:`lightning_decode` (each program owns a whole head there);
+    ``seeds`` int64 ``[B]`` round every write of a row, an export's state included.
     """
     if len(exports):
         return _prefill_exporting(
             pools, state_table, group, slot, q, k, v, cu_seqlens, has_initial_state, slopes, block_size,
-            component, state_dtype, validate, backend, exports,
+            component, state_dtype, validate, backend, exports, seeds,
         )
     pools.require_slot_major("lightning_prefill")
     layer = lightning_layer(pools, group, slot, component, state_dtype)
@@ -314,11 +371,19 @@ def lightning_prefill(
         states = read_layer_states(pools, layer, table)
         o = lightning_prefill_varlen_naive(qt, kt, vt, cu, states, init.cpu(), to_torch(slopes), block_size)
         o[torch.repeat_interleave(~live.cpu(), cu[1:] - cu[:-1])] = 0
-        write_layer_states(pools, layer, torch.where(live[:, None], table, NULL_BLOCK), states)
+        write_layer_states(pools, layer, torch.where(live[:, None], table, NULL_BLOCK), states, seeds)
         return from_torch(o, fw)
-    from hybridkv.ops.lightning import kernel
+    from hybridkv.ops.lightning import kernel, kernel_quant
 
     dev, lay = pools.torch_data.device, pools.layout
+    if layer.stored is not None:
+        o = torch.empty_like(vt, device=dev)
+        kernel_quant.launch_prefill(
+            pools.torch_data.view(-1), table.to(dev, torch.int32).contiguous(), init.to(torch.int8).contiguous(),
+            _seeds(seeds, b, dev), cu.to(dev, torch.int32), qt.contiguous(), kt.contiguous(), vt.contiguous(), o,
+            (-to_torch(slopes).to(torch.float64)).to(dev, torch.float32), quantized.geometry(pools, layer), block_size,
+        )  # fmt: skip
+        return from_torch(o, fw)
     itemsize = torch.empty(0, dtype=layer.dtype).element_size()
     o = torch.empty_like(vt, device=dev)
     cdt = torch.float64 if layer.dtype == torch.float64 else torch.float32
@@ -345,7 +410,7 @@ def lightning_prefill(
 def _prefill_exporting(
     pools: BlockPools, state_table: Any, group: int, slot: int, q: Any, k: Any, v: Any, cu_seqlens: Any,
     has_initial_state: Any, slopes: Any, block_size: int, component: str | None, state_dtype: torch.dtype | None,
-    validate: bool | None, backend: Backend | str, exports: Sequence[tuple[int, int, Any]],
+    validate: bool | None, backend: Backend | str, exports: Sequence[tuple[int, int, Any]], seeds: Any = None,
 ) -> Any:
     """:func:`lightning_prefill` with ``exports``: piece ``j`` of every row runs from its ``j``-th cut
     to the next (rows with fewer cuts run nothing), then each cut's state is copied from the row's
@@ -382,13 +447,12 @@ def _prefill_exporting(
         piece_init = init if j == 0 else torch.ones(b, dtype=torch.bool)
         o[idx] = lightning_prefill(
             pools, state_table, group, slot, qt[idx], kt[idx], vt[idx], piece_cu, piece_init, slopes, block_size,
-            component, state_dtype, validate, backend,
+            component, state_dtype, validate, backend, seeds=seeds,
         )
-        if done:
+        if done:  # the stored bytes as they are (a quantized state's values and scales)
             rows = torch.tensor([r for r, _ in done], dtype=torch.int64)
             live = table[rows].to(pools.torch_data.device)
-            states = read_layer_states(pools, layer, live)
-            write_layer_states(pools, layer, torch.stack([sets for _, sets in done]).to(live.device), states)
+            quantized.copy_sets(pools, layer, live, torch.stack([sets for _, sets in done]).to(live.device))
     return from_torch(o, fw)
 
 
