@@ -125,7 +125,7 @@ class CheckpointMixin(ManagerCore):
         key = int(rec.block_keys[pos // bs - 1])
         slot = self._node_slot(rec, found[0], pos)
         cache.add_checkpoint(slot, self._set_ids(sets).copy())
-        if cache.config.in_place_state and cache.rules.queues_on_release:  # (such a policy exports one per chunk)
+        if cache.config.in_place_state and cache.rules.queues_on_release:  # (one export per chunk: one key)
             cache.hold(key)
             self._export_held[rec.request_id] = key
 
