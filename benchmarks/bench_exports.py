@@ -1,4 +1,4 @@
-"""Checkpoints exported from inside prefill chunks (issue 39), in the simulator: hybridkv's default
+"""Checkpoints exported from inside prefill chunks (issue 39), in the simulator and the replay: hybridkv's default
 policy (``branch_spaced``) with a recurrent prefill kernel that cannot export (every checkpoint
 position ends a chunk) and with one that can (``--checkpoint-export 64``: no chunk ends early for a
 checkpoint on that grid).
@@ -8,8 +8,16 @@ the whole Mooncake synthetic trace and on a long-prompt synthetic workload: pref
 for a checkpoint, states exported, steps, TTFT p50 / p99 and the prefix hit rate. Saves
 ``benchmarks/results/exports_<date>_<time>.json`` (machine facts included).
 
+The replay (``--replay``, on by default) runs the same scheduler, manager and layout as the simulator
+(:func:`hybridkv.sim.config.build`) step by step with no clock and no cost model, as
+``benchmarks/vllm_replay.py`` does: every request has arrived at step 0 (the waiting queue is topped
+up to ``max_num_seqs`` from the workload in order, so token ids are built as requests enter), each
+sampling row samples one token. It has no time: TTFT is counted in steps from step 0 (the step whose
+forward samples the request's first token, queueing included).
+
     python benchmarks/bench_exports.py                    # both workloads, both models
     python benchmarks/bench_exports.py --limit 300 --long-requests 40   # a documented subset
+    python benchmarks/bench_exports.py --no-sim           # the replay only
 """
 
 from __future__ import annotations
@@ -23,8 +31,14 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import numpy as np  # noqa: E402
+
 from benchmarks.bench_simulate import MODELS  # noqa: E402
-from hybridkv.sim.config import SimConfig  # noqa: E402
+from hybridkv.scheduler_adapter.requests import StepOutputs  # noqa: E402
+from hybridkv.sim.config import (
+    SimConfig,  # noqa: E402
+    build,  # noqa: E402
+)
 from hybridkv.sim.report import summarize  # noqa: E402
 from hybridkv.sim.simulator import simulate  # noqa: E402
 from hybridkv.sim.trace import DEFAULT_TRACE  # noqa: E402
@@ -58,6 +72,42 @@ def _run(model: str, work: str, export: int, args: argparse.Namespace) -> dict[s
     }  # fmt: skip
 
 
+def _replay(model: str, work: str, export: int, args: argparse.Namespace) -> dict[str, Any]:
+    """The replay of ``work`` through the simulator's scheduler for ``model`` (see the module doc)."""
+    tp, budget, dtype = MODELS[model]
+    cfg = SimConfig(model=model, tp=tp, gpu_memory=budget, state_dtype=dtype, checkpoint_export=export)
+    sched = build(cfg).scheduler
+    workload = _workload(work, args)
+    backlog = list(reversed(workload.requests))
+    prompt = {r.request_id: r.num_prompt_tokens for r in workload.requests}
+    first: dict[str, int] = {}
+    hits = admitted_tokens = steps = preemptions = 0
+    t0 = time.perf_counter()
+    while backlog or sched.has_unfinished:
+        while backlog and len(sched.waiting) < cfg.max_num_seqs:
+            r = backlog.pop()
+            sched.add_request(r.request_id, workload.token_ids(r), r.max_new_tokens)
+        p = sched.step()
+        for rid in p.admitted:
+            hits += sched.requests[rid].num_cached_tokens
+            admitted_tokens += prompt[rid]
+        preemptions += len(p.preempted)
+        sampled = {x.request_id: [7] for x in p.scheduled if x.samples}
+        for rid in sampled:
+            first.setdefault(rid, steps + 1)
+        sched.update(StepOutputs(sampled))
+        steps += 1
+    ttft = np.array(sorted(first.values()), dtype=np.float64)
+    return {
+        "model": model, "tp": tp, "gpu_memory": budget, "state_dtype": dtype, "workload": work,
+        "checkpoint_export": export, "checkpoint_stops": sched.num_checkpoint_stops, "exports": sched.num_exports,
+        "steps": steps, "finished": len(first), "ttft_p50_steps": float(np.percentile(ttft, 50)),
+        "ttft_p99_steps": float(np.percentile(ttft, 99)), "prefix_hit_tokens": hits,
+        "prefix_hit_rate": round(hits / admitted_tokens, 6) if admitted_tokens else 0.0,
+        "preemptions": preemptions, "wall_s": round(time.perf_counter() - t0, 1),
+    }  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--trace", default=str(DEFAULT_TRACE))
@@ -67,22 +117,30 @@ def main() -> None:
     parser.add_argument("--workloads", nargs="+", default=["mooncake", "long_prompt"],
                         choices=["mooncake", "long_prompt"])
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--no-sim", dest="sim", action="store_false", help="skip the simulator runs")
+    parser.add_argument("--no-replay", dest="replay", action="store_false", help="skip the replay runs")
     args = parser.parse_args()
     jobs = [(m, w, e) for w in args.workloads for m in args.models for e in (0, GRID)]
     t0 = time.perf_counter()
     with ProcessPoolExecutor(max_workers=args.workers) as pool:
-        runs = [f.result() for f in [pool.submit(_run, m, w, e, args) for m, w, e in jobs]]
+        sim = [pool.submit(_run, m, w, e, args) for m, w, e in jobs] if args.sim else []
+        rep = [pool.submit(_replay, m, w, e, args) for m, w, e in jobs] if args.replay else []
+        runs, replays = [f.result() for f in sim], [f.result() for f in rep]
     wall = time.perf_counter() - t0
-    print("workload     model                export  stops  exports  steps   TTFT p50 / p99 s   hit rate")
+    print("workload     model                export  stops  exports  steps   TTFT p50 / p99   hit rate")
     for r in runs:
         print(f"{r['workload']:<12} {r['model']:<20} {r['checkpoint_export']:>6} {r['checkpoint_stops']:>6} "
-              f"{r['exports']:>8} {r['steps']:>6}   {r['ttft_p50_s']:.3g} / {r['ttft_p99_s']:.3g}   "
+              f"{r['exports']:>8} {r['steps']:>6}   {r['ttft_p50_s']:.3g} / {r['ttft_p99_s']:.3g} s   "
               f"{r['prefix_hit_rate']:.4f}")
+    for r in replays:
+        print(f"{r['workload']:<12} {r['model']:<20} {r['checkpoint_export']:>6} {r['checkpoint_stops']:>6} "
+              f"{r['exports']:>8} {r['steps']:>6}   {r['ttft_p50_steps']:.0f} / {r['ttft_p99_steps']:.0f} steps "
+              f"{r['prefix_hit_rate']:.4f}  (replay)")
     from benchmarks._common import save
 
     payload = {"command": " ".join(["python benchmarks/bench_exports.py", *sys.argv[1:]]),
                "trace": Path(args.trace).name, "limit": args.limit, "long_requests": args.long_requests,
-               "workers": args.workers, "total_wall_s": round(wall, 1), "runs": runs}  # fmt: skip
+               "workers": args.workers, "total_wall_s": round(wall, 1), "runs": runs, "replay": replays}  # fmt: skip
     print(f"saved {save('exports', payload)}")
 
 

@@ -39,6 +39,7 @@ import random
 import sys
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -50,6 +51,7 @@ from hybridkv.blockmgr.prefix import CheckpointPolicy, EvictionPolicy, PrefixCac
 from hybridkv.blockmgr.records import RequestStatus, SwapDirection
 from hybridkv.blockmgr.spec import AttentionLayerSpec, DType, ModelSpec, RecurrentLayerSpec, StateComponent
 from hybridkv.blockmgr.units import cdiv
+from hybridkv.errors import RequestStateError
 from hybridkv.models.spec import SideTensor
 from tests.shadow import Ledger, prefix_hashes
 
@@ -72,6 +74,7 @@ prefix_on = st.builds(
     evict_batch_fraction=st.sampled_from([0.01, 0.3]),
     demote_tail=st.booleans(),
     export_alignment=st.sampled_from([None, 1, 1, 4]),
+    in_place_state=st.sampled_from([False, False, True]),  # in-place checkpoints (no host pool, no drafts then)
 ).map(_own_exports)
 
 
@@ -128,6 +131,8 @@ class ManagerMachine(RuleBasedStateMachine):
             prefix = dataclasses.replace(base, checkpoint=policy, every_n=1 + seed % 2)
             num_host_blocks = max(num_host_blocks, 2)
             host_tier = True
+        if prefix is not None and prefix.in_place_state:  # (the manager refuses a host pool with it)
+            num_host_blocks = 0
         if prefix is not None and host_tier and num_host_blocks:  # the host tier shares the swap pool
             prefix = dataclasses.replace(prefix, host_tier=True)
         self.m = HybridBlockManager(layout, num_host_blocks=num_host_blocks, watermark=watermark, prefix_cache=prefix)
@@ -232,6 +237,8 @@ class ManagerMachine(RuleBasedStateMachine):
     def _admit(self, data, tokens, ids, k, exact=False):
         """Allocate a new request of ``tokens`` (with token ids ``ids`` or none); ``exact``: check
         that the available count drops by exactly what ``blocks_to_admit`` says."""
+        if self.m.prefix_cache is not None and self.m.prefix_cache.config.in_place_state:
+            k = 0  # (an engine with in-place checkpoints runs no drafts: speculative sets stop the lending)
         n = len(tokens)
         ok = self.m.can_allocate(n, k, ids)
         avail = self.m.num_available_blocks
@@ -320,6 +327,7 @@ class ManagerMachine(RuleBasedStateMachine):
             extra = self._new_tokens(before + n - len(self.tokens[r]))
         else:
             extra = []
+        lent = self.m.num_state_blocks if r in self.m._lent and n else 0  # (in place: new live sets, copied)
         try:
             given = self.given.get(r)
             copies = self.m.append(r, n, token_ids=self._peek_give(r, before + n, extra))
@@ -328,7 +336,9 @@ class ManagerMachine(RuleBasedStateMachine):
             if given is not None:
                 self.given[r] = given
             return False
-        assert ok and self.m.requests[r].num_tokens == before + n and len(copies) <= 1
+        assert ok and self.m.requests[r].num_tokens == before + n and len(copies) <= 1 + lent
+        if lent:
+            event("in-place: an append took new live sets")
         self.tokens[r] += extra
         self.fwd[r] = (before, before + n)
         self._reserve_exports(r, before, before + n)
@@ -498,6 +508,11 @@ class ManagerMachine(RuleBasedStateMachine):
         before = self.m.requests[r].num_tokens
         new = self._new_tokens(1 + k)
         given = self.given.get(r)
+        if r in self.m._lent:  # lent live sets do not follow speculative sets (refused)
+            event("in-place: a lent request refuses drafts")
+            with pytest.raises(RequestStateError, match="speculative"):
+                self.m.begin_speculation(r, k)
+            return False
         try:
             self.m.begin_speculation(r, k)
             self.m.append(r, 1 + k, token_ids=self._peek_give(r, before + 1, self.tokens[r][before:] + new))

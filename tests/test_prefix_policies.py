@@ -5,12 +5,8 @@ import pytest
 
 from hybridkv.blockmgr.manager import HybridBlockManager
 from hybridkv.blockmgr.prefix import CheckpointPolicy, EvictionPolicy, PrefixCacheConfig
-from hybridkv.blockmgr.prefix.placement_rules import (
-    aligned_end,
-    branch_last_aligned,
-    vllm_align_stops,
-    vllm_exported_checkpoint,
-)
+from hybridkv.blockmgr.prefix.placement_rules import aligned_end, branch_last_aligned
+from hybridkv.blockmgr.prefix.vllm_align import vllm_align_stops, vllm_exported_checkpoint
 from hybridkv.planner.layout import plan
 from hybridkv.sim.trace import MOONCAKE_BLOCK_TOKENS, TraceRequest
 

@@ -141,7 +141,6 @@ BAD_PREFIX = [
     ({"spaced_align_tokens": (-4,)}, ValueError, "spaced_align_tokens"),
     ({"checkpoint": "everywhere"}, ValueError, "checkpoint"),
     ({"eviction": "mru"}, ValueError, "eviction"),
-    ({"in_place_state": True}, ValueError, "in_place_state"),
 ]
 
 

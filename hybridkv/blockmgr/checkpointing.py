@@ -33,8 +33,8 @@ class CheckpointMixin(ManagerCore):
 
     def exported_checkpoint_position(self, request_id: RequestId, start: int, end: int) -> int | None:
         """The position inside the prefill chunk ``[start, end)`` of the request whose state the
-        prefill kernel exports (``vllm_align`` with ``export_alignment``: the input's last block
-        boundary, when the chunk reaches the input's end), or None. A scheduler does not end the
+        prefill kernel exports, for a policy that exports one position per chunk
+        (``CheckpointRules.exports_all`` False, with ``export_alignment``), or None. A scheduler does not end the
         chunk there, and passes the position to :meth:`checkpoint` after the forward."""
         rec = self._running(request_id)
         cache = self.prefix_cache
@@ -94,7 +94,7 @@ class CheckpointMixin(ManagerCore):
         if pos // bs > len(rec.block_keys):  # mark_computed(request_id, pos), on the record
             start = len(rec.block_keys)
             cache.register(rec.token_ids, rec.block_keys, rec.kv_blocks, pos)
-            if cache.aligns_chunks:  # vllm_align: the request's own copies replace evictable twins
+            if cache.rules.adopts_copies:  # the request's own copies replace evictable twins
                 cache.adopt_copies(rec.block_keys, rec.kv_blocks, start, pos // bs)
         reserved = self._exports.pop(request_id, ()) if self._exports else ()
         for at, sets in reserved:  # ascending: each kept export is the one below the next
@@ -109,7 +109,8 @@ class CheckpointMixin(ManagerCore):
     def _keep_export(self, rec: RequestRecord, pos: int, sets: np.ndarray) -> None:
         """The export :meth:`reserve_export` reserved, written by the forward: the checkpoint at
         ``pos`` if the policy keeps one there and there is none, else given back. No copy. With
-        ``in_place_state`` it is held until the request's next append (vLLM frees the block then)."""
+        ``in_place_state`` and a policy that ``queues_on_release`` it is held until the request's
+        next append (as the sets of a chunk's end state are)."""
         cache, bs = self.prefix_cache, self.block_size
         assert cache is not None and rec.token_ids is not None
         below = self._checkpoint_below(rec, pos)
@@ -124,7 +125,7 @@ class CheckpointMixin(ManagerCore):
         key = int(rec.block_keys[pos // bs - 1])
         slot = self._node_slot(rec, found[0], pos)
         cache.add_checkpoint(slot, self._set_ids(sets).copy())
-        if cache.config.in_place_state:
+        if cache.config.in_place_state and cache.rules.queues_on_release:  # (one export per chunk: one key)
             cache.hold(key)
             self._export_held[rec.request_id] = key
 
@@ -139,8 +140,8 @@ class CheckpointMixin(ManagerCore):
         """Blocks that :meth:`checkpoint` at the request's current position would need available
         now (its state sets, and what the eviction making room must keep), or 0 when no checkpoint
         is due there (not on a block boundary, not wanted, not computed yet, or held already). A
-        scheduler that keeps checkpoints as a must (``vllm_align``: vLLM allocates the block its
-        state lands in) makes this room, preempting, before it calls :meth:`checkpoint`."""
+        scheduler that keeps checkpoints as a must (``CheckpointRules.holds_chunk_end_state``: the
+        state lands in sets of its own) makes this room, preempting, before it calls :meth:`checkpoint`."""
         rec = self._running(request_id)
         cache, pos, bs = self.prefix_cache, rec.num_tokens, self.block_size
         if cache is None or rec.token_ids is None or not pos or pos % bs or pos // bs > len(rec.block_keys):
@@ -191,13 +192,15 @@ class CheckpointMixin(ManagerCore):
         """:meth:`free` of a running request whose live state is at a block boundary where the
         policy keeps a matchable checkpoint it has not made yet (no room was found after the
         forward): the live state sets become that checkpoint where they are, with no copy, and the
-        rest is given back. ``vllm_align`` only (vLLM writes a chunk's end state into a block of its
-        own, cached in place, so a request preempted before its next chunk leaves it behind). Returns
+        rest is given back. Only for a policy that holds every chunk's end state
+        (``CheckpointRules.holds_chunk_end_state``: it is written into sets of its own, cached in
+        place, so a request preempted before its next chunk leaves it behind). Returns
         False, and frees as :meth:`free` does, when there is no such checkpoint to keep."""
         rec = self._running(request_id)
         cache, pos, bs = self.prefix_cache, rec.num_tokens, self.block_size
         keep = (
-            cache is not None and cache.aligns_chunks and rec.token_ids is not None and rec.pending is None
+            cache is not None and cache.rules.holds_chunk_end_state and rec.token_ids is not None
+            and rec.pending is None
             and self.num_state_blocks > 0 and pos > 0 and not pos % bs and pos // bs <= len(rec.block_keys)
             and cache.retains_checkpoint(pos, len(rec.token_ids), rec.branch_tokens)
         )  # fmt: skip
@@ -245,8 +248,8 @@ class CheckpointMixin(ManagerCore):
         return _NO_COPIES
 
     def _transient_state(self, rec: RequestRecord) -> BlockCopies:
-        """A state the policy holds but does not keep matchable (``vllm_align`` between its
-        semantic checkpoints): blocks of their own, written by the pinned copy live -> them and given
+        """A state the policy holds but does not keep matchable (``CheckpointRules.retains`` False):
+        blocks of their own, written by the pinned copy live -> them and given
         back at once, so they wait in pending-free until the copy ran, then are free; nothing
         enters the cache. None when no blocks are available."""
         n = self.num_state_blocks

@@ -108,10 +108,10 @@ class ManagerCore(PoolBooks):
         # held until the request's next append (or its free), as vLLM frees a state block then
         self._lent: dict[RequestId, tuple[np.ndarray, int | None]] = {}
         self._held: dict[RequestId, tuple[np.ndarray, int | None]] = {}
-        # exports (vllm_align with export_alignment): state sets a prefill kernel writes the state
+        # exports (PrefixCacheConfig.export_alignment): state sets a prefill kernel writes the state
         # at a position inside the request's chunk into, reserved with the chunk (position, sets
         # [G, bps]) until the update after its forward; with in_place_state, the checkpoints so made
-        # (node keys), held until the request's next append, when vLLM frees the export's block
+        # (node keys), held until the request's next append
         self._exports: dict[RequestId, list[tuple[int, np.ndarray]]] = {}
         self._export_held: dict[RequestId, int] = {}
         if self.prefix_cache is not None and self.prefix_cache.config.in_place_state and self.host_pool is not None:
@@ -138,8 +138,8 @@ class ManagerCore(PoolBooks):
         hit = self.prefix_cache.match(token_ids, num_tokens)
         shared = hit.num_blocks if self._has_kv else 0
         taken = new - shared + self.prefix_cache.num_pinned(hit)
-        # (vllm_align: vLLM takes the hit or waits, unless nothing runs that could free blocks)
-        fallback = not self.prefix_cache.aligns_chunks or not self.requests
+        # (CheckpointRules.waits_for_hit: take the hit or wait, unless nothing runs that could free blocks)
+        fallback = not self.prefix_cache.rules.waits_for_hit or not self.requests
         if fallback and taken > new and taken + self.watermark_blocks > self.num_available_blocks:
             # the hit pins more than it saves and only the miss fits: admit as a miss
             miss = hit._replace(num_tokens=0, kv_blocks=_EMPTY, checkpoint_key=None, keys=[], checkpoint_ids=None,
@@ -481,10 +481,10 @@ class ManagerCore(PoolBooks):
     def reserve_export(self, request_id: RequestId, position: int) -> np.ndarray | None:
         """State sets ``[G, bps]`` (the shape of :meth:`state_table`'s rows) for the prefill kernel to
         write the request's state at ``position`` into, inside the chunk just appended
-        (:meth:`export_positions`, ascending; ``vllm_align``: vLLM allocates that block with the
-        chunk). The executor's forward writes them; :meth:`checkpoint` with ``exported`` holding
-        ``position`` after it makes them the checkpoint there, or gives them back. None when no
-        blocks are available (exports are best effort; nothing changes then).
+        (:meth:`export_positions`, ascending). The executor's forward writes them;
+        :meth:`checkpoint` with ``exported`` holding ``position`` after it makes them the checkpoint
+        there, or gives them back. None when no blocks are available (exports are best effort;
+        nothing changes then).
 
         Raises ``ValueError`` for a position that is not a block boundary inside the request's
         tokens, :class:`RequestStateError` when one is reserved at or past it in this update."""

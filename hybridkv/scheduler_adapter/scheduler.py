@@ -109,6 +109,9 @@ class Scheduler(AdmissionMixin):
         # chunks back as it allocates the next); _owed: running requests whose checkpoint at their
         # position found no room in update(): made at their turn in the next step
         self._in_place = cache is not None and cache.aligns_chunks
+        # in-place checkpoints (PrefixCacheConfig.in_place_state, any policy): a request whose live
+        # sets are a checkpoint takes new ones at its next append
+        self._lends = cache is not None and cache.config.in_place_state
         self._owed: set[RequestId] = set()
         self._carried_copies = BlockCopies.empty()  # checkpoint copies for the next plan
         # pin epochs (HybridBlockManager.begin_pin_epoch): copies handed out in update() run at the
@@ -385,7 +388,7 @@ class Scheduler(AdmissionMixin):
                     if alone and owed + export:
                         owed = export = 0
                         continue
-                    if alone and self._in_place and self.manager.reclaim_lent(req.request_id):
+                    if alone and self._lends and self.manager.reclaim_lent(req.request_id):
                         continue  # (in_place_state: it runs on in its lent sets rather than preempt itself)
                     rescues = alone and self._in_place and len(s.checkpoints)
                     if rescues and self._cancel_rescues(req, n, drafts, owed + export, s):
@@ -429,10 +432,11 @@ class Scheduler(AdmissionMixin):
     def _all_fit(self, budget: int) -> bool:
         """An O(1) upper bound on what the running requests can take this step (``budget`` tokens
         over the rows, a partial block and a copy-on-write block per row, missing speculative
-        sets); when it fits, the per-request checks are skipped."""
+        sets, new live sets for lent ones); when it fits, the per-request checks are skipped."""
         k, rows = self.config.num_speculative_tokens, len(self.running)
         kv = cdiv(budget, self.manager.block_size) + 2 * rows if self._has_kv else 0
-        return kv + rows * k * self.manager.num_state_blocks <= self.manager.num_available_blocks
+        sets = rows * (k + self._lends) * self.manager.num_state_blocks
+        return kv + sets <= self.manager.num_available_blocks
 
     def _resume_swapped(self, s: _StepBuilder) -> None:
         for req in list(self.swapped):

@@ -23,7 +23,8 @@ The package's parts, each one subject, each standing on the one below (no import
 
 - :mod:`.config`: policies, :class:`PrefixCacheConfig`, :class:`PrefixHit`, :class:`NodeView`;
 - :mod:`.index`: the books (every array) and the chain index: slots, key -> slot map, chain memo;
-- :mod:`.placement` (rules in :mod:`.placement_rules`): where the policy wants checkpoints;
+- :mod:`.placement` (rules in :mod:`.placement_rules`; vLLM 0.33's align mode's in a module of its
+  own, picked by :mod:`.config`): where the policy wants checkpoints;
 - :mod:`.eviction` (kernels in :mod:`.kernels`): the LRU queue, ``lru`` and ``flop_aware`` victims;
 - :mod:`.registration`: computed blocks and checkpoints entering the cache, releases;
 - :mod:`.cache`: :class:`PrefixCache`: matching, taking a hit, pins, the integrity check.

@@ -205,7 +205,7 @@ class PrefixCache(Registration):
     def release_pins(self, before: int | None = None, since: int = 0) -> None:
         """The copies reading or writing checkpoints pinned in epochs ``< before`` (all: None) ran;
         checkpoints pinned in epochs ``< since`` stay unevictable (a later call releases them)."""
-        if self.aligns_chunks and self.pinned:  # vllm_align: queued by when vLLM frees their block
+        if self.rules.queues_on_release and self.pinned:  # queued when their pin is released
             done = [k for k, e in self.pinned.items() if (before is None or e < before) and since <= e < HELD]
             self._requeue_checkpoints(done)
         if before is None and not since and HELD not in self.pinned.values():
@@ -223,7 +223,7 @@ class PrefixCache(Registration):
 
     def hold(self, key: int) -> None:
         """Pin the checkpoint of node ``key`` until :meth:`release_held`: a request's lent live sets
-        (``in_place_state``), held as vLLM holds the block until the request's next step."""
+        (``in_place_state``), held until the request's next step."""
         self.pinned[key] = HELD
 
     def detach_held(self, key: int) -> np.ndarray:
@@ -264,8 +264,8 @@ class PrefixCache(Registration):
                 self._requeue_checkpoints([key])
 
     def _requeue_checkpoints(self, keys: list[int]) -> None:
-        """Put the checkpoints of nodes ``keys`` at the back of the LRU queue (``vllm_align``: a
-        checkpoint's block is the request's until vLLM frees it, which queues it then)."""
+        """Put the checkpoints of nodes ``keys`` at the back of the LRU queue (a held checkpoint, or
+        one of a policy that ``queues_on_release``: its sets are the request's until then)."""
         for key in keys:
             slot = self._slot.get(key)
             if slot is None or self._ck[slot] < 0:

@@ -9,7 +9,13 @@ from typing import NamedTuple
 
 import numpy as np
 
-from hybridkv.blockmgr.prefix.placement_rules import DEFAULT_ALIGN_TOKENS, DEFAULT_GAP_FRACTION
+from hybridkv.blockmgr.prefix.placement_rules import (
+    DEFAULT_ALIGN_TOKENS,
+    DEFAULT_GAP_FRACTION,
+    DEFAULT_RULES,
+    CheckpointRules,
+)
+from hybridkv.blockmgr.prefix.vllm_align import ALIGN_RULES
 from hybridkv.units import as_choice, as_count, as_flag, as_real, is_integer
 
 _EMPTY = np.empty(0, dtype=np.int32)
@@ -24,6 +30,12 @@ class CheckpointPolicy(enum.Enum):
     # vLLM 0.33's mamba cache mode "align": every block boundary a forward ends on (chunks end on
     # block boundaries), the prompt's last block boundary and the branch point stop a chunk
     VLLM_ALIGN = "vllm_align"
+
+
+def checkpoint_rules(policy: CheckpointPolicy) -> CheckpointRules:
+    """The rules the core asks ``policy`` (stops, retention, twins, queue order, exports): vLLM's
+    align mode has its own (:mod:`.vllm_align`); hybridkv's policies share the defaults."""
+    return ALIGN_RULES if policy is CheckpointPolicy.VLLM_ALIGN else DEFAULT_RULES
 
 
 class EvictionPolicy(enum.Enum):
@@ -56,19 +68,19 @@ class PrefixCacheConfig:
     # a capability of the recurrent layers' prefill kernel: it writes the state at positions inside a
     # chunk (multiples of this many tokens) into sets reserved with the chunk, so no chunk ends early
     # for a checkpoint on that grid; None: it cannot (chunks end at every checkpoint position).
-    # vllm_align uses it only at the input's last block boundary (vLLM's
+    # A policy may export only one position per chunk (CheckpointRules.exports_all; vLLM's
     # ``prefill_checkpoint_alignment``; FlashInfer's GDN prefill: 64)
     export_alignment: int | None = None
     # the host tier (docs/blockmgr.md): cached KV blocks and checkpoints evicted from the device are
     # offloaded to the manager's host pool (shared with swap preemption, which wins: the tier gives
     # its least recently used units back) and stay matchable; needs num_host_blocks > 0
     host_tier: bool = False
-    # vllm_align: the state a forward ends on at a block boundary stays in the request's live sets
-    # where they are (a checkpoint there, or held unmatchable) and the request's next append takes new
-    # live sets and copies the state over, as vLLM writes each chunk's state into a block of its own
-    # and takes a new one for the next chunk (so the blocks are taken when vLLM takes them); a
-    # checkpoint made after the forward is a copy otherwise. Not with a host pool or speculative
-    # decoding (the manager refuses those on a request whose sets are lent).
+    # in-place checkpoints (any policy): the state a forward ends on at a block boundary where the
+    # policy keeps one stays in the request's live sets where they are (the checkpoint there, or held
+    # unmatchable) and the request's next append takes new live sets and copies the state over, so
+    # no blocks are taken after the forward (an engine that can re-point a request's state rows
+    # between steps); a checkpoint made after the forward is a copy into new sets otherwise. Not with
+    # a host pool or speculative decoding (the manager refuses those on a request whose sets are lent).
     in_place_state: bool = False
 
     def __post_init__(self) -> None:
@@ -93,8 +105,6 @@ class PrefixCacheConfig:
             put(self, "export_alignment", as_count(self.export_alignment, "export_alignment", minimum=1))
         put(self, "host_tier", as_flag(self.host_tier, "host_tier"))
         put(self, "in_place_state", as_flag(self.in_place_state, "in_place_state"))
-        if self.in_place_state and self.checkpoint is not CheckpointPolicy.VLLM_ALIGN:
-            raise ValueError(f"in_place_state needs checkpoint='vllm_align', got {self.checkpoint.value!r}")
 
 
 def _grid(value: object, what: str) -> tuple[int, ...]:

@@ -8,20 +8,23 @@ import functools
 
 import numpy as np
 
-from hybridkv.blockmgr.prefix.config import CheckpointPolicy
+from hybridkv.blockmgr.prefix.config import CheckpointPolicy, checkpoint_rules
 from hybridkv.blockmgr.prefix.index import ChainIndex
 from hybridkv.blockmgr.prefix.placement_rules import (
-    aligned_end,
+    CheckpointRules,
     back_off_points,
     spaced_grids,
     spaced_positions,
-    vllm_align_stops,
-    vllm_exported_checkpoint,
 )
 
 
 class CheckpointPlacement(ChainIndex):
     """Where the checkpoint policy wants state kept."""
+
+    @functools.cached_property
+    def rules(self) -> CheckpointRules:
+        """The policy's answers beyond its positions (stops, retention, twins, queue order, exports)."""
+        return checkpoint_rules(self.config.checkpoint)
 
     @functools.cached_property
     def checkpoint_tokens(self) -> float:
@@ -58,31 +61,32 @@ class CheckpointPlacement(ChainIndex):
 
     @property
     def aligns_chunks(self) -> bool:
-        """Whether prefill chunks must end on block boundaries (``vllm_align``: the state is kept
-        only where a forward ends, so a chunk that is not the input's last ends on a boundary)."""
-        return self.config.checkpoint is CheckpointPolicy.VLLM_ALIGN
+        """Whether prefill chunks must end on block boundaries (:attr:`CheckpointRules.aligns_chunks`:
+        the state is kept only where a forward ends, so a chunk that is not the input's last ends on
+        a boundary)."""
+        return self.rules.aligns_chunks
 
     def exported_checkpoint(self, start: int, end: int, input_len: int) -> int | None:
-        """``vllm_align`` with ``export_alignment``: the position inside the chunk ``[start, end)``
-        whose state the prefill kernel exports (the input's last block boundary), or None."""
-        cfg = self.config
-        if cfg.checkpoint is not CheckpointPolicy.VLLM_ALIGN or cfg.export_alignment is None:
+        """A policy that exports one position per chunk, with ``export_alignment``: the position
+        inside the chunk ``[start, end)`` whose state the prefill kernel exports, or None (always,
+        for a policy that exports every wanted position on the grid: :meth:`export_positions`)."""
+        grid = self.config.export_alignment
+        if grid is None or not self.host.num_state_groups:
             return None
-        if not self.host.num_state_groups:
-            return None
-        return vllm_exported_checkpoint(start, end, input_len, self.block_size, cfg.export_alignment)
+        return self.rules.exported_checkpoint(start, end, input_len, self.block_size, grid)
 
     def export_positions(self, start: int, end: int, input_len: int, branch: int, below: int = 0) -> tuple[int, ...]:
         """The positions strictly inside the chunk ``[start, end)`` whose states the prefill kernel
         writes into sets reserved with the chunk, ascending (empty when the layers' kernels export
-        nothing: ``export_alignment`` None). ``vllm_align``: the one of :meth:`exported_checkpoint`;
-        every other policy: each position it wants a checkpoint at on the kernel's grid, so a chunk
+        nothing: ``export_alignment`` None). A policy that exports one per chunk
+        (:attr:`CheckpointRules.exports_all` False): the one of :meth:`exported_checkpoint`; the
+        others: each position they want a checkpoint at on the kernel's grid, so a chunk
         ends early only at a wanted position off that grid. ``below``: as for :meth:`wants_checkpoint`
         (each position found is the one below the next)."""
         grid = self.config.export_alignment
         if grid is None or not self.host.num_state_groups:
             return ()
-        if self.config.checkpoint is CheckpointPolicy.VLLM_ALIGN:
+        if not self.rules.exports_all:
             p = self.exported_checkpoint(start, end, input_len)
             return () if p is None else (p,)
         out: list[int] = []
@@ -122,23 +126,17 @@ class CheckpointPlacement(ChainIndex):
             return False
         if cfg.checkpoint is CheckpointPolicy.EVERY_N_BLOCKS:
             return (position // bs) % cfg.every_n == 0
-        if cfg.checkpoint is CheckpointPolicy.VLLM_ALIGN:
+        if self.rules.holds_chunk_end_state:
             return True  # every block boundary a forward ends on
         wanted = self._wanted_positions(input_len, branch, below)
         return wanted is not None and (final or position in wanted)
 
     def retains_checkpoint(self, position: int, input_len: int, branch: int) -> bool:
         """Whether a checkpoint the policy takes at ``position`` stays matchable once its forward
-        ran. Every policy keeps what it takes, except ``vllm_align``, which holds the state of every
-        block boundary a forward ends on (vLLM writes it into a block of its own) but keeps only its
-        semantic checkpoints matchable (vLLM 0.33's default ``prefix_cache_retention_interval=0``):
-        the input's last block boundary before its last token (the replay boundary) and the branch
-        point floored to a block (the shared-prefix junction). The others are transient: their
-        blocks are free again once the copy into them ran."""
-        if self.config.checkpoint is not CheckpointPolicy.VLLM_ALIGN:
-            return True
-        bs = self.block_size
-        return position in (aligned_end(max(input_len - 1, 0), bs), aligned_end(branch, bs))
+        ran (:meth:`CheckpointRules.retains`): hybridkv's policies keep what they take; a policy that
+        holds the state of every block boundary a forward ends on may keep only some matchable (the
+        others are transient: their blocks are free again once the copy into them ran)."""
+        return self.rules.retains(position, input_len, branch, self.block_size)
 
     def _wanted_positions(self, input_len: int, branch: int, below: int) -> set[int] | None:
         """The input positions the policy checkpoints (None: ``none``, and ``every_n_blocks``, whose
@@ -164,8 +162,8 @@ class CheckpointPlacement(ChainIndex):
             step = cfg.every_n * bs
             p = -(-lo // step) * step
             return p if p <= input_len else None
-        if cfg.checkpoint is CheckpointPolicy.VLLM_ALIGN:
-            stops = vllm_align_stops(num_tokens, input_len, branch, bs)
+        stops = self.rules.stops(num_tokens, input_len, branch, bs)
+        if stops is not None:
             return stops[0] if stops else None
         wanted = self._wanted_positions(input_len, branch, below)
         if wanted is None:

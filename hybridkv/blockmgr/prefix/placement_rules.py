@@ -115,37 +115,45 @@ def spaced_positions(
     return kept
 
 
-def vllm_align_stops(num_tokens: int, input_len: int, branch: int, block_size: int) -> list[int]:
-    """``vllm_align`` (vLLM 0.33's Mamba cache mode ``align``, ``Scheduler._mamba_block_aligned_split``):
-    the positions past ``num_tokens`` where a prefill chunk must end so that the state there is
-    kept, ascending: the next block boundary when ``num_tokens`` is mid-block, the branch point
-    floored to a block (``branch``: where the request's cached KV prefix ended beyond its hit; vLLM's
-    ``shared_prefix_boundary``), and the input's last block boundary before its last token (the
-    state a later identical input resumes from: ``get_mamba_prefill_checkpoint_position``). Every
-    other chunk end is floored to a block boundary by the scheduler, and the state is held at every
-    block boundary a forward ends on (decode included), matchable only at the last two positions
-    (``CheckpointPlacement.retains_checkpoint``)."""
-    stops = set()
-    if num_tokens % block_size:
-        stops.add(aligned_end(num_tokens, block_size) + block_size)
-    if branch > num_tokens:
-        stops.add(num_tokens + aligned_end(branch - num_tokens, block_size))
-    stops.add(aligned_end(max(input_len - 1, 0), block_size))
-    return sorted(p for p in stops if num_tokens < p < input_len)
+class CheckpointRules:
+    """What the core asks a checkpoint policy beyond the positions it wants (placement, the manager's
+    checkpoints, admission, the LRU queue), with the answers of hybridkv's own policies; a policy
+    with other rules subclasses it in a module of its own. Stateless: one
+    shared instance per policy."""
+
+    # prefill chunks that are not the input's last end on block boundaries (the state is kept
+    # only where a forward ends)
+    aligns_chunks = False
+    # the state at every block boundary a forward ends on is taken (held until the request's next
+    # chunk, matchable only where :meth:`retains` says); a request freed before it made a matchable
+    # one it owes leaves its live sets as that checkpoint
+    holds_chunk_end_state = False
+    # a request's own copies of cached KV blocks replace their evictable twins when registered
+    adopts_copies = False
+    # a checkpoint enters the LRU queue when its pin is released (its block is the request's until
+    # then), not when it is made
+    queues_on_release = False
+    # admission takes a prefix hit or waits while other requests run (no fallback to a miss when
+    # the hit pins more than it saves)
+    waits_for_hit = False
+
+    def stops(self, num_tokens: int, input_len: int, branch: int, block_size: int) -> list[int] | None:
+        """The positions past ``num_tokens`` where a prefill chunk must end for the state there,
+        ascending, or None: the policy's wanted positions (:meth:`CheckpointPlacement.next_checkpoint`)."""
+        return None
+
+    def retains(self, position: int, input_len: int, branch: int, block_size: int) -> bool:
+        """Whether a checkpoint taken at ``position`` stays matchable once its forward ran (every one)."""
+        return True
+
+    def exported_checkpoint(self, start: int, end: int, input_len: int, block_size: int, grid: int) -> int | None:
+        """The one position inside the chunk ``[start, end)`` whose state a kernel exporting on
+        ``grid`` writes, when the policy exports only there; None: none such (see :meth:`exports_all`)."""
+        return None
+
+    # the kernel exports every wanted position on its grid inside a chunk (False: only the one of
+    # :meth:`exported_checkpoint`)
+    exports_all = True
 
 
-def vllm_exported_checkpoint(start: int, end: int, input_len: int, block_size: int, grid: int) -> int | None:
-    """``vllm_align`` with a prefill kernel that exports a checkpoint from inside a chunk (vLLM's
-    ``is_mamba_prefill_checkpoint_valid``; FlashInfer's GDN prefill, ``grid`` its alignment in
-    tokens): the input's last block boundary before its last token, when the chunk
-    ``[start, end)`` reaches the input's end, starts on a block boundary, and holds that position
-    at least a block past ``start`` on the grid; else None (the chunk stops there instead)."""
-    ckpt = aligned_end(max(input_len - 1, 0), block_size)
-    valid = (
-        end >= input_len
-        and start % block_size == 0
-        and start + block_size <= ckpt < end
-        and -(-end // block_size) - 2 > (start - 1) // block_size
-        and (ckpt - start) % grid == 0
-    )
-    return ckpt if valid else None
+DEFAULT_RULES = CheckpointRules()
