@@ -9,12 +9,9 @@ program): recorded, not asserted, and not timed on a GPU.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
+
+from tests.test_ops_compile import compile_report
 
 pytest.importorskip("triton")
 
@@ -81,13 +78,7 @@ print(json.dumps(out))
 
 
 def test_the_quantized_state_kernels_compile_for_sm90():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    proc = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True)
-    if proc.returncode != 0 and "ptxas" in proc.stderr and "not found" in proc.stderr:
-        pytest.skip("Triton's ptxas is not available here")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    report = compile_report(SCRIPT)
     assert len(report) == 20
     for name, r in report.items():
         assert r["registers"] > 0, name
