@@ -43,7 +43,12 @@ def test_vllm_engine_fixes_vllm_policies_and_keeps_the_rest():
     assert built.manager.host_pool is None and built.manager.watermark_blocks == 0
     assert built.manager.prefix_cache is None
     assert built.scheduler.config.admission.value == "full_prompt"
-    assert engine_config(SimConfig()) == SimConfig()  # the hybridkv engine: as it is
+    # the hybridkv engine: as it is, its kernels' export grid resolved (MiniMax's lightning prefill
+    # exports at any token, hybridkv's GDN kernel none; 0 is kept: a kernel that cannot)
+    assert engine_config(SimConfig()) == SimConfig(checkpoint_export=1)
+    assert engine_config(SimConfig(model="qwen3-next-80b-a3b", tp=2)).checkpoint_export == 0
+    assert engine_config(SimConfig(checkpoint_export=0)) == SimConfig(checkpoint_export=0)
+    assert build(SimConfig(gpu_memory="4GiB")).manager.prefix_cache.config.export_alignment == 1
     # prefix caching on: vLLM's mode align (vllm_align + LRU) at its caching block size, with
     # FlashInfer GDN's in-chunk checkpoint export; MiniMax's lightning layers export none
     cached = build(base.with_changes(prefix="flop_aware"))

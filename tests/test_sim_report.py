@@ -78,7 +78,8 @@ def test_recompute_costs_the_tokens_preemption_lost_at_the_cost_models_rate(pres
     # request-seconds awaiting recompute: per step (count x step time) and per request (readmission
     # time less preemption time) agree
     per_request = sum(r.get("recompute_wait_s", 0.0) for r in raw["requests"])
-    assert per_request > 0 and p["recompute_wait_request_s"] == pytest.approx(per_request, rel=1e-3)
+    # (the report rounds to 4 decimals)
+    assert per_request > 0 and p["recompute_wait_request_s"] == pytest.approx(per_request, rel=1e-3, abs=5e-5)
 
 
 def test_swap_costs_its_bytes_over_the_host_link(pressure_workload):
@@ -92,7 +93,7 @@ def test_swap_costs_its_bytes_over_the_host_link(pressure_workload):
     assert t["swap_in_bytes"] / link * (1 - 1e-6) <= p["swap_stall_s"] <= p["swap_link_s"] * (1 + 1e-6)
     assert p["recomputed_tokens"] == 0 and p["recompute_s"] == 0.0
     per_request = sum(r.get("swapped_s", 0.0) for r in raw["requests"])
-    assert per_request > 0 and p["swapped_request_s"] == pytest.approx(per_request, rel=1e-3)
+    assert per_request > 0 and p["swapped_request_s"] == pytest.approx(per_request, rel=1e-3, abs=5e-5)
 
 
 def _burst(n: int, prompt: int, output: int, rate: float = 1000.0) -> Workload:
@@ -113,7 +114,9 @@ def _burst(n: int, prompt: int, output: int, rate: float = 1000.0) -> Workload:
     ids=["memory", "compute", "arrivals"],
 )
 def test_what_bounded_the_run(workload, budget, bound):
-    s = summarize(simulate(SimConfig(gpu_memory=budget), workload))
+    # (a prefill kernel that cannot export: the memory burst was sized for chunks that end at each
+    # checkpoint; export sets reserved with the chunks shift its queueing from memory to the batch)
+    s = summarize(simulate(SimConfig(gpu_memory=budget, checkpoint_export=0), workload))
     p = s["pressure"]
     assert p["bound"] == bound
     parts = p["memory_held_s"] + p["batch_full_s"] + p["unqueued_s"] + p["idle_s"]

@@ -50,7 +50,9 @@ def test_under_first_chunk_admission_the_modes_differ_and_nothing_is_called_a_no
 
 
 def test_the_verdict_comes_first_and_names_the_best_by_its_own_figures(tmp_path):
-    configs, md = _report(tmp_path, *TIGHT, "--workers", "1", "--compare", "layout=paged,padded")
+    # (prefix caching off and on: they differ in hits; paged and padded did too until MiniMax's
+    # lightning prefill exported its checkpoints, which brought them within 1% of each other)
+    configs, md = _report(tmp_path, *TIGHT, "--workers", "1", "--compare", "prefix=none,lru")
     summary = md.split("## Summary\n\n")[1].split("\n\n")
     assert summary[0].startswith("Verdict. TTFT p50: ")
     figures = (
@@ -67,7 +69,7 @@ def test_the_verdict_comes_first_and_names_the_best_by_its_own_figures(tmp_path)
         other = 1 - best
         assert f"{name}: best {configs[best]['label']}, {fmt(vals[best])} against {fmt(vals[other])} " in summary[0]
         said_best += 1
-    assert said_best >= 1  # paged and padded differ in hits on this workload (64- against 512-token blocks)
+    assert said_best >= 1  # no prefix cache hits nothing
 
 
 @pytest.mark.parametrize("engine_flag", [[], ["--engine", "hybridkv"]])

@@ -51,25 +51,44 @@ VLLM_PREFIX: dict[str, Any] = {"prefix": "lru", "checkpoint": "vllm_align"}  # M
 # recurrent mixers whose vLLM prefill kernel exports checkpoints, and its grid in tokens (FlashInfer's
 # GDN prefill on Hopper); the others (MiniMax's lightning attention) export none
 VLLM_CHECKPOINT_ALIGNMENT = {"gdn": 64}
+# the same for hybridkv's own kernels: hybridkv.ops.lightning_prefill(exports=) writes the state after
+# any token of a row (both backends); its GDN kernel (integrations/fastdeploy/kernels.py,
+# gated_delta_kernel) writes only the state after a row's last token
+HYBRIDKV_CHECKPOINT_ALIGNMENT = {"lightning": 1}
 
 
 def engine_config(cfg: SimConfig) -> SimConfig:
     """``cfg`` with its engine's policies applied: the vLLM engine's fields fixed (its block size
-    from the model); a hybridkv config is returned as it is. Raises what resolving the model raises."""
+    from the model); a hybridkv config is returned as it is, but for ``checkpoint_export`` -1, which
+    becomes its kernels' grid (:data:`HYBRIDKV_CHECKPOINT_ALIGNMENT`: every recurrent mixer must
+    export, else 0). Raises what resolving the model raises."""
     if cfg.engine == "hybridkv":
-        return cfg
-    from hybridkv.models.spec import RecurrentLayerSpec
+        if cfg.checkpoint_export >= 0:
+            return cfg
+        if cfg.prefix == "none":
+            return cfg.with_changes(checkpoint_export=0, label=cfg.label)
+        grids = [HYBRIDKV_CHECKPOINT_ALIGNMENT.get(m, 0) for m in _mixers(cfg, cfg.state_dtype)]
+        return cfg.with_changes(checkpoint_export=min(grids) if grids and all(grids) else 0, label=cfg.label)
     from hybridkv.models.spec_file import resolve_model
     from hybridkv.planner.layout import vllm_block_size
 
     dtype = cfg.state_dtype or VLLM_STATE_DTYPE
     model = resolve_model(cfg.model, dtype, cfg.tp)
     caching = cfg.prefix != "none"
-    mixers = {layer.mixer for layer in model.layers if isinstance(layer, RecurrentLayerSpec)}
+    mixers = _mixers(cfg, dtype)
     grid = max((VLLM_CHECKPOINT_ALIGNMENT.get(m, 0) for m in mixers), default=0) or None
     block = vllm_block_size(model, prefix_caching=caching, checkpoint_alignment=grid)
     prefix = VLLM_PREFIX | {"checkpoint_export": grid or 0} if caching else {"prefix": "none", "checkpoint_export": 0}
     return cfg.with_changes(**VLLM_POLICIES, **prefix, state_dtype=dtype, block_size=block, label=cfg.label)
+
+
+def _mixers(cfg: SimConfig, dtype: str | None) -> set[str]:
+    """The recurrent mixers of ``cfg``'s model (``lightning``, ``gdn``, ...)."""
+    from hybridkv.models.spec import RecurrentLayerSpec
+    from hybridkv.models.spec_file import resolve_model
+
+    model = resolve_model(cfg.model, dtype, cfg.tp)
+    return {layer.mixer for layer in model.layers if isinstance(layer, RecurrentLayerSpec)}
 
 
 _SWITCHES: tuple[tuple[str, ...], ...] = (  # the fields of one column's switch, in ladder order

@@ -41,7 +41,9 @@ class SimConfig:
     preemption: str = "auto"
     prefix: str = "lru"  # none | lru | flop_aware (the library's default eviction: lru)
     checkpoint: str = "branch_spaced"  # checkpoint policy with a prefix cache (the library's default)
-    checkpoint_export: int = 0  # the recurrent prefill kernel writes states inside a chunk on this grid (0: cannot)
+    # the recurrent prefill kernel writes states inside a chunk on this grid (0: cannot; -1: what the
+    # engine's kernels do, sim.engines.engine_config)
+    checkpoint_export: int = -1
     speculative: int = 0  # draft tokens per decode step
     accept_rate: float = 0.7
     max_num_seqs: int = 256
@@ -64,6 +66,8 @@ class SimConfig:
             raise ValueError(f"prefix policy {self.prefix!r}: use one of {', '.join(PREFIX_POLICIES)}")
         if not 0.0 <= self.accept_rate <= 1.0:
             raise ValueError(f"accept_rate must be in [0, 1], got {self.accept_rate}")
+        if self.checkpoint_export < -1:
+            raise ValueError(f"checkpoint_export must be a grid in tokens, 0 or -1, got {self.checkpoint_export}")
         if self.integrity_every < 1:
             raise ValueError("integrity_every must be >= 1")
         if not self.label:
