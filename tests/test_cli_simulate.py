@@ -30,6 +30,7 @@ COMPARE_VALUES = {
     "preemption": "recompute,swap",
     "prefix": "none,lru",
     "checkpoint": "branch_spaced,branch_and_last",
+    "checkpoint-export": "0,64",
     "gpu-memory": "8GiB,16GiB",
     "budget": "8GiB,16GiB",
     "host-memory": "0,64GiB",
@@ -98,6 +99,18 @@ def test_gpu_and_checkpoint_compare_gives_four_distinct_labels_in_the_report(tmp
     assert labels == [f"gpu={g} checkpoint={c}" for g in ("h200", "h100") for c in ("branch_spaced", "branch_and_last")]
 
 
+def test_checkpoint_export_defaults_to_the_engines_kernels_and_can_be_set(tmp_path):
+    """MiniMax's lightning prefill exports (grid 1 by default); ``--checkpoint-export 0`` declares a
+    kernel that cannot, so prefill chunks end at checkpoints again."""
+    grids = {}
+    for flag in ([], ["--checkpoint-export", "0"]):
+        out = tmp_path / f"r{len(flag)}"
+        argv = ["simulate", "--engine", "hybridkv", "--requests", "6", "--no-progress", "--out", str(out), *flag]
+        assert main(argv) == 0
+        grids[len(flag)] = json.loads((out / "report.json").read_text())["configs"][0]["config"]["checkpoint_export"]
+    assert grids == {0: 1, 2: 0}
+
+
 def _no_simulation(monkeypatch):
     def refuse(*a, **k):
         raise AssertionError("a simulation started before the arguments were checked")
@@ -133,6 +146,8 @@ BAD_INPUTS = [
     (["--compare", "layout=paged,padded", "--layout", "paged"], "--layout and --compare layout=... both set it"),
     (["--engine", "vllm", "--preemption", "swap"], "--engine vllm fixes what --preemption sets"),
     (["--engine", "vllm", "--compare", "watermark=0,0.1"], "fixes what --compare watermark=... sets"),
+    (["--engine", "vllm", "--checkpoint-export", "64"], "--engine vllm fixes what --checkpoint-export sets"),
+    (["--compare", "checkpoint-export=0,-2"], "--compare checkpoint-export: must be >= 0, got -2"),
     (["--accept-rate", "0.5"], "--accept-rate needs --speculative"),
     (["--prefix", "none", "--checkpoint", "branch_and_last"], "--checkpoint with --prefix none changes nothing"),
     (["--engine", "hybridkv", "--workers", "2"], "--workers is for several configurations"),

@@ -132,6 +132,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     s.add_argument("--checkpoint", default="branch_spaced", help="checkpoint policy",
                    choices=["none", "every_n_blocks", "branch_and_last", "branch_last_aligned", "branch_spaced",
                             "vllm_align"])
+    s.add_argument("--checkpoint-export", type=_nonneg_int, default=None, metavar="TOKENS",
+                   help="the recurrent prefill kernel writes states inside a chunk on this grid; 0: it cannot, a "
+                   "chunk ends at each checkpoint (default: hybridkv's kernels: MiniMax's lightning can, GDN cannot)")
     s.add_argument("--speculative", type=_nonneg_int, default=0, help="draft tokens per decode step")
     s.add_argument("--accept-rate", type=_fraction, default=0.7, help="draft acceptance probability")
     s.add_argument("--max-num-seqs", type=positive_int, default=256)
@@ -194,14 +197,14 @@ _TRACE_ONLY = ("trace_limit", "trace_start", "trace_end")
 # --compare key (as expand spells it) -> the flag (argparse dest) that sets the same field
 _COMPARE_FLAG = {"layout": "layout", "preemption": "preemption", "prefix": "prefix", "checkpoint": "checkpoint",
                  "gpu-memory": "gpu_memory", "budget": "gpu_memory", "host-memory": "host_memory",
-                 "host-cache": "host_cache",
+                 "host-cache": "host_cache", "checkpoint-export": "checkpoint_export",
                  "block-size": "block_size", "speculative": "speculative", "max-num-seqs": "max_num_seqs",
                  "max-batched-tokens": "max_batched_tokens", "model": "model", "tp": "tp", "gpu": "gpu",
                  "watermark": "watermark", "admission": "admission", "engine": "engine",
                  "state-dtype": "state_dtype"}
 # what --engine vllm fixes (hybridkv.sim.engines.VLLM_POLICIES and its block size / checkpoints): flag dests
 _VLLM_FIXES = ("layout", "admission", "preemption", "host_memory", "host_cache", "watermark", "speculative",
-               "accept_rate", "block_size", "checkpoint")
+               "accept_rate", "block_size", "checkpoint", "checkpoint_export")
 
 
 def _flag(dest: str) -> str:
@@ -533,29 +536,15 @@ def run(args: argparse.Namespace) -> int:
 
     t0 = time.perf_counter()
     base = SimConfig(
-        model=args.model,
-        tp=args.tp,
-        state_dtype=args.state_dtype,
-        gpu=args.gpu,
-        gpu_calibration=args.calibration,
-        gpu_memory=args.gpu_memory,
-        host_memory=args.host_memory,
-        host_cache=args.host_cache,
-        block_size=args.block_size,
-        layout=args.layout,
-        preemption=args.preemption,
-        prefix=args.prefix,
+        model=args.model, tp=args.tp, state_dtype=args.state_dtype, gpu=args.gpu, gpu_calibration=args.calibration,
+        gpu_memory=args.gpu_memory, host_memory=args.host_memory, host_cache=args.host_cache,
+        block_size=args.block_size, layout=args.layout, preemption=args.preemption, prefix=args.prefix,
         checkpoint=args.checkpoint,
-        speculative=args.speculative,
-        accept_rate=args.accept_rate,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_batched_tokens,
-        watermark=args.watermark,
-        admission=args.admission,
-        engine=args.engine or "hybridkv",
-        integrity_every=args.integrity_every,
-        seed=args.seed,
-    )
+        checkpoint_export=-1 if args.checkpoint_export is None else args.checkpoint_export,
+        speculative=args.speculative, accept_rate=args.accept_rate, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_batched_tokens, watermark=args.watermark, admission=args.admission,
+        engine=args.engine or "hybridkv", integrity_every=args.integrity_every, seed=args.seed,
+    )  # fmt: skip
     configs = expand(base, args.compare) if args.compare else [base]
     notes = []
     if args.compare is None and args.engine is None:  # the default: vLLM 0.33's behaviour beside hybridkv's

@@ -36,6 +36,7 @@ _KEYS: dict[str, tuple[str, type]] = {
     "preemption": ("preemption", str),
     "prefix": ("prefix", str),
     "checkpoint": ("checkpoint", str),
+    "checkpoint-export": ("checkpoint_export", int),
     "gpu-memory": ("gpu_memory", str),
     "budget": ("gpu_memory", str),
     "host-memory": ("host_memory", str),
@@ -62,7 +63,8 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "engine": ENGINES,
     "state-dtype": ("float32", "bfloat16", "float16", "int8", "fp8"),  # int8 / fp8: row scales in the set
 }
-_MINIMUM = {"block_size": 1, "speculative": 0, "max_num_seqs": 1, "max_num_batched_tokens": 1, "tp": 1}
+_MINIMUM = {"checkpoint_export": 0, "block_size": 1, "speculative": 0, "max_num_seqs": 1, "max_num_batched_tokens": 1,
+            "tp": 1}
 
 
 def parse_axis(axis: str) -> tuple[str, str, list[Any], list[str]]:
