@@ -72,10 +72,12 @@ def _run(model: str, work: str, export: int, args: argparse.Namespace) -> dict[s
     }  # fmt: skip
 
 
-def _replay(model: str, work: str, export: int, args: argparse.Namespace) -> dict[str, Any]:
-    """The replay of ``work`` through the simulator's scheduler for ``model`` (see the module doc)."""
+def _replay(model: str, work: str, export: int, args: argparse.Namespace, tokens: int = 8192) -> dict[str, Any]:
+    """The replay of ``work`` through the simulator's scheduler for ``model`` (see the module doc),
+    ``tokens`` per step."""
     tp, budget, dtype = MODELS[model]
-    cfg = SimConfig(model=model, tp=tp, gpu_memory=budget, state_dtype=dtype, checkpoint_export=export)
+    cfg = SimConfig(model=model, tp=tp, gpu_memory=budget, state_dtype=dtype, checkpoint_export=export,
+                    max_num_batched_tokens=tokens)
     sched = build(cfg).scheduler
     workload = _workload(work, args)
     backlog = list(reversed(workload.requests))
@@ -100,7 +102,8 @@ def _replay(model: str, work: str, export: int, args: argparse.Namespace) -> dic
     ttft = np.array(sorted(first.values()), dtype=np.float64)
     return {
         "model": model, "tp": tp, "gpu_memory": budget, "state_dtype": dtype, "workload": work,
-        "checkpoint_export": export, "checkpoint_stops": sched.num_checkpoint_stops, "exports": sched.num_exports,
+        "max_num_batched_tokens": tokens, "checkpoint_export": export,
+        "checkpoint_stops": sched.num_checkpoint_stops, "exports": sched.num_exports,
         "steps": steps, "finished": len(first), "ttft_p50_steps": float(np.percentile(ttft, 50)),
         "ttft_p99_steps": float(np.percentile(ttft, 99)), "prefix_hit_tokens": hits,
         "prefix_hit_rate": round(hits / admitted_tokens, 6) if admitted_tokens else 0.0,
@@ -119,12 +122,16 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--no-sim", dest="sim", action="store_false", help="skip the simulator runs")
     parser.add_argument("--no-replay", dest="replay", action="store_false", help="skip the replay runs")
+    parser.add_argument("--replay-tokens", type=int, nargs="+", default=[8192], metavar="N",
+                        help="token budgets per step of the replay (default 8192, the simulator's); several: a "
+                        "hit rate that moves with the budget by more than exports move it is eviction noise")
     args = parser.parse_args()
     jobs = [(m, w, e) for w in args.workloads for m in args.models for e in (0, GRID)]
     t0 = time.perf_counter()
     with ProcessPoolExecutor(max_workers=args.workers) as pool:
         sim = [pool.submit(_run, m, w, e, args) for m, w, e in jobs] if args.sim else []
-        rep = [pool.submit(_replay, m, w, e, args) for m, w, e in jobs] if args.replay else []
+        rep = [pool.submit(_replay, m, w, e, args, t) for t in args.replay_tokens for m, w, e in jobs
+               if args.replay]
         runs, replays = [f.result() for f in sim], [f.result() for f in rep]
     wall = time.perf_counter() - t0
     print("workload     model                export  stops  exports  steps   TTFT p50 / p99   hit rate")
@@ -135,7 +142,7 @@ def main() -> None:
     for r in replays:
         print(f"{r['workload']:<12} {r['model']:<20} {r['checkpoint_export']:>6} {r['checkpoint_stops']:>6} "
               f"{r['exports']:>8} {r['steps']:>6}   {r['ttft_p50_steps']:.0f} / {r['ttft_p99_steps']:.0f} steps "
-              f"{r['prefix_hit_rate']:.4f}  (replay)")
+              f"{r['prefix_hit_rate']:.4f}  (replay, {r['max_num_batched_tokens']} tokens per step)")
     from benchmarks._common import save
 
     payload = {"command": " ".join(["python benchmarks/bench_exports.py", *sys.argv[1:]]),

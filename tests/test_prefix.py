@@ -22,14 +22,19 @@ def cached_manager(num_blocks=80, checkpoint="every_n_blocks", every_n=1, evicti
     return HybridBlockManager(layout, num_host_blocks=20, prefix_cache=config)
 
 
-def prefill(m, rid, tokens, num_tokens=None):
-    """Admit and 'compute' a request block by block, checkpointing where the policy wants."""
+def prefill(m, rid, tokens, num_tokens=None, mark=False):
+    """Admit and 'compute' a request block by block, checkpointing where the policy wants
+    (``mark``: :meth:`mark_computed` registers the blocks first, as an engine without checkpoints may)."""
     alloc = m.allocate(rid, num_tokens or alloc_tokens(m, tokens), token_ids=tokens)
+    if mark:
+        m.mark_computed(rid, m.requests[rid].num_tokens)
     m.checkpoint(rid)
     while m.requests[rid].num_tokens < len(tokens):
         m.release_pins()  # the forward ran the step's copies
         step = min(4, len(tokens) - m.requests[rid].num_tokens)
         m.append(rid, step)
+        if mark:
+            m.mark_computed(rid, m.requests[rid].num_tokens)
         m.checkpoint(rid)
     m.release_pins()
     return alloc
@@ -135,6 +140,29 @@ def test_lru_cuts_a_released_chain_from_its_end():
     # policy none: no hit, but the KV chain above the evicted leaf is intact
     assert m.prefix_cache.match(PREFIX[:8] + [0], 9).num_matched_tokens == 8
     m.check_integrity()
+
+
+@pytest.mark.parametrize("mark", [False, True], ids=["checkpoint", "mark_computed"])
+def test_a_recomputed_prefix_keeps_its_root_as_recent_as_its_new_checkpoints(mark):
+    """Request b matches a's cached first block but no checkpoint there, so it computes that block
+    again into a block of its own and leaves checkpoints above it. Its copy replaces a's evictable
+    one on the chain's node: evicting a's units (the oldest) must not take b's root and orphan b's
+    fresh checkpoints (it did when a's copy stayed on the node at its old place in the LRU queue)."""
+    m = cached_manager(num_blocks=80, checkpoint="branch_and_last", eviction="lru")
+    x = list(range(100, 108))  # 2 blocks of 4 tokens
+    prefill(m, "a", x + [1])  # checkpoint at 8 (its last block boundary)
+    m.free("a")
+    prefill(m, "c", list(range(500, 509)))  # released between a and b
+    m.free("c")
+    b = x[:4] + [7] * 5
+    assert m.match_prefix(b) == 0  # a's block 0 is cached, but a checkpoint only at 8
+    prefill(m, "b", b, mark=mark)  # checkpoints at its branch (4) and its last boundary (8)
+    m.free("b")
+    d = b[:8] + [9]
+    assert m.match_prefix(d) == 8
+    m.pool.free(m.prefix_cache.evict(8))  # a's two KV blocks and its checkpoint (6 blocks)
+    m.check_integrity()
+    assert m.match_prefix(d) == 8
 
 
 @pytest.mark.parametrize("eviction", ["lru", "flop_aware"])

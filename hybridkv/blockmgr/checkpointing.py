@@ -91,11 +91,7 @@ class CheckpointMixin(ManagerCore):
         cache, pos, bs = self.prefix_cache, rec.num_tokens, self.block_size
         if cache is None or rec.token_ids is None:
             return _NO_COPIES
-        if pos // bs > len(rec.block_keys):  # mark_computed(request_id, pos), on the record
-            start = len(rec.block_keys)
-            cache.register(rec.token_ids, rec.block_keys, rec.kv_blocks, pos)
-            if cache.rules.adopts_copies:  # the request's own copies replace evictable twins
-                cache.adopt_copies(rec.block_keys, rec.kv_blocks, start, pos // bs)
+        self._register_computed(rec, pos)  # mark_computed(request_id, pos), on the record
         reserved = self._exports.pop(request_id, ()) if self._exports else ()
         for at, sets in reserved:  # ascending: each kept export is the one below the next
             if at in wrote:  # the forward wrote the export into them

@@ -165,8 +165,22 @@ class ManagerCore(PoolBooks):
         rec = self._running(request_id)
         if n > rec.num_tokens:
             raise ValueError(f"request {request_id!r} holds {rec.num_tokens} tokens, cannot have {n} computed")
-        if rec.token_ids is not None and self.prefix_cache is not None and n // self.block_size > len(rec.block_keys):
-            self.prefix_cache.register(rec.token_ids, rec.block_keys, rec.kv_blocks, n)
+        if rec.token_ids is not None and self.prefix_cache is not None:
+            self._register_computed(rec, n)
+
+    def _register_computed(self, rec: RequestRecord, n: int) -> None:
+        """:meth:`mark_computed` of ``n`` tokens on the record (a prefix cache and token ids given):
+        the new full blocks enter the chain, and where a node already caches an evictable copy of a
+        block the request computed again (it matched no checkpoint there), the request's copy
+        replaces it (:meth:`Registration.adopt_copies`): the copy in use is the one kept, so a
+        recomputed prefix's root is not left at its old place in the LRU queue, evicted first and
+        orphaning the deeper blocks and checkpoints that hang on it."""
+        cache, start = self.prefix_cache, len(rec.block_keys)
+        assert cache is not None and rec.token_ids is not None
+        if n // self.block_size <= start:
+            return
+        cache.register(rec.token_ids, rec.block_keys, rec.kv_blocks, n)
+        cache.adopt_copies(rec.block_keys, rec.kv_blocks, start, n // self.block_size)
 
     def match_prefix(self, token_ids: Sequence[int], max_tokens: int | None = None) -> int:
         """Tokens of ``token_ids`` a request admitted now would get from the prefix cache."""

@@ -91,7 +91,7 @@ class ChainIndex:
         self._memo_gen = (-1, -1)
         # ---- cached KV blocks, by block id
         self._node_of = np.full(nb, -1, dtype=np.int64)  # KV block -> slot of the node it caches
-        # CheckpointRules.adopts_copies: evictable KV blocks on no node, second copies whose node caches another one
+        # evictable KV blocks on no node: second copies whose node caches another one
         # (Registration.adopt_copies, release's twins); evicted in their turn
         self._stale = np.zeros(nb, dtype=bool)
         self._n_mapped = 0  # KV blocks mapped to nodes

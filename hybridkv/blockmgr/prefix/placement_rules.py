@@ -128,8 +128,6 @@ class CheckpointRules:
     # chunk, matchable only where :meth:`retains` says); a request freed before it made a matchable
     # one it owes leaves its live sets as that checkpoint
     holds_chunk_end_state = False
-    # a request's own copies of cached KV blocks replace their evictable twins when registered
-    adopts_copies = False
     # a checkpoint enters the LRU queue when its pin is released (its block is the request's until
     # then), not when it is made
     queues_on_release = False

@@ -67,7 +67,6 @@ class AlignRules(CheckpointRules):
 
     aligns_chunks = True
     holds_chunk_end_state = True
-    adopts_copies = True
     queues_on_release = True
     waits_for_hit = True
     exports_all = False
