@@ -10,8 +10,8 @@ evictable) and the ones a prefill kernel exported inside a chunk (``export_align
 ``reserve_export``, ``checkpoint(exported=...)``). A request that lent its sets may reclaim them
 (``reclaim_lent``: its checkpoint leaves the cache and it runs on in those sets). No drafts (an
 engine with in-place checkpoints runs none) and no swaps (no host pool with them). Each hit's copy
-is checked against the state after exactly the hit's prefix, as in the base test, and at the end
-every cached checkpoint holds the state after its node's prefix.
+is checked against the state after exactly the hit's prefix, as in the base test, and after every
+step every cached checkpoint no queued copy touches holds the state after its node's prefix.
 
 ``IN_PLACE_STATEFUL_EXAMPLES`` sets the number of examples.
 """
@@ -21,7 +21,7 @@ import os
 
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import initialize, precondition, rule
+from hypothesis.stateful import initialize, invariant, precondition, rule
 
 from hybridkv.blockmgr.layout import Layout, plan
 from hybridkv.blockmgr.prefix import CheckpointPolicy, PrefixCacheConfig
@@ -49,13 +49,15 @@ class InPlaceMachine(ManagerMachine):
         self._prime(prime)
 
     def _prime(self, data):
-        """Each example starts with two prompts on one template, computed at once: the first's end
-        state (on a block boundary) lent as the checkpoint there; the second a hit on it (longer),
-        or a miss whose branch point the kernel exports inside its chunk (shorter)."""
+        """Each example starts with two or three prompts on one template, each computed at once:
+        where one ends on a block boundary the policy keeps a checkpoint at, its live sets are
+        lent as that checkpoint; a longer one hits it (while it is lent), a shorter one branches
+        off inside an earlier one's blocks and the kernel exports the state at the branch point
+        inside its chunk."""
         t = self.templates[data.draw(st.integers(0, len(self.templates) - 1))]
-        for _ in range(2):
-            self._admit(data, t[: data.draw(st.integers(1, len(t)))] + self._new_tokens(data.draw(st.integers(0, 4))),
-                        None, 0)
+        for _ in range(data.draw(st.integers(2, 3))):
+            n, own = data.draw(st.integers(1, len(t))), data.draw(st.integers(0, 4))
+            self._admit(data, t[:n] + self._new_tokens(own), None, 0)
             if self.next_id in self.fwd:
                 self.forward(data, self.next_id)
 
@@ -106,9 +108,17 @@ class InPlaceMachine(ManagerMachine):
         event("in-place: reclaim_lent")
         self._end_of_rule()
 
+    @invariant()
+    def cached_checkpoints_hold_their_bytes(self):
+        """After every step (not only at the end): every cached KV block and checkpoint no queued
+        copy touches holds its node's bytes; a lent checkpoint is the request's live sets, an
+        exported one the sets the forward wrote inside its chunk."""
+        if hasattr(self, "m"):
+            self.ledger.check_cache_bytes("after the step")
+
 
 InPlaceMachine.TestCase.settings = settings(
-    max_examples=int(os.environ.get("IN_PLACE_STATEFUL_EXAMPLES", "150")),
+    max_examples=int(os.environ.get("IN_PLACE_STATEFUL_EXAMPLES", "400")),
     stateful_step_count=50,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
