@@ -78,24 +78,29 @@ prefix_on = st.builds(
 ).map(_own_exports)
 
 
+# the draws of ManagerMachine.setup (a subclass that also draws at the start extends them)
+SETUP_DRAWS = dict(
+    num_attention=st.integers(0, 3),
+    state_sizes=st.lists(st.integers(1, 200), min_size=1, max_size=3),
+    layers_per_size=st.integers(1, 3),
+    block_size=st.integers(1, 8),
+    num_blocks=st.integers(8, 80),
+    num_host_blocks=st.integers(0, 40),
+    watermark=st.sampled_from([0.0, 0.05]),
+    mode=st.sampled_from(["lazy", "lazy", "tight", "tight", "pins", "eager"]),
+    prefix=st.one_of(st.none(), prefix_on, prefix_on.map(lambda c: c), prefix_on.filter(lambda c: True)),
+    templates=st.lists(st.integers(4, 48), min_size=1, max_size=3),
+    seed=st.integers(0, 2**16),
+    host_tier=st.booleans(),
+    side=st.booleans(),
+    state_dtype=st.sampled_from([DType.FLOAT32, DType.FLOAT32, DType.INT8, DType.FLOAT8_E4M3]),
+)
+
+
 class ManagerMachine(RuleBasedStateMachine):
     TIER_ONLY = False  # a subclass sets it: every example with the host tier on
-    @initialize(
-        num_attention=st.integers(0, 3),
-        state_sizes=st.lists(st.integers(1, 200), min_size=1, max_size=3),
-        layers_per_size=st.integers(1, 3),
-        block_size=st.integers(1, 8),
-        num_blocks=st.integers(8, 80),
-        num_host_blocks=st.integers(0, 40),
-        watermark=st.sampled_from([0.0, 0.05]),
-        mode=st.sampled_from(["lazy", "lazy", "tight", "tight", "pins", "eager"]),
-        prefix=st.one_of(st.none(), prefix_on, prefix_on.map(lambda c: c), prefix_on.filter(lambda c: True)),
-        templates=st.lists(st.integers(4, 48), min_size=1, max_size=3),
-        seed=st.integers(0, 2**16),
-        host_tier=st.booleans(),
-        side=st.booleans(),
-        state_dtype=st.sampled_from([DType.FLOAT32, DType.FLOAT32, DType.INT8, DType.FLOAT8_E4M3]),
-    )
+    IN_PLACE_ONLY = False  # a subclass sets it: in-place checkpoints and exports (_in_place_setup) in every example
+    @initialize(**SETUP_DRAWS)
     def setup(
         self,
         num_attention,
@@ -131,6 +136,8 @@ class ManagerMachine(RuleBasedStateMachine):
             prefix = dataclasses.replace(base, checkpoint=policy, every_n=1 + seed % 2)
             num_host_blocks = max(num_host_blocks, 2)
             host_tier = True
+        if self.IN_PLACE_ONLY:  # (tests/test_manager_stateful_inplace.py) its config, room for a few requests
+            prefix, layout = self._in_place_setup(prefix or PrefixCacheConfig(), seed, model, layout)
         if prefix is not None and prefix.in_place_state:  # (the manager refuses a host pool with it)
             num_host_blocks = 0
         if prefix is not None and host_tier and num_host_blocks:  # the host tier shares the swap pool
@@ -200,7 +207,7 @@ class ManagerMachine(RuleBasedStateMachine):
             return
         if exported:  # they become checkpoints where the policy keeps one (else given back)
             self.m.checkpoint(r, final=data.draw(st.booleans()), exported=exported)
-        elif self.TIER_ONLY or data.draw(st.booleans()):
+        elif self.TIER_ONLY or self.IN_PLACE_ONLY or data.draw(st.booleans()):
             self.m.checkpoint(r, final=data.draw(st.booleans()))
         else:
             self.m.mark_computed(r, self.m.requests[r].num_tokens)
