@@ -202,6 +202,24 @@ def test_without_chunked_prefill_a_prompt_runs_whole_even_where_the_policy_wants
     assert [r.num_scheduled_tokens for r in plan.scheduled] == [10]
 
 
+@pytest.mark.parametrize("grid", [None, 1, 8])
+def test_without_chunked_prefill_a_prompt_that_runs_whole_still_leaves_the_checkpoints_its_kernel_exports(grid):
+    """A kernel that exports (``export_alignment``) writes the states the policy wants inside the one
+    forward of a whole prompt: they become checkpoints a later prompt hits; a kernel that cannot
+    leaves only the prompt's end."""
+    cfg = PrefixCacheConfig(CheckpointPolicy.EVERY_N_BLOCKS, every_n=1, export_alignment=grid)
+    m = manager([ATTN, UNIFORM], num_blocks=64, prefix=cfg)
+    s = Scheduler(m, SchedulerConfig(chunked_prefill=False))
+    s.add_request("a", list(range(18)), 2)
+    plan = s.step()
+    assert [r.num_scheduled_tokens for r in plan.scheduled] == [18]
+    exported = sorted(e.position for e in plan.exports)
+    assert exported == {None: [], 1: [4, 8, 12, 16], 8: [8, 16]}[grid]
+    s.update(StepOutputs({"a": [1]}))  # the forward wrote them
+    for p in range(4, 18, 4):  # a hit ends at the deepest checkpoint at or below where it leaves
+        assert m.match_prefix(list(range(p)) + [99]) == max([q for q in exported if q <= p], default=0), p
+
+
 # ---- 16: typed errors for bad counts, with or without a prefix cache -----------------------------------------
 @pytest.mark.parametrize("bad, error", [(True, TypeError), (-1, ValueError), (1.5, TypeError), ("1", TypeError)])
 def test_cancel_checkpoints_checks_its_epoch_without_a_prefix_cache(bad, error):

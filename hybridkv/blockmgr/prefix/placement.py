@@ -81,8 +81,8 @@ class CheckpointPlacement(ChainIndex):
         nothing: ``export_alignment`` None). A policy that exports one per chunk
         (:attr:`CheckpointRules.exports_all` False): the one of :meth:`exported_checkpoint`; the
         others: each position they want a checkpoint at on the kernel's grid, so a chunk
-        ends early only at a wanted position off that grid. ``below``: as for :meth:`wants_checkpoint`
-        (each position found is the one below the next)."""
+        ends early only at a wanted position off that grid (a prompt run whole loses those).
+        ``below``: as for :meth:`wants_checkpoint` (each position found is the one below the next)."""
         grid = self.config.export_alignment
         if grid is None or not self.host.num_state_groups:
             return ()
@@ -92,10 +92,12 @@ class CheckpointPlacement(ChainIndex):
         out: list[int] = []
         pos = self.next_checkpoint(start, input_len, branch, below)
         while pos is not None and pos < end:
-            if pos % grid:
-                break  # the chunk ends there
-            out.append(pos)
-            pos = self.next_checkpoint(pos, input_len, branch, pos)
+            if pos % grid == 0:
+                out.append(pos)
+                below = pos
+            # (off the grid: a chunked prefill ends there, :meth:`prefill_stop`; a prompt run whole
+            # passes it, and the next position keeps its gap from the last one exported)
+            pos = self.next_checkpoint(pos, input_len, branch, below)
         return tuple(out)
 
     def prefill_stop(self, start: int, end: int, input_len: int, branch: int, below: int = 0) -> int:
