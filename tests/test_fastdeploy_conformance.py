@@ -77,10 +77,10 @@ SCENARIOS = {
     ),
     # a hit that pins more than it saves and barely fits (MiniMax-M1's 56-block checkpoint for 16 KV blocks)
     "prefix-pressure": Scenario(pool=90, seqs=3, n=8, prefix=True, prompt=(50, 400), out=(150, 300)),
-    # three shared prompts on a pool that holds about one: the others are offloaded to the host tier
+    # four shared prompts on a pool that holds fewer: the others are offloaded to the host tier
     # and served from it when their turn comes again (E9)
     "prefix-host": Scenario(
-        pool=100, seqs=3, n=18, prefix=True, prefixes=3, prompt=(1100, 1400), out=(2, 6), arrivals=1, host=4000
+        pool=100, seqs=3, n=18, prefix=True, prefixes=4, prompt=(1100, 1400), out=(2, 6), arrivals=1, host=4000
     ),
     "aborts": Scenario(pool=400, abort_every=3, out=(20, 40)),
     "short-60": Scenario(pool=60, seqs=16, n=60, prompt=(10, 100), out=(2, 8), arrivals=4),

@@ -180,7 +180,9 @@ class ManagerCore(PoolBooks):
         if n // self.block_size <= start:
             return
         cache.register(rec.token_ids, rec.block_keys, rec.kv_blocks, n)
-        cache.adopt_copies(rec.block_keys, rec.kv_blocks, start, n // self.block_size)
+        old = cache.adopt_copies(rec.block_keys, rec.kv_blocks, start, n // self.block_size)
+        if old.size:  # the replaced copies, unless the rules keep them queued
+            self._give_back(old)
 
     def match_prefix(self, token_ids: Sequence[int], max_tokens: int | None = None) -> int:
         """Tokens of ``token_ids`` a request admitted now would get from the prefix cache."""

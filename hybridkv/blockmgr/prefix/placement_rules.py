@@ -128,6 +128,10 @@ class CheckpointRules:
     # chunk, matchable only where :meth:`retains` says); a request freed before it made a matchable
     # one it owes leaves its live sets as that checkpoint
     holds_chunk_end_state = False
+    # the evictable copy a request's own copy replaced on its node (Registration.adopt_copies)
+    # stays evictable where it is in the LRU queue, as vLLM's hash table keeps every copy (False:
+    # nothing can match it, it is freed at once)
+    keeps_second_copies = False
     # a checkpoint enters the LRU queue when its pin is released (its block is the request's until
     # then), not when it is made
     queues_on_release = False

@@ -346,17 +346,18 @@ class Registration(Eviction):
         kernels.put(self.host.use, blocks, BlockUse.CHECKPOINT.value)
         self.stats.checkpoints_made += 1
 
-    def adopt_copies(self, keys: list[int], kv_blocks: np.ndarray, start: int, end: int) -> None:
+    def adopt_copies(self, keys: list[int], kv_blocks: np.ndarray, start: int, end: int) -> np.ndarray:
         """Nodes of ``keys[start:end]`` whose cached KV block is evictable (no request holds it)
         while the request owning ``kv_blocks`` computed the same content into a block of its own
         (:meth:`register` left that one private) cache the request's block instead, so the copy that
-        is released last is the one kept, as vLLM's hash table, which keeps every copy, frees the
-        newest last. The stale blocks stay evictable where they are in the LRU queue, on no node
-        (as vLLM's second copy, evicted in its turn, losing nothing): no block changes hands.
+        is released last is the one kept. The old blocks, on no node now, hold nothing a match can
+        find: they are returned for the caller to give back to the pool, or, for rules that
+        ``keeps_second_copies`` (vLLM's hash table keeps every copy and frees the newest last), stay
+        evictable where they are in the LRU queue, evicted in their turn (then none is returned).
         Checkpoints stay on their nodes."""
         end = min(end, len(keys), kv_blocks.size)
         if end <= start or not self.host._has_kv:
-            return
+            return _EMPTY
         slots = self._lookup(keys[start:end])
         blocks = kv_blocks[start:end].astype(np.int64)
         found = slots >= 0
@@ -365,11 +366,16 @@ class Registration(Eviction):
         stale = (old != 0) & (old != blocks) & (self._node_of[blocks] < 0)
         stale &= self._kv_evictable[old]
         if not stale.any():
-            return
+            return _EMPTY
         slots, blocks, old = slots[stale], blocks[stale], old[stale]
-        self._node_of[old] = -1  # on no node: still evictable, queued where it was
-        self._stale[old] = True
+        self._node_of[old] = -1
         self._kv[slots] = blocks
         self._node_of[blocks] = slots
         if self._rank_flops:
             self._lfpb[blocks] = self._lfpb[old]
+        if self.rules.keeps_second_copies:  # still evictable, queued where they were
+            self._stale[old] = True
+            return _EMPTY
+        self._kv_evictable[old] = False  # (their queue entries are dead now)
+        self._n_evictable -= int(old.size)
+        return old.astype(np.int32)

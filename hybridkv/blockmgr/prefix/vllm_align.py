@@ -67,6 +67,7 @@ class AlignRules(CheckpointRules):
 
     aligns_chunks = True
     holds_chunk_end_state = True
+    keeps_second_copies = True
     queues_on_release = True
     waits_for_hit = True
     exports_all = False
