@@ -21,7 +21,14 @@ from hybridkv.transfer import (
     request_descriptors,
 )
 from hybridkv.transfer.loopback import copy_pairs, covered_mask, regions_of_array, sha256
-from hybridkv.transfer.testing import mini_layout, mini_mamba2, mini_minimax, reference_bytes, seeded_pool
+from hybridkv.transfer.testing import (
+    mini_layout,
+    mini_mamba2,
+    mini_minimax,
+    reference_bytes,
+    seeded_pool,
+    state_bytes,
+)
 
 
 def blocks_of(layout, ids, num_tokens):
@@ -225,11 +232,7 @@ def quantized_states(pool: np.ndarray, layout, blocks) -> list[tuple[np.ndarray,
             for c in spec.components:
                 if not c.dtype.quantized:
                     continue
-                o = spec.component_offsets()[c.name] + np.arange(c.nbytes)
-                within = o % layout.block_bytes
-                raw = pool[slot][
-                    within // layout.segment_bytes, ids[o // layout.block_bytes], within % layout.segment_bytes
-                ]
+                raw = state_bytes(pool, layout, ids, slot, spec.component_offsets()[c.name] + np.arange(c.nbytes))
                 out.append((raw[: c.value_bytes].copy(), raw[c.value_bytes :].copy().view(np.float32)))
     return out
 

@@ -132,7 +132,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     s.add_argument("--checkpoint", default="branch_spaced", help="checkpoint policy",
                    choices=["none", "every_n_blocks", "branch_and_last", "branch_last_aligned", "branch_spaced",
                             "vllm_align"])
-    s.add_argument("--checkpoint-export", type=_nonneg_int, default=None, metavar="TOKENS",
+    s.add_argument("--checkpoint-export", type=_nonneg_int, default=-1, metavar="TOKENS",
                    help="the recurrent prefill kernel writes states inside a chunk on this grid; 0: it cannot, a "
                    "chunk ends at each checkpoint (default: hybridkv's kernels: MiniMax's lightning can, GDN cannot)")
     s.add_argument("--speculative", type=_nonneg_int, default=0, help="draft tokens per decode step")
@@ -540,7 +540,7 @@ def run(args: argparse.Namespace) -> int:
         gpu_memory=args.gpu_memory, host_memory=args.host_memory, host_cache=args.host_cache,
         block_size=args.block_size, layout=args.layout, preemption=args.preemption, prefix=args.prefix,
         checkpoint=args.checkpoint,
-        checkpoint_export=-1 if args.checkpoint_export is None else args.checkpoint_export,
+        checkpoint_export=args.checkpoint_export,
         speculative=args.speculative, accept_rate=args.accept_rate, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_batched_tokens, watermark=args.watermark, admission=args.admission,
         engine=args.engine or "hybridkv", integrity_every=args.integrity_every, seed=args.seed,

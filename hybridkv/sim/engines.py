@@ -67,28 +67,26 @@ def engine_config(cfg: SimConfig) -> SimConfig:
             return cfg
         if cfg.prefix == "none":
             return cfg.with_changes(checkpoint_export=0, label=cfg.label)
-        grids = [HYBRIDKV_CHECKPOINT_ALIGNMENT.get(m, 0) for m in _mixers(cfg, cfg.state_dtype)]
+        grids = [HYBRIDKV_CHECKPOINT_ALIGNMENT.get(m, 0) for m in _mixers(cfg.model, cfg.state_dtype, cfg.tp)[1]]
         return cfg.with_changes(checkpoint_export=min(grids) if grids and all(grids) else 0, label=cfg.label)
-    from hybridkv.models.spec_file import resolve_model
     from hybridkv.planner.layout import vllm_block_size
 
     dtype = cfg.state_dtype or VLLM_STATE_DTYPE
-    model = resolve_model(cfg.model, dtype, cfg.tp)
+    model, mixers = _mixers(cfg.model, dtype, cfg.tp)
     caching = cfg.prefix != "none"
-    mixers = _mixers(cfg, dtype)
     grid = max((VLLM_CHECKPOINT_ALIGNMENT.get(m, 0) for m in mixers), default=0) or None
     block = vllm_block_size(model, prefix_caching=caching, checkpoint_alignment=grid)
     prefix = VLLM_PREFIX | {"checkpoint_export": grid or 0} if caching else {"prefix": "none", "checkpoint_export": 0}
     return cfg.with_changes(**VLLM_POLICIES, **prefix, state_dtype=dtype, block_size=block, label=cfg.label)
 
 
-def _mixers(cfg: SimConfig, dtype: str | None) -> set[str]:
-    """The recurrent mixers of ``cfg``'s model (``lightning``, ``gdn``, ...)."""
+def _mixers(name: str, dtype: str | None, tp: int) -> tuple[Any, set[str]]:
+    """The model ``name`` resolves to and its recurrent mixers (``lightning``, ``gdn``, ...)."""
     from hybridkv.models.spec import RecurrentLayerSpec
     from hybridkv.models.spec_file import resolve_model
 
-    model = resolve_model(cfg.model, dtype, cfg.tp)
-    return {layer.mixer for layer in model.layers if isinstance(layer, RecurrentLayerSpec)}
+    model = resolve_model(name, dtype, tp)
+    return model, {layer.mixer for layer in model.layers if isinstance(layer, RecurrentLayerSpec)}
 
 
 _SWITCHES: tuple[tuple[str, ...], ...] = (  # the fields of one column's switch, in ladder order

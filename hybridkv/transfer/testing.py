@@ -70,18 +70,25 @@ def reference_bytes(pool: np.ndarray, layout: Layout, blocks: RequestBlocks) -> 
         for slot, layer_id in enumerate(kv.layer_ids):
             if layer_id is not None:
                 out.append(pool[slot][:, blocks.kv_blocks].tobytes())
-    seg_b, blk_b = layout.segment_bytes, layout.block_bytes
     for g, group in enumerate(layout.state_groups):
-        ids = blocks.state_blocks[g]
         for slot, layer_id in enumerate(group.layer_ids):
             if layer_id is None:
                 continue
             layer = layout.model.layers[layer_id]
             assert isinstance(layer, RecurrentLayerSpec)
-            o = np.arange(layer.state_bytes)
-            within = o % blk_b
-            out.append(pool[slot][within // seg_b, ids[o // blk_b], within % seg_b].tobytes())
+            out.append(state_bytes(pool, layout, blocks.state_blocks[g], slot, np.arange(layer.state_bytes)).tobytes())
     return b"".join(out)
+
+
+def state_bytes(pool: np.ndarray, layout: Layout, state_ids: np.ndarray, slot: int, offsets: np.ndarray) -> np.ndarray:
+    """Bytes ``offsets`` of the state in layer slot ``slot`` whose set is ``state_ids`` (one state
+    group's block ids), by the layout's rule: byte ``o`` lies in block ``state_ids[o // block_bytes]``,
+    segment ``o % block_bytes // segment_bytes``. A new uint8 array (``pool``: ``[slots, segments,
+    blocks, segment_bytes]``)."""
+    within = offsets % layout.block_bytes
+    return pool[slot][
+        within // layout.segment_bytes, state_ids[offsets // layout.block_bytes], within % layout.segment_bytes
+    ]
 
 
 MODELS = {"mini-minimax": mini_minimax, "mini-mamba2": mini_mamba2}

@@ -91,8 +91,8 @@ class ChainIndex:
         self._memo_gen = (-1, -1)
         # ---- cached KV blocks, by block id
         self._node_of = np.full(nb, -1, dtype=np.int64)  # KV block -> slot of the node it caches
-        # evictable KV blocks on no node: second copies whose node caches another one
-        # (Registration.adopt_copies, release's twins); evicted in their turn
+        # evictable KV blocks on no node: second copies whose node caches another one, kept by rules
+        # that keeps_second_copies (Registration.adopt_copies, release's twins); evicted in their turn
         self._stale = np.zeros(nb, dtype=bool)
         self._n_mapped = 0  # KV blocks mapped to nodes
         # whether each unit is evictable (a KV block) or live (a checkpoint, by slot), and the LRU
