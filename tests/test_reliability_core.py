@@ -206,7 +206,7 @@ def test_without_chunked_prefill_a_prompt_runs_whole_even_where_the_policy_wants
 def test_without_chunked_prefill_a_prompt_that_runs_whole_still_leaves_the_checkpoints_its_kernel_exports(grid):
     """A kernel that exports (``export_alignment``) writes the states the policy wants inside the one
     forward of a whole prompt: they become checkpoints a later prompt hits; a kernel that cannot
-    leaves only the prompt's end."""
+    leaves none inside it (the 18-token prompt ends off a block boundary)."""
     cfg = PrefixCacheConfig(CheckpointPolicy.EVERY_N_BLOCKS, every_n=1, export_alignment=grid)
     m = manager([ATTN, UNIFORM], num_blocks=64, prefix=cfg)
     s = Scheduler(m, SchedulerConfig(chunked_prefill=False))
